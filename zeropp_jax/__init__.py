@@ -1,0 +1,28 @@
+"""zeropp_jax: ZeRO-3 and ZeRO++ (qwZ, hpZ, qgZ) data-parallel training in JAX.
+
+Public API (everything else is an implementation module)::
+
+  mesh = zeropp_jax.make_mesh(2, 4)                    # (node, local)
+  config = zeropp_jax.ZeroConfig.from_preset("zeropp")
+  trainer = zeropp_jax.make_trainer(loss_fn, optax.adam(1e-3), params,
+                                    mesh=mesh, config=config,
+                                    per_layer=True, stacked=("blocks",))
+  state = trainer.init(params)
+  state, metrics = trainer.step(state, batch)
+  params = trainer.gather_params(state)
+"""
+
+from zeropp_jax.config import PRESETS as PRESETS
+from zeropp_jax.config import ZeroConfig as ZeroConfig
+from zeropp_jax.gather import Unit as Unit
+from zeropp_jax.gather import gather as gather
+from zeropp_jax.gather import layer as layer
+from zeropp_jax.mesh import make_mesh as make_mesh
+from zeropp_jax.mesh import parse_mesh_shape as parse_mesh_shape
+from zeropp_jax.quantization import Quantized as Quantized
+from zeropp_jax.train import Trainer as Trainer
+from zeropp_jax.train import TrainState as TrainState
+from zeropp_jax.train import ZeroOptState as ZeroOptState
+from zeropp_jax.train import make_trainer as make_trainer
+
+__version__ = "0.1.0"

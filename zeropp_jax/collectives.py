@@ -1,0 +1,128 @@
+"""The collectives of the train step, each written once.
+
+Every function here runs inside ``jax.shard_map`` over the ``(node, local)``
+mesh and works on the LAST axis of its operand (leading axes, such as the
+layer axis of a stacked unit, ride along).  ``axes`` is a tuple of mesh axis
+names; the combined index over several axes is row-major in the order given
+(``("local", "node")`` -> ``l * nodes + n``, the parameter shard order).
+Collectives over a group of size 1 return their input unchanged, so a
+``1x1`` mesh compiles to plain single-device code.
+
+Payloads may be plain arrays or :class:`~zeropp_jax.quantization.Quantized`
+pairs; a quantized payload moves as two collectives (codes and scales), each
+in its own narrow dtype, which the communication report shows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from zeropp_jax import quantization
+
+Axes = Sequence[str]
+
+
+def axes_size(axes: Axes) -> int:
+    """Number of devices in the group spanned by ``axes``."""
+    return math.prod(jax.lax.axis_size(a) for a in axes)
+
+
+def axes_index(axes: Axes) -> jax.Array:
+    """This device's row-major index over ``axes`` (int32 scalar)."""
+    index = jnp.int32(0)
+    for a in axes:
+        index = index * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+    return index
+
+
+def all_gather(payload: Any, axes: Axes) -> Any:
+    """Concatenates every device's payload along the last axis.
+
+    Args:
+      payload: array ``(..., n)`` or a pytree of such arrays (a ``Quantized``
+        pair gathers codes and scales separately).
+      axes: mesh axes to gather over.
+
+    Returns:
+      The same structure with last axes ``n * axes_size(axes)``.
+    """
+    axes = tuple(axes)
+    if axes_size(axes) == 1:
+        return payload
+    return jax.tree.map(
+        lambda x: jax.lax.all_gather(x, axes, axis=x.ndim - 1, tiled=True), payload
+    )
+
+
+def reduce_scatter(x: jax.Array, axes: Axes, dtype: Any = None) -> jax.Array:
+    """Sums ``x`` over ``axes`` and keeps this device's chunk of the last axis.
+
+    Args:
+      x: ``(..., n)`` with ``n`` divisible by ``axes_size(axes)``.
+      axes: mesh axes to reduce over.
+      dtype: dtype on the wire (``None``: ``x.dtype``); the result is cast
+        back to ``x.dtype``.
+
+    Returns:
+      ``(..., n // axes_size(axes))``.
+    """
+    axes = tuple(axes)
+    if axes_size(axes) == 1:
+        return x
+    wire = x if dtype is None else x.astype(dtype)
+    out = jax.lax.psum_scatter(wire, axes, scatter_dimension=x.ndim - 1, tiled=True)
+    return out.astype(x.dtype)
+
+
+def all_to_all_chunks(payload: Any, axis: str) -> Any:
+    """Sends chunk ``j`` of the second-to-last axis to device ``j`` of ``axis``.
+
+    Args:
+      payload: arrays ``(..., k, m)`` with ``k == axis size`` (a pytree).
+      axis: one mesh axis name.
+
+    Returns:
+      Same shapes; chunk ``j`` now holds what device ``j`` sent here.
+    """
+    if jax.lax.axis_size(axis) == 1:
+        return payload
+    return jax.tree.map(
+        lambda x: jax.lax.all_to_all(
+            x, axis, split_axis=x.ndim - 2, concat_axis=x.ndim - 2, tiled=True
+        ),
+        payload,
+    )
+
+
+def quantized_all_gather(
+    x: jax.Array,
+    axes: Axes,
+    *,
+    bits: int,
+    block: int,
+    scale_dtype: Any,
+    out_dtype: Any,
+) -> jax.Array:
+    """All-gather that carries ``bits``-bit codes plus per-block scales.
+
+    Args:
+      x: float ``(..., n)``, ``n`` a multiple of ``block``.
+      axes: mesh axes to gather over.
+      bits: 0 (no quantization: ``x`` is cast to ``out_dtype`` and gathered),
+        8 or 4.
+      block: elements per scale.
+      scale_dtype: dtype of the scales on the wire.
+      out_dtype: dtype of the dequantized result.
+
+    Returns:
+      ``(..., n * axes_size(axes))`` in ``out_dtype``.
+    """
+    if bits == 0:
+        return all_gather(x.astype(out_dtype), axes)
+    q = quantization.quantize(x, bits=bits, block=block, scale_dtype=scale_dtype)
+    q = all_gather(q, axes)
+    return quantization.dequantize(q, bits=bits, block=block, dtype=out_dtype)

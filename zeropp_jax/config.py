@@ -1,0 +1,221 @@
+"""One frozen, validated configuration for a ZeRO-3 / ZeRO++ train step.
+
+A config is data: build it from a preset with :func:`ZeroConfig.from_preset`,
+override single fields with keyword arguments, and every check runs once in
+``__post_init__`` with an error that names the bad value and what would be
+valid.
+
+Presets:
+
+=========  ======  =====  =======================================
+preset     qwZ     hpZ    qgZ
+=========  ======  =====  =======================================
+``zero3``  off     off    off (full-precision reduce-scatter)
+``qwz``    int8    off    off
+``hpz``    off     on     off
+``qgz``    off     off    1-bit, error feedback
+``zeropp`` int8    on     1-bit, error feedback
+=========  ======  =====  =======================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "zero3": dict(qwz_bits=0, hpz=False, qgz="off"),
+    "qwz": dict(qwz_bits=8, hpz=False, qgz="off"),
+    "hpz": dict(qwz_bits=0, hpz=True, qgz="off"),
+    "qgz": dict(qwz_bits=0, hpz=False, qgz="1bit", qgz_error_feedback=True),
+    "zeropp": dict(qwz_bits=8, hpz=True, qgz="1bit", qgz_error_feedback=True),
+}
+
+QGZ_MODES = ("off", "1bit", "int8", "int4")
+QGZ_BITS = {"off": 0, "1bit": 1, "int8": 8, "int4": 4}
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+
+# Default block sizes (elements per scale).  Chosen by
+# benchmarks/quantization_blocks.py: at 256 the fp32 scale costs 1.6% of the
+# int8 payload while the error is within a few percent of the error at 64.
+DEFAULT_QWZ_BLOCK = 256
+DEFAULT_QGZ_BLOCK = 256
+
+_DTYPES = {
+    "float32": jnp.float32,
+    "fp32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "bf16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "fp16": jnp.float16,
+}
+
+
+def parse_dtype(name: Any) -> Any:
+    """Returns the jnp dtype for a name such as ``"bf16"`` or ``"float32"``."""
+    if not isinstance(name, str):
+        return jnp.dtype(name).type
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}"
+        ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """How parameters and gradients are partitioned and communicated.
+
+    Attributes:
+      preset: name of the preset the fields started from (for reports).
+      compute_dtype: dtype of the gathered parameters the model computes with
+        (master weights and optimizer state are always float32 shards).
+        ``None`` picks bfloat16 on GPU and float32 elsewhere.
+      reduce_dtype: dtype of full-precision gradient reduce-scatters
+        (``None``: the compute dtype).
+      qwz_bits: 0 (off), 8 or 4: bits per value of parameter all-gathers.
+      qwz_block: elements per quantization scale for parameters.
+      hpz: keep a secondary parameter partition inside each node so per-layer
+        gathers run over ``local`` only.
+      qgz: ``"off"``, ``"1bit"``, ``"int8"`` or ``"int4"``: compression of the
+        cross-node gradient reduction.
+      qgz_error_feedback: carry what compression loses into the next step.
+      qgz_block: elements per gradient scale.
+      qgz_warmup_steps: optimizer steps reduced at full precision before qgZ
+        starts compressing.
+      qgz_min_grad_rms: compress only while the root-mean-square of the
+        gradient (measured on the previous step) is at least this; ``0``
+        disables the gate.
+      grad_accum: micro-batches per optimizer step.
+      scale_dtype: dtype of the per-block scales on the wire.
+      implementation: ``"auto"`` (Pallas on GPU, XLA elsewhere), ``"xla"`` or
+        ``"pallas"`` for the quantization kernels.
+    """
+
+    preset: str = "zero3"
+    compute_dtype: Any = None
+    reduce_dtype: Any = None
+    qwz_bits: int = 0
+    qwz_block: int = DEFAULT_QWZ_BLOCK
+    hpz: bool = False
+    qgz: str = "off"
+    qgz_error_feedback: bool = True
+    qgz_block: int = DEFAULT_QGZ_BLOCK
+    qgz_warmup_steps: int = 0
+    qgz_min_grad_rms: float = 0.0
+    grad_accum: int = 1
+    scale_dtype: Any = jnp.float32
+    implementation: str = "auto"
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ValueError(
+                f"unknown preset {self.preset!r}; choose one of {list(PRESETS)}"
+            )
+        for name in ("compute_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None:
+                dtype = parse_dtype(value)
+                if not jnp.issubdtype(dtype, jnp.floating):
+                    raise ValueError(f"{name} must be a float dtype, got {value!r}")
+                object.__setattr__(self, name, dtype)
+        scale_dtype = parse_dtype(self.scale_dtype)
+        if jnp.dtype(scale_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+            raise ValueError(
+                f"scale_dtype must be float32 or bfloat16, got {self.scale_dtype!r}"
+            )
+        object.__setattr__(self, "scale_dtype", scale_dtype)
+        if self.qwz_bits not in (0, 4, 8):
+            raise ValueError(f"qwz_bits must be 0 (off), 8 or 4, got {self.qwz_bits!r}")
+        if self.qgz not in QGZ_MODES:
+            raise ValueError(f"qgz must be one of {QGZ_MODES}, got {self.qgz!r}")
+        for name in ("qwz_block", "qgz_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 8 or value % 8:
+                raise ValueError(
+                    f"{name} must be a positive multiple of 8, got {value!r}"
+                )
+        if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be an integer >= 1, got {self.grad_accum!r}")
+        if not isinstance(self.qgz_warmup_steps, int) or self.qgz_warmup_steps < 0:
+            raise ValueError(
+                f"qgz_warmup_steps must be an integer >= 0, got {self.qgz_warmup_steps!r}"
+            )
+        if not self.qgz_min_grad_rms >= 0:
+            raise ValueError(
+                f"qgz_min_grad_rms must be >= 0 (0 disables the gate), got {self.qgz_min_grad_rms!r}"
+            )
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"
+            )
+
+    @classmethod
+    def from_preset(cls, preset: str = "zero3", **overrides: Any) -> "ZeroConfig":
+        """Builds the config of a preset, with some fields overridden.
+
+        Example::
+
+          cfg = ZeroConfig.from_preset("zeropp", qwz_bits=4, grad_accum=4)
+        """
+        if preset not in PRESETS:
+            raise ValueError(
+                f"unknown preset {preset!r}; choose one of {list(PRESETS)}"
+            )
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ValueError(
+                f"unknown config field(s) {unknown}; valid fields are {sorted(fields)}"
+            )
+        kwargs = dict(PRESETS[preset])
+        kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(preset=preset, **kwargs)
+
+    def replace(self, **changes: Any) -> "ZeroConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def qgz_bits(self) -> int:
+        return QGZ_BITS[self.qgz]
+
+    @property
+    def hierarchical_grads(self) -> bool:
+        """Whether per-layer gradients are reduced over ``local`` only.
+
+        Then the cross-node reduction runs once per optimizer step (in full
+        precision or compressed by qgZ) instead of once per layer and
+        micro-batch.
+        """
+        return self.hpz or self.qgz != "off"
+
+    def alignment(self) -> int:
+        """Elements each device's shard must be a multiple of."""
+        align = 8
+        for block in (self.qwz_block, self.qgz_block):
+            align = _lcm(align, block)
+        return align
+
+    def resolved_compute_dtype(self, backend: str) -> Any:
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        return jnp.bfloat16 if backend == "gpu" else jnp.float32
+
+    def describe(self) -> dict:
+        """Plain-data summary for reports and metrics files."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and not isinstance(value, (str, int, float, bool)):
+                value = jnp.dtype(value).name
+            out[f.name] = value
+        return out
+
+
+def _lcm(a: int, b: int) -> int:
+    import math
+
+    return a * b // math.gcd(a, b)

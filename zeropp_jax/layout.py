@@ -1,0 +1,276 @@
+"""Flat, padded parameter units: how a pytree is stored as ZeRO-3 shards.
+
+A *unit* is what one all-gather fetches (FSDP's wrap unit, one layer): the
+leaves of a sub-pytree, flattened in tree order, concatenated and padded with
+zeros so that every one of the ``D = nodes * local`` devices holds an equal
+shard whose length is a multiple of the quantization blocks.  Any leaf shape
+works: scalars, odd sizes, sizes that are not multiples of 8 or of ``D``.
+
+A *stacked* unit holds ``L`` layers of identical structure (the usual
+``lax.scan`` layout): leaves of shape ``(L, *s)`` become a ``(L, padded)``
+array, and slicing row ``i`` gives layer ``i``'s unit.
+
+Global storage of a unit (a ``jax.Array``): float32 ``(padded,)`` or
+``(L, padded)``, last axis sharded over ``("local", "node")`` so device
+``(n, l)`` holds chunk ``l * nodes + n`` (see :mod:`zeropp_jax.mesh`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+WHOLE_MODEL = "params"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+    """Where one leaf lives inside its unit's flat vector.
+
+    Attributes:
+      path: ``jax.tree_util.keystr`` of the leaf inside the unit.
+      shape: the leaf's shape (per layer for stacked units).
+      dtype: the leaf's original dtype (restored on export).
+      offset: first element in the flat vector.
+      size: number of elements (``prod(shape)``; 1 for scalars).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any
+    offset: int
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitLayout:
+    """Static description of one unit (hashable: used as pytree aux data).
+
+    Attributes:
+      name: the unit's key in the parameter dict (or ``"params"``).
+      treedef: structure of the unit's sub-pytree (per layer if stacked).
+      leaves: one :class:`LeafSpec` per leaf, in tree order.
+      stack: number of stacked layers, or ``None`` for a single unit.
+      numel: real elements per layer.
+      padded: stored elements per layer (multiple of ``devices * align``).
+    """
+
+    name: str
+    treedef: Any
+    leaves: tuple[LeafSpec, ...]
+    stack: int | None
+    numel: int
+    padded: int
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        return (self.padded,) if self.stack is None else (self.stack, self.padded)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """How the whole parameter pytree maps onto units.
+
+    Attributes:
+      units: the units, in the parameter dict's key order.
+      whole_model: ``True`` when the pytree is one unit (no per-layer
+        gathering); then the user's loss sees plain parameters.
+      n_devices: devices the units are padded for.
+    """
+
+    units: tuple[UnitLayout, ...]
+    whole_model: bool
+    n_devices: int
+
+    def unit(self, name: str) -> UnitLayout:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(name)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(u.name for u in self.units)
+
+    @property
+    def numel(self) -> int:
+        """Real parameter count."""
+        return sum(u.numel * (u.stack or 1) for u in self.units)
+
+    @property
+    def padded_numel(self) -> int:
+        return sum(u.padded * (u.stack or 1) for u in self.units)
+
+    @property
+    def largest_unit_numel(self) -> int:
+        """Elements of the largest single gather (one layer)."""
+        return max(u.padded for u in self.units)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _unit_layout(
+    name: str, tree: Any, *, stacked: bool, n_devices: int, align: int
+) -> UnitLayout:
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    if not leaves_with_path:
+        raise ValueError(f"parameter unit {name!r} has no array leaves")
+    specs = []
+    offset = 0
+    stack = None
+    for path, leaf in leaves_with_path:
+        leaf_path = jax.tree_util.keystr(path)
+        shape = tuple(np.shape(leaf))
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"parameter {name}{leaf_path} has dtype {dtype}; ZeRO shards only "
+                "floating-point parameters (keep integer state outside the params)"
+            )
+        if stacked:
+            if not shape:
+                raise ValueError(
+                    f"stacked unit {name!r}: leaf {leaf_path} is a scalar, but every "
+                    "leaf of a stacked unit needs a leading layer axis"
+                )
+            if stack is None:
+                stack = shape[0]
+            elif shape[0] != stack:
+                raise ValueError(
+                    f"stacked unit {name!r}: leaf {leaf_path} has {shape[0]} layers "
+                    f"along axis 0 but earlier leaves have {stack}"
+                )
+            shape = shape[1:]
+        size = math.prod(shape)
+        specs.append(LeafSpec(leaf_path, shape, jnp.dtype(dtype), offset, size))
+        offset += size
+    padded = _round_up(max(offset, 1), n_devices * align)
+    return UnitLayout(name, treedef, tuple(specs), stack, offset, padded)
+
+
+def build_layout(
+    params: Any,
+    *,
+    n_devices: int,
+    align: int,
+    per_layer: bool = True,
+    stacked: Sequence[str] = (),
+) -> ParamLayout:
+    """Plans the units of a parameter pytree.
+
+    Args:
+      params: the full parameter pytree (arrays or ``ShapeDtypeStruct``s).
+      n_devices: number of devices the shards are spread over.
+      align: each device's shard is a multiple of this many elements.
+      per_layer: if ``True``, ``params`` must be a dict and each top-level
+        entry is one unit (gathered when the model calls ``gather`` on it);
+        if ``False`` the whole pytree is one unit, gathered before the loss.
+      stacked: top-level keys whose leaves carry a leading layer axis; each
+        layer is gathered separately.
+
+    Returns:
+      The :class:`ParamLayout`.
+    """
+    stacked = tuple(stacked)
+    if not per_layer:
+        if stacked:
+            raise ValueError(
+                "stacked units need per-layer gathering; pass per_layer=True or "
+                "drop stacked"
+            )
+        unit = _unit_layout(
+            WHOLE_MODEL, params, stacked=False, n_devices=n_devices, align=align
+        )
+        return ParamLayout((unit,), True, n_devices)
+    if not isinstance(params, Mapping):
+        raise ValueError(
+            "per-layer gathering needs the parameters as a dict whose top-level "
+            f"entries are the layers (units); got {type(params).__name__}. Use "
+            "per_layer=False to gather the whole model at once"
+        )
+    missing = [k for k in stacked if k not in params]
+    if missing:
+        raise ValueError(
+            f"stacked names {missing} are not top-level parameter keys "
+            f"{list(params)}"
+        )
+    units = tuple(
+        _unit_layout(
+            str(k), v, stacked=k in stacked, n_devices=n_devices, align=align
+        )
+        for k, v in params.items()
+    )
+    return ParamLayout(units, False, n_devices)
+
+
+def flatten_unit(tree: Any, unit: UnitLayout) -> jax.Array:
+    """Packs a unit's sub-pytree into its float32 flat vector.
+
+    Returns:
+      float32 ``(padded,)``, or ``(L, padded)`` for a stacked unit.
+    """
+    leaves = jax.tree_util.tree_leaves(tree)
+    lead = () if unit.stack is None else (unit.stack,)
+    parts = [jnp.reshape(jnp.asarray(x, jnp.float32), lead + (-1,)) for x in leaves]
+    pad = unit.padded - unit.numel
+    parts.append(jnp.zeros(lead + (pad,), jnp.float32))
+    return jnp.concatenate(parts, axis=-1)
+
+
+def unflatten_unit(flat: jax.Array, unit: UnitLayout, dtype: Any = None) -> Any:
+    """Inverse of :func:`flatten_unit`.
+
+    Args:
+      flat: ``(..., padded)``; any leading axes (e.g. the layer axis of a
+        stacked unit) are kept on every leaf.
+      unit: the unit's layout.
+      dtype: cast every leaf to this dtype; ``None`` keeps ``flat.dtype``.
+        Pass ``"original"`` to restore each leaf's own dtype.
+
+    Returns:
+      The unit's sub-pytree.
+    """
+    lead = flat.shape[:-1]
+    leaves = []
+    for spec in unit.leaves:
+        x = jax.lax.slice_in_dim(flat, spec.offset, spec.offset + spec.size, axis=-1)
+        x = jnp.reshape(x, lead + spec.shape)
+        if dtype == "original":
+            x = x.astype(spec.dtype)
+        elif dtype is not None:
+            x = x.astype(dtype)
+        leaves.append(x)
+    return jax.tree_util.tree_unflatten(unit.treedef, leaves)
+
+
+def split_units(params: Any, layout: ParamLayout) -> dict[str, Any]:
+    """The sub-pytree of each unit, keyed by unit name."""
+    if layout.whole_model:
+        return {WHOLE_MODEL: params}
+    return {u.name: params[u.name] for u in layout.units}
+
+
+def join_units(trees: Mapping[str, Any], layout: ParamLayout) -> Any:
+    """Inverse of :func:`split_units`."""
+    if layout.whole_model:
+        return trees[WHOLE_MODEL]
+    return {u.name: trees[u.name] for u in layout.units}
+
+
+def padding_mask(unit: UnitLayout, shard_index: jax.Array, shard_size: int) -> jax.Array:
+    """Boolean ``(shard_size,)``: which elements of a shard hold real values.
+
+    Args:
+      unit: the unit.
+      shard_index: index of the shard along the flat vector (traced scalar).
+      shard_size: elements per shard.
+    """
+    start = shard_index * shard_size
+    return (jnp.arange(shard_size) + start) < unit.numel

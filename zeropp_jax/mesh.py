@@ -1,0 +1,112 @@
+"""The 2-D ``(node, local)`` device mesh.
+
+``node`` is the slow boundary (InfiniBand between hosts), ``local`` the fast
+one (NVLink inside a host).  On a multi-process run the mesh follows the real
+topology: one row per process (host), built with JAX's hybrid-mesh utility.
+On one host any ``NODESxLOCAL`` whose product is the device count may be
+asked for, to simulate several nodes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh
+
+NODE = "node"
+LOCAL = "local"
+AXES = (NODE, LOCAL)
+# Parameter shards are laid out local-major: device (n, l) holds chunk
+# l * nodes + n, so an all-gather over ``node`` of the primary shards yields
+# the hpZ secondary shard of local rank l.
+SHARD_AXES = (LOCAL, NODE)
+
+
+def parse_mesh_shape(text: str) -> tuple[int, int]:
+    """Parses ``"NODESxLOCAL"`` (e.g. ``"2x4"``) into ``(nodes, local)``."""
+    match = re.fullmatch(r"\s*(\d+)\s*[xX*]\s*(\d+)\s*", str(text))
+    if not match:
+        raise ValueError(
+            f"mesh shape {text!r} is not of the form NODESxLOCAL, e.g. '2x4'"
+        )
+    nodes, local = int(match.group(1)), int(match.group(2))
+    if nodes < 1 or local < 1:
+        raise ValueError(f"mesh shape {text!r} needs positive sizes, e.g. '2x4'")
+    return nodes, local
+
+
+def make_mesh(
+    nodes: int | None = None,
+    local: int | None = None,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """Builds the ``(node, local)`` mesh.
+
+    Args:
+      nodes: size of the ``node`` axis. ``None``: the process count on a
+        multi-process run, else 1.
+      local: size of the ``local`` axis. ``None``: the devices per node.
+      devices: devices to use (default: all of ``jax.devices()``).
+
+    Returns:
+      A ``jax.sharding.Mesh`` with axes ``("node", "local")``. On a
+      multi-process run each ``node`` row holds exactly one process's devices.
+
+    Raises:
+      ValueError: if the shape does not fit the devices, naming both.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n_dev = len(devices)
+    n_proc = len({d.process_index for d in devices})
+    if nodes is None:
+        nodes = n_proc if local is None else max(n_dev // local, 1)
+    if local is None:
+        local = n_dev // nodes if nodes and n_dev % nodes == 0 else -1
+    if nodes < 1 or local < 1 or nodes * local != n_dev:
+        raise ValueError(
+            f"mesh {nodes}x{local} needs {nodes * max(local, 0)} devices but "
+            f"{n_dev} are available ({devices[0].platform}); choose NODESxLOCAL "
+            f"with NODES*LOCAL == {n_dev}"
+        )
+    if n_proc > 1:
+        if nodes != n_proc:
+            raise ValueError(
+                f"on a multi-process run the node axis is the process boundary: "
+                f"mesh {nodes}x{local} has {nodes} nodes but {n_proc} processes "
+                f"are running; use --mesh {n_proc}x{n_dev // n_proc}"
+            )
+        grid = mesh_utils.create_hybrid_device_mesh(
+            (1, local), (nodes, 1), devices=devices, process_is_granule=True
+        )
+    else:
+        grid = np.asarray(devices, dtype=object).reshape(nodes, local)
+    return Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+
+
+def mesh_shape(mesh: Mesh) -> tuple[int, int]:
+    """Returns ``(nodes, local)`` of a mesh built by :func:`make_mesh`."""
+    if tuple(mesh.axis_names) != AXES:
+        raise ValueError(
+            f"expected a mesh with axes {AXES}, got {tuple(mesh.axis_names)}; "
+            "build it with zeropp_jax.make_mesh"
+        )
+    return mesh.shape[NODE], mesh.shape[LOCAL]
+
+
+def default_mesh_shape() -> tuple[int, int]:
+    """The mesh the CLI uses when none is given.
+
+    Multi-process: one node per process. One process with one device: a
+    simulated ``2x4`` (the caller must have asked XLA for 8 host devices).
+    One process with several devices: ``1xN``.
+    """
+    n_proc = jax.process_count()
+    n_dev = jax.device_count()
+    if n_proc > 1:
+        return n_proc, n_dev // n_proc
+    return 1, n_dev

@@ -1,0 +1,96 @@
+"""qgZ: the once-per-step cross-node gradient reduction, with error feedback.
+
+With hierarchical gradients (hpZ or qgZ on) every layer's gradient is first
+reduce-scattered over ``local`` inside the node at full precision, and
+accumulated over micro-batches.  Each device then holds a *node-partial*
+gradient ``g`` of ``1/local`` of the unit.  This module sums it over nodes
+and keeps this device's ``1/(nodes*local)`` chunk:
+
+* full precision: one reduce-scatter over ``node``;
+* compressed (``1bit``, ``int8``, ``int4``): ``x = g + carry``; ``x`` is cut
+  into ``nodes`` chunks, each quantized block-wise; an all-to-all over
+  ``node`` delivers to each node the codes of its chunk from every node,
+  which it dequantizes and sums in float32 (a sum of 1-bit values is not
+  1 bit, so the sum is never re-quantized).  With error feedback the new
+  carry is ``x - dequantize(quantize(x))``: what compression lost is added to
+  the next step's gradient, so nothing is lost, only deferred.
+
+The carry is optimizer state (:class:`QgzState`), stored per unit as a float32
+``(nodes, [L,] padded)`` array, sharded ``P("node", [None,] "local")``:
+row ``n`` is node ``n``'s carry, and device ``(n, l)`` holds the part that
+compensates its own node-partial gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from zeropp_jax import collectives, quantization
+from zeropp_jax.mesh import NODE
+
+
+class QgzState(NamedTuple):
+    """Cross-node reduction state, carried in the optimizer state.
+
+    Attributes:
+      carry: dict unit name -> float32 ``(nodes, [L,] padded)`` error-feedback
+        carry, or an empty dict when error feedback is off.
+      grad_rms: float32 scalar, root-mean-square of the last step's reduced
+        gradient (drives the optional compression gate).
+    """
+
+    carry: dict  # name -> float32 (nodes, [L,] padded), P(node, [None,] local)
+    grad_rms: jax.Array  # float32 ()
+
+
+def cross_node_reduce(
+    g: jax.Array,
+    carry: jax.Array | None,
+    *,
+    bits: int,
+    block: int,
+    scale_dtype: Any,
+    reduce_dtype: Any,
+    compress: bool,
+) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    """Sums node-partial gradients over ``node`` (runs inside shard_map).
+
+    Args:
+      g: float32 ``(..., r)``, this device's node-partial gradient
+        (``r = padded / local``; ``r`` divisible by ``nodes * block``).
+      carry: float32 ``(..., r)`` error-feedback carry, or ``None``.
+      bits: 1, 4 or 8 when compressing.
+      block: elements per scale.
+      scale_dtype: dtype of the scales on the wire.
+      reduce_dtype: dtype of the full-precision reduce-scatter.
+      compress: compress (``True``) or reduce at full precision (``False``,
+        which also flushes the carry into this step's gradient).
+
+    Returns:
+      ``(reduced, new_carry, transmitted)``: the float32 ``(..., r / nodes)``
+      sum over nodes of this device's chunk; the new carry (``None`` if
+      ``carry`` was ``None``); and the float32 ``(..., r)`` value this device
+      actually put on the wire after dequantization (``x`` itself at full
+      precision), for the error-feedback accounting in tests. Touches
+      ``node`` only.
+    """
+    x = g if carry is None else g + carry
+    if not compress:
+        reduced = collectives.reduce_scatter(x, (NODE,), reduce_dtype)
+        new_carry = None if carry is None else jnp.zeros_like(carry)
+        return reduced, new_carry, x
+    nodes = jax.lax.axis_size(NODE)
+    chunks = jnp.reshape(x, x.shape[:-1] + (nodes, x.shape[-1] // nodes))
+    q = quantization.quantize(chunks, bits=bits, block=block, scale_dtype=scale_dtype)
+    sent = quantization.dequantize(q, bits=bits, block=block, dtype=jnp.float32)
+    sent = jnp.reshape(sent, x.shape)
+    received = collectives.all_to_all_chunks(q, NODE)
+    reduced = jnp.sum(
+        quantization.dequantize(received, bits=bits, block=block, dtype=jnp.float32),
+        axis=-2,
+    )
+    new_carry = None if carry is None else x - sent
+    return reduced, new_carry, sent

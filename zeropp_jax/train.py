@@ -1,0 +1,555 @@
+"""The train-step transform: ``(loss_fn, optax optimizer) -> init, step``.
+
+``make_trainer`` turns a loss function and an optax optimizer into a
+:class:`Trainer` whose ``init`` shards a full parameter pytree into float32
+ZeRO-3 units and whose ``step`` is one ``jax.jit(jax.shard_map(...))`` over the
+``(node, local)`` mesh, with the state donated.
+
+Inside the shard_map, per optimizer step:
+
+1. hpZ (optional): each node builds its secondary partition, the primary
+   shards all-gathered over ``node`` (quantized with qwZ).  This is the only
+   parameter traffic across nodes, and since it is rebuilt from the current
+   primary at every step it can never be stale, also after a restore.
+2. For each micro-batch, the loss is differentiated with respect to the
+   units' gradient sinks: every ``gather`` the model makes is an all-gather
+   (``local`` with hpZ, ``local`` and ``node`` otherwise) whose backward is a
+   reduce-scatter (``local`` only when gradients are hierarchical).
+3. Hierarchical gradients are summed over ``node`` once per step, at full
+   precision or compressed by qgZ with error feedback (:mod:`zeropp_jax.qgz`).
+4. Gradients are divided by ``devices * grad_accum`` (the exact
+   data-parallel mean) and padding is zeroed.
+
+The optimizer then runs on the sharded float32 units under the same ``jit``;
+element-wise transforms stay local and global reductions (e.g.
+``clip_by_global_norm``) are partitioned by XLA, so they are exact.  The
+optimizer sees one flat vector per unit, not the original leaves: per-leaf
+masks or shape-dependent transforms (Adafactor) are not supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zeropp_jax import collectives, quantization
+from zeropp_jax.config import ZeroConfig
+from zeropp_jax.gather import GatherPlan, Unit, gather
+from zeropp_jax.layout import (
+    ParamLayout,
+    build_layout,
+    flatten_unit,
+    join_units,
+    padding_mask,
+    split_units,
+    unflatten_unit,
+)
+from zeropp_jax.mesh import LOCAL, NODE, SHARD_AXES, mesh_shape
+from zeropp_jax.qgz import QgzState, cross_node_reduce
+
+DATA_AXES = (NODE, LOCAL)
+
+
+class ZeroOptState(NamedTuple):
+    """Optimizer state: the user's optax state plus the qgZ state.
+
+    Attributes:
+      inner: the optax optimizer's state over the unit dict (float32 shards).
+      qgz: :class:`~zeropp_jax.qgz.QgzState` (error-feedback carry).
+    """
+
+    inner: Any
+    qgz: QgzState
+
+
+class TrainState(NamedTuple):
+    """Everything a step reads and writes; all leaves are sharded arrays.
+
+    Attributes:
+      step: int32 ``()``, optimizer steps taken.
+      params: dict unit name -> float32 ``(padded,)`` or ``(L, padded)``
+        master weights, sharded ``P([None,] ("local", "node"))``.
+      opt_state: :class:`ZeroOptState`.
+    """
+
+    step: jax.Array
+    params: dict
+    opt_state: ZeroOptState
+
+
+def _unit_spec(stacked: bool, axes: Any) -> P:
+    return P(None, axes) if stacked else P(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+    """A ZeRO-3 / ZeRO++ train step. Build it with :func:`make_trainer`.
+
+    Attributes:
+      loss_fn: ``loss_fn(params, batch) -> float32 scalar`` (the local mean
+        over this device's micro-batch). With per-layer gathering ``params``
+        holds :class:`~zeropp_jax.gather.Unit` handles the model passes to
+        ``gather``; otherwise plain parameters.
+      optimizer: an ``optax.GradientTransformation``.
+      mesh: the ``(node, local)`` mesh.
+      config: the :class:`~zeropp_jax.config.ZeroConfig`.
+      layout: the :class:`~zeropp_jax.layout.ParamLayout` of the units.
+    """
+
+    loss_fn: Callable[[Any, Any], jax.Array]
+    optimizer: optax.GradientTransformation
+    mesh: jax.sharding.Mesh
+    config: ZeroConfig
+    layout: ParamLayout
+
+    # ----------------------------------------------------------------- shapes
+    @property
+    def nodes(self) -> int:
+        return mesh_shape(self.mesh)[0]
+
+    @property
+    def local(self) -> int:
+        return mesh_shape(self.mesh)[1]
+
+    @property
+    def n_devices(self) -> int:
+        return self.nodes * self.local
+
+    @property
+    def compute_dtype(self) -> Any:
+        platform = self.mesh.devices.flat[0].platform
+        return self.config.resolved_compute_dtype(platform)
+
+    @property
+    def qgz_active(self) -> bool:
+        """qgZ compresses only where something crosses nodes."""
+        return self.config.qgz != "off" and self.nodes > 1
+
+    @property
+    def error_feedback(self) -> bool:
+        return self.qgz_active and self.config.qgz_error_feedback
+
+    def _param_specs(self, axes: Any = SHARD_AXES) -> dict:
+        return {u.name: _unit_spec(u.stack is not None, axes) for u in self.layout.units}
+
+    def _carry_specs(self) -> dict:
+        if not self.error_feedback:
+            return {}
+        return {
+            u.name: P(NODE, None, LOCAL) if u.stack is not None else P(NODE, LOCAL)
+            for u in self.layout.units
+        }
+
+    def _sharding(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    @property
+    def param_shardings(self) -> dict:
+        return jax.tree.map(self._sharding, self._param_specs())
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return self._sharding(P(DATA_AXES))
+
+    def _plan(self) -> GatherPlan:
+        cfg = self.config
+        reduce_dtype = cfg.reduce_dtype or self.compute_dtype
+        return GatherPlan(
+            gather_axes=(LOCAL,) if cfg.hpz else SHARD_AXES,
+            reduce_axes=(LOCAL,) if cfg.hierarchical_grads else SHARD_AXES,
+            bits=cfg.qwz_bits,
+            block=cfg.qwz_block,
+            scale_dtype=cfg.scale_dtype,
+            compute_dtype=self.compute_dtype,
+            reduce_dtype=reduce_dtype,
+        )
+
+    # ------------------------------------------------------------------ init
+    def init(self, params: Any) -> TrainState:
+        """Shards a full parameter pytree and initializes the optimizer.
+
+        Args:
+          params: the full parameters (any float dtypes; stored as float32),
+            with the structure the trainer was built for.
+
+        Returns:
+          The sharded :class:`TrainState` at step 0.
+        """
+        _check_structure(params, self.layout)
+        with jax.set_mesh(self.mesh):
+            return self._init_jit(params)
+
+    @functools.cached_property
+    def _init_jit(self) -> Callable:
+        def init(params):
+            trees = split_units(params, self.layout)
+            flat = {u.name: flatten_unit(trees[u.name], u) for u in self.layout.units}
+            flat = jax.sharding.reshard(flat, self.param_shardings)
+            return self._init_from_flat(flat)
+
+        return jax.jit(init)
+
+    def _init_from_flat(self, flat: dict) -> TrainState:
+        inner = self.optimizer.init(flat)
+        carry = {}
+        if self.error_feedback:
+            for u in self.layout.units:
+                spec = self._carry_specs()[u.name]
+                carry[u.name] = jax.sharding.reshard(
+                    jnp.zeros((self.nodes,) + u.global_shape, jnp.float32),
+                    self._sharding(spec),
+                )
+        qgz = QgzState(carry=carry, grad_rms=jnp.full((), jnp.inf, jnp.float32))
+        return TrainState(jnp.zeros((), jnp.int32), flat, ZeroOptState(inner, qgz))
+
+    # ------------------------------------------------------------------ step
+    def shard_batch(self, batch: Any) -> Any:
+        """Places a global host batch on the mesh, split over all devices.
+
+        Args:
+          batch: pytree of arrays with leading axis ``B`` (the global batch);
+            on a multi-process run, each process passes only its own
+            ``B / process_count`` rows.
+
+        Raises:
+          ValueError: if ``B`` does not divide into ``devices * grad_accum``.
+        """
+        n_proc = jax.process_count()
+        per_step = self.n_devices * self.config.grad_accum
+
+        def put(x):
+            x = np.asarray(x)
+            global_b = x.shape[0] * n_proc
+            if x.ndim == 0 or global_b % per_step:
+                raise ValueError(
+                    f"batch size {global_b} must be divisible by devices x grad_accum "
+                    f"= {self.n_devices} x {self.config.grad_accum} = {per_step}"
+                )
+            if n_proc == 1:
+                return jax.device_put(x, self.batch_sharding)
+            return jax.make_array_from_process_local_data(
+                self.batch_sharding, x, (global_b,) + x.shape[1:]
+            )
+
+        return jax.tree.map(put, batch)
+
+    def compress_at(self, step: int, grad_rms: float) -> bool:
+        """The qgZ schedule: whether step ``step`` reduces compressed.
+
+        Full precision for the first ``qgz_warmup_steps`` steps, and while the
+        last step's gradient RMS is below ``qgz_min_grad_rms`` (if set).
+        """
+        cfg = self.config
+        if not self.qgz_active or step < cfg.qgz_warmup_steps:
+            return False
+        return not (cfg.qgz_min_grad_rms > 0 and grad_rms < cfg.qgz_min_grad_rms)
+
+    def _schedule_is_static(self) -> bool:
+        cfg = self.config
+        return cfg.qgz_warmup_steps == 0 and cfg.qgz_min_grad_rms == 0
+
+    def step(self, state: TrainState, batch: Any, *, compress: bool | None = None):
+        """One optimizer step (``grad_accum`` micro-batches).
+
+        Args:
+          state: the current state (donated: do not use it afterwards).
+          batch: the global batch, a pytree placed by :meth:`shard_batch` (a
+            host array is placed automatically).
+          compress: force the qgZ variant; ``None`` follows the schedule
+            (which reads the step counter from the device only when a
+            warm-up or gate is configured).
+
+        Returns:
+          ``(new_state, metrics)``: metrics is a dict of scalars ``loss``,
+          ``grad_norm``, ``grad_rms`` and ``compressed`` (0 or 1).
+        """
+        if compress is None:
+            if not self.qgz_active:
+                compress = False
+            elif self._schedule_is_static():
+                compress = True
+            else:
+                compress = self.compress_at(
+                    int(state.step), float(state.opt_state.qgz.grad_rms)
+                )
+        if any(not isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
+            batch = self.shard_batch(batch)
+        with jax.set_mesh(self.mesh):
+            return self._step_jit(bool(compress))(state, batch)
+
+    @functools.cache
+    def _step_jit(self, compress: bool) -> Callable:
+        return jax.jit(
+            functools.partial(self._step_global, compress=compress), donate_argnums=0
+        )
+
+    def lower(self, state: Any, batch: Any, *, compress: bool | None = None):
+        """Lowers the step (for the communication report), without running it.
+
+        ``state`` and ``batch`` may be abstract (``jax.ShapeDtypeStruct`` with
+        shardings, e.g. from :meth:`abstract_state`).
+        """
+        if compress is None:
+            compress = self.qgz_active
+        with jax.set_mesh(self.mesh):
+            return self._step_jit(bool(compress)).lower(state, batch)
+
+    def abstract_state(self, params_shapes: Any) -> TrainState:
+        """The state's shapes, dtypes and shardings, computed without data."""
+        with jax.set_mesh(self.mesh):
+            return jax.eval_shape(self._init_jit, params_shapes)
+
+    def _step_global(self, state: TrainState, batch: Any, *, compress: bool):
+        param_specs = self._param_specs()
+        carry_specs = self._carry_specs()
+        batch_specs = jax.tree.map(lambda _: P(DATA_AXES), batch)
+        body = functools.partial(self._local_grads, compress=compress)
+        grads, carry, metrics = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(param_specs, carry_specs, batch_specs),
+            out_specs=(param_specs, carry_specs, P()),
+        )(state.params, state.opt_state.qgz.carry, batch)
+        with jax.named_scope("optimizer"):
+            updates, inner = self.optimizer.update(
+                grads, state.opt_state.inner, state.params
+            )
+            params = optax.apply_updates(state.params, updates)
+        qgz = QgzState(carry=carry, grad_rms=metrics["grad_rms"])
+        new_state = TrainState(state.step + 1, params, ZeroOptState(inner, qgz))
+        return new_state, metrics
+
+    def _local_grads(self, params: dict, carry: dict, batch: Any, *, compress: bool):
+        """Per-device body of the step (inside shard_map).
+
+        Args:
+          params: name -> float32 ``([L,] padded / D)`` primary shard.
+          carry: name -> float32 ``(1, [L,] padded / local)`` or empty.
+          batch: pytree of ``(B / D, ...)`` arrays.
+
+        Returns:
+          ``(grads, carry, metrics)`` with grads shaped like ``params``.
+        """
+        cfg = self.config
+        plan = self._plan()
+        accum = cfg.grad_accum
+        all_axes = (NODE, LOCAL)
+
+        sources = {}
+        for u in self.layout.units:
+            p = params[u.name]
+            if cfg.hpz:
+                with jax.named_scope(f"hpz_secondary_{u.name}"):
+                    sources[u.name] = self._secondary(p)
+            else:
+                sources[u.name] = p
+
+        def zero_sink(u):
+            shard = params[u.name]
+            width = u.padded // self.local if cfg.hierarchical_grads else shard.shape[-1]
+            zeros = jnp.zeros(shard.shape[:-1] + (width,), jnp.float32)
+            return jax.lax.pcast(zeros, all_axes, to="varying")
+
+        sinks0 = {u.name: zero_sink(u) for u in self.layout.units}
+
+        def loss_of_sinks(sinks, micro_batch):
+            units = {
+                u.name: Unit(sources[u.name], sinks[u.name], u, plan)
+                for u in self.layout.units
+            }
+            tree = join_units(units, self.layout)
+            if self.layout.whole_model:
+                tree = gather(tree)
+            loss = self.loss_fn(tree, micro_batch)
+            if jnp.shape(loss) != ():
+                raise ValueError(
+                    f"loss_fn must return a scalar, got shape {jnp.shape(loss)}"
+                )
+            return loss.astype(jnp.float32)
+
+        def micro_step(acc, micro_batch):
+            loss, g = jax.value_and_grad(loss_of_sinks)(sinks0, micro_batch)
+            return jax.tree.map(jnp.add, acc, g), loss
+
+        micro_batches = jax.tree.map(
+            lambda x: jnp.reshape(x, (accum, x.shape[0] // accum) + x.shape[1:]), batch
+        )
+        acc, losses = jax.lax.scan(micro_step, sinks0, micro_batches)
+
+        grads, new_carry = {}, {}
+        for u in self.layout.units:
+            g = acc[u.name]
+            if cfg.hierarchical_grads:
+                c = carry[u.name][0] if u.name in carry else None
+                with jax.named_scope(f"cross_node_{u.name}"):
+                    g, c, _ = cross_node_reduce(
+                        g,
+                        c,
+                        bits=cfg.qgz_bits,
+                        block=cfg.qgz_block,
+                        scale_dtype=cfg.scale_dtype,
+                        reduce_dtype=plan.reduce_dtype,
+                        compress=compress,
+                    )
+                if c is not None:
+                    new_carry[u.name] = c[None]
+            g = g / (self.n_devices * accum)
+            shard_index = collectives.axes_index(SHARD_AXES)
+            mask = padding_mask(u, shard_index, g.shape[-1])
+            grads[u.name] = jnp.where(mask, g, 0.0)
+
+        sq = sum(jnp.sum(jnp.square(g)) for g in grads.values())
+        sq = jax.lax.psum(sq, all_axes)
+        loss = jax.lax.pmean(jnp.mean(losses), all_axes)
+        metrics = {
+            "loss": loss,
+            "grad_norm": jnp.sqrt(sq),
+            "grad_rms": jnp.sqrt(sq / self.layout.numel),
+            "compressed": jnp.asarray(int(compress and self.qgz_active), jnp.int32),
+        }
+        return grads, new_carry, metrics
+
+    def _secondary(self, primary: jax.Array) -> Any:
+        """hpZ: this node's partition, the primary shards gathered over node.
+
+        Args:
+          primary: float32 ``([L,] padded / D)``.
+
+        Returns:
+          ``([L,] padded / local)`` in the compute dtype, or a ``Quantized``
+          pair when qwZ is on (the refresh crosses nodes quantized).
+        """
+        cfg = self.config
+        if cfg.qwz_bits:
+            q = quantization.quantize(
+                primary, bits=cfg.qwz_bits, block=cfg.qwz_block, scale_dtype=cfg.scale_dtype
+            )
+            return collectives.all_gather(q, (NODE,))
+        return collectives.all_gather(primary.astype(self.compute_dtype), (NODE,))
+
+    # ---------------------------------------------------------------- export
+    def gather_params(self, state_or_params: Any) -> Any:
+        """The full, unpadded parameters as a host (numpy) pytree.
+
+        Args:
+          state_or_params: a :class:`TrainState` or its ``params`` dict.
+
+        Returns:
+          The parameter pytree in its original structure and leaf dtypes.
+        """
+        flat = getattr(state_or_params, "params", state_or_params)
+        with jax.set_mesh(self.mesh):
+            replicated = jax.jit(
+                lambda x: x,
+                out_shardings=jax.tree.map(lambda _: self._sharding(P()), flat),
+            )(flat)
+        trees = {}
+        for u in self.layout.units:
+            host = np.asarray(replicated[u.name].addressable_data(0))
+            trees[u.name] = jax.tree.map(
+                np.asarray, unflatten_unit(jnp.asarray(host), u, "original")
+            )
+        return join_units(trees, self.layout)
+
+    def describe(self) -> dict:
+        """What runs where: plain data for reports and metrics files."""
+        return {
+            "mesh": {"node": self.nodes, "local": self.local},
+            "config": self.config.describe(),
+            "compute_dtype": jnp.dtype(self.compute_dtype).name,
+            "qgz_active": self.qgz_active,
+            "units": len(self.layout.units),
+            "per_layer": not self.layout.whole_model,
+            "params": self.layout.numel,
+            "padded_params": self.layout.padded_numel,
+            "largest_unit": self.layout.largest_unit_numel,
+        }
+
+
+def _check_structure(params: Any, layout: ParamLayout) -> None:
+    trees = split_units(params, layout)
+    for u in layout.units:
+        leaves = jax.tree_util.tree_leaves(trees[u.name])
+        structure = jax.tree_util.tree_structure(trees[u.name])
+        if structure != u.treedef and u.stack is None:
+            raise ValueError(
+                f"parameters of unit {u.name!r} have structure {structure}, "
+                f"expected {u.treedef}"
+            )
+        for spec, leaf in zip(u.leaves, leaves):
+            shape = tuple(np.shape(leaf))
+            expected = spec.shape if u.stack is None else (u.stack,) + spec.shape
+            if shape != expected:
+                raise ValueError(
+                    f"parameter {u.name}{spec.path} has shape {shape}, expected "
+                    f"{expected}"
+                )
+
+
+def make_trainer(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    optimizer: optax.GradientTransformation,
+    params: Any,
+    *,
+    mesh: jax.sharding.Mesh,
+    config: ZeroConfig | None = None,
+    per_layer: bool = False,
+    stacked: Sequence[str] = (),
+) -> Trainer:
+    """Builds a ZeRO-3 / ZeRO++ :class:`Trainer`.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss over the
+        micro-batch it is given.
+      optimizer: an optax ``GradientTransformation``.
+      params: the parameter pytree, or its shapes (``jax.eval_shape``).
+      mesh: a ``(node, local)`` mesh from :func:`zeropp_jax.make_mesh`.
+      config: a :class:`ZeroConfig` (default: ``zero3``).
+      per_layer: ``True`` if ``loss_fn`` gathers each top-level entry of
+        ``params`` itself with :func:`zeropp_jax.gather` (inside
+        :func:`zeropp_jax.layer`), like FSDP's wrap policy; ``False`` gathers
+        the whole model before calling ``loss_fn`` with plain parameters (any
+        Flax Linen or NNX model, unchanged).
+      stacked: top-level keys of ``params`` whose leaves stack layers along
+        axis 0 (for ``lax.scan``); each layer is gathered separately.
+
+    Returns:
+      The :class:`Trainer`.
+
+    Example::
+
+      mesh = zeropp_jax.make_mesh(2, 4)
+      trainer = zeropp_jax.make_trainer(
+          loss, optax.adam(1e-3), params, mesh=mesh,
+          config=zeropp_jax.ZeroConfig.from_preset("zeropp"),
+          per_layer=True, stacked=("blocks",))
+      state = trainer.init(params)
+      state, metrics = trainer.step(state, batch)
+    """
+    config = config or ZeroConfig()
+    nodes, local = mesh_shape(mesh)
+    layout = build_layout(
+        params,
+        n_devices=nodes * local,
+        align=config.alignment(),
+        per_layer=per_layer,
+        stacked=stacked,
+    )
+    return Trainer(loss_fn, optimizer, mesh, config, layout)
+
+
+def global_batch_size_check(batch_size: int, n_devices: int, grad_accum: int) -> None:
+    """Raises a clear error if a batch does not split over the devices."""
+    if batch_size < 1 or batch_size % (n_devices * grad_accum):
+        raise ValueError(
+            f"batch size {batch_size} must be a positive multiple of devices x "
+            f"grad_accum = {n_devices} x {grad_accum} = {n_devices * grad_accum}"
+        )
