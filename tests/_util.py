@@ -1,0 +1,93 @@
+"""Shared helpers for the tests: tiny models, reference training, runners."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import zeropp_jax as zp
+from zeropp_jax import data
+from zeropp_jax.models import gpt
+
+TINY = gpt.GPTConfig(vocab_size=256, seq_len=16, n_layers=2, d_model=32, n_heads=2)
+
+
+def tiny_batches(cfg=TINY, batch_size=24, seed=0):
+    tokens, _ = data.load_tokens(None)
+    tokens = tokens % cfg.vocab_size
+    return data.TokenBatches(tokens, batch_size=batch_size, seq_len=cfg.seq_len, seed=seed)
+
+
+def optimizer():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(3e-3))
+
+
+def gpt_loss(cfg=TINY, per_layer=True):
+    if per_layer:
+        return functools.partial(gpt.loss_fn, cfg=cfg, gather=zp.gather, layer=zp.layer)
+    return functools.partial(gpt.loss_fn, cfg=cfg)
+
+
+def reference_run(loss_fn, params, opt, batches, steps):
+    """Plain single-device training with the same optax optimizer."""
+
+    @jax.jit
+    def step(p, s, b):
+        loss, g = jax.value_and_grad(loss_fn)(p, b)
+        updates, s = opt.update(g, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    state = opt.init(params)
+    losses = []
+    for i in range(steps):
+        params, state, loss = step(params, state, jnp.asarray(batches.batch_at(i)))
+        losses.append(float(loss))
+    return np.array(losses), jax.device_get(params)
+
+
+def zero_run(trainer, params, batches, steps):
+    state = trainer.init(params)
+    losses = []
+    for i in range(steps):
+        state, metrics = trainer.step(state, batches.batch_at(i))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), state
+
+
+def mesh_of(nodes, local):
+    return zp.make_mesh(nodes, local, devices=jax.devices()[: nodes * local])
+
+
+def assert_trees_close(a, b, rtol, atol=0.0):
+    jax.tree.map(
+        lambda x, y: np.testing.assert_allclose(
+            np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol
+        ),
+        a,
+        b,
+    )
+
+
+def run_cli(*args, env_devices=None, timeout=600):
+    """Runs a console script module in a fresh process; returns CompletedProcess."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    if env_devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={env_devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

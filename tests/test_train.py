@@ -1,0 +1,212 @@
+"""ZeRO-3 on the (node, local) mesh matches plain single-device training."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zeropp_jax as zp
+from zeropp_jax.models import gpt
+
+from _util import (
+    TINY,
+    assert_trees_close,
+    gpt_loss,
+    mesh_of,
+    optimizer,
+    reference_run,
+    tiny_batches,
+    zero_run,
+)
+
+STEPS = 20
+FP32 = dict(compute_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    params = gpt.init_params(TINY, jax.random.key(0))
+    losses, final = reference_run(gpt_loss(per_layer=False), params, optimizer(), tiny_batches(), STEPS)
+    return params, losses, final
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (1, 8), (3, 2), (1, 1)])
+def test_zero3_matches_single_device(reference, shape):
+    params, ref_losses, ref_final = reference
+    trainer = zp.make_trainer(
+        gpt_loss(), optimizer(), params, mesh=mesh_of(*shape),
+        config=zp.ZeroConfig.from_preset("zero3", **FP32), per_layer=True, stacked=("blocks",),
+    )
+    losses, state = zero_run(trainer, params, tiny_batches(), STEPS)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(trainer.gather_params(state), ref_final, rtol=1e-5, atol=1e-5)
+
+
+def test_hpz_without_quantization_matches_zero3(reference):
+    params, ref_losses, ref_final = reference
+    trainer = zp.make_trainer(
+        gpt_loss(), optimizer(), params, mesh=mesh_of(2, 4),
+        config=zp.ZeroConfig.from_preset("hpz", **FP32), per_layer=True, stacked=("blocks",),
+    )
+    losses, state = zero_run(trainer, params, tiny_batches(), STEPS)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(trainer.gather_params(state), ref_final, rtol=1e-5, atol=1e-5)
+
+
+def test_whole_model_gathering_matches(reference):
+    """The fallback for models that do not mark layers: plain params."""
+    params, ref_losses, ref_final = reference
+    trainer = zp.make_trainer(
+        gpt_loss(per_layer=False), optimizer(), params, mesh=mesh_of(2, 4),
+        config=zp.ZeroConfig(**FP32),
+    )
+    losses, state = zero_run(trainer, params, tiny_batches(), STEPS)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(trainer.gather_params(state), ref_final, rtol=1e-5, atol=1e-5)
+
+
+def test_grad_accumulation_is_exact_mean(reference):
+    params, ref_losses, _ = reference
+    trainer = zp.make_trainer(
+        gpt_loss(), optimizer(), params, mesh=mesh_of(2, 4),
+        config=zp.ZeroConfig.from_preset("zero3", grad_accum=3, **FP32),
+        per_layer=True, stacked=("blocks",),
+    )
+    losses, _ = zero_run(trainer, params, tiny_batches(), 5)
+    np.testing.assert_allclose(losses, ref_losses[:5], rtol=1e-5)
+
+
+def test_odd_shapes_scalar_and_odd_vocab():
+    """Scalars, odd sizes and a vocabulary not divisible by 8, on 3 nodes."""
+    cfg = gpt.GPTConfig(vocab_size=251, seq_len=16, n_layers=3, d_model=24, n_heads=3)
+    params = gpt.init_params(cfg, jax.random.key(1))
+    params["extra"] = {
+        "temperature": jnp.asarray(1.0, jnp.float32),
+        "odd": jax.random.normal(jax.random.key(2), (7, 13)) * 0.01,
+    }
+
+    def loss(p, batch):
+        base = gpt.loss_fn(p, batch, cfg, gather=zp.gather, layer=zp.layer)
+        extra = zp.gather(p["extra"])
+        return base * extra["temperature"] + jnp.sum(jnp.square(extra["odd"]))
+
+    def plain_loss(p, batch):
+        base = gpt.loss_fn(p, batch, cfg)
+        return base * p["extra"]["temperature"] + jnp.sum(jnp.square(p["extra"]["odd"]))
+
+    batches = tiny_batches(cfg, batch_size=12)
+    ref_losses, ref_final = reference_run(plain_loss, params, optimizer(), batches, 10)
+    for shape in [(3, 2), (2, 4)]:
+        trainer = zp.make_trainer(
+            loss, optimizer(), params, mesh=mesh_of(*shape),
+            config=zp.ZeroConfig(**FP32), per_layer=True, stacked=("blocks",),
+        )
+        batches_z = tiny_batches(cfg, batch_size=12 if shape == (3, 2) else 16)
+        if shape == (2, 4):
+            ref_losses_z, ref_final_z = reference_run(plain_loss, params, optimizer(), batches_z, 10)
+        else:
+            ref_losses_z, ref_final_z = ref_losses, ref_final
+        losses, state = zero_run(trainer, params, batches_z, 10)
+        np.testing.assert_allclose(losses, ref_losses_z, rtol=1e-5)
+        out = trainer.gather_params(state)
+        assert out["extra"]["temperature"].shape == ()
+        assert out["embed"]["tokens"].shape == (251, 24)
+        assert_trees_close(out, ref_final_z, rtol=1e-5, atol=1e-5)
+
+
+class _LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(37)(x)
+        x = nn.gelu(x)
+        x = nn.LayerNorm()(x)
+        return nn.Dense(5)(x)
+
+
+def test_unmodified_linen_model_trains_with_whole_model_gathering():
+    model = _LinenMLP()
+    x = jax.random.normal(jax.random.key(0), (64, 11))
+    y = jax.random.randint(jax.random.key(1), (64,), 0, 5)
+    params = model.init(jax.random.key(2), x[:1])["params"]
+
+    def loss(p, batch):
+        logits = model.apply({"params": p}, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    class Batches:
+        def batch_at(self, i):
+            sl = slice((i % 2) * 32, (i % 2) * 32 + 32)
+            return {"x": np.asarray(x[sl]), "y": np.asarray(y[sl])}
+
+    opt = optax.sgd(0.1, momentum=0.9)
+    ref_losses, ref_final = _reference_dict_batches(loss, params, opt, Batches(), 8)
+    trainer = zp.make_trainer(loss, opt, params, mesh=mesh_of(2, 4), config=zp.ZeroConfig(**FP32))
+    losses, state = zero_run(trainer, params, Batches(), 8)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(trainer.gather_params(state), ref_final, rtol=1e-5, atol=1e-5)
+    assert losses[-1] < losses[0]
+
+
+def _reference_dict_batches(loss_fn, params, opt, batches, steps):
+    @jax.jit
+    def step(p, s, b):
+        loss, g = jax.value_and_grad(loss_fn)(p, b)
+        updates, s = opt.update(g, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    state = opt.init(params)
+    losses = []
+    for i in range(steps):
+        params, state, loss = step(params, state, batches.batch_at(i))
+        losses.append(float(loss))
+    return np.array(losses), jax.device_get(params)
+
+
+@pytest.mark.parametrize("preset", ["zero3", "zeropp"])
+def test_sharding_invariance(preset):
+    params = gpt.init_params(TINY, jax.random.key(0))
+    trainer = zp.make_trainer(
+        gpt_loss(), optimizer(), params, mesh=mesh_of(2, 4),
+        config=zp.ZeroConfig.from_preset(preset, **FP32), per_layer=True, stacked=("blocks",),
+    )
+    state = trainer.init(params)
+
+    def signature(s):
+        return jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), s)
+
+    first = signature(state)
+    batches = tiny_batches()
+    for i in range(4):
+        state, _ = trainer.step(state, batches.batch_at(i))
+        assert signature(state) == first
+    # master weights are float32 shards of 1/8 of each unit on every device
+    for name, x in state.params.items():
+        assert x.dtype == jnp.float32
+        shard = x.addressable_shards[0].data
+        assert shard.shape[-1] * 8 == x.shape[-1]
+
+
+def test_bad_input_errors():
+    params = gpt.init_params(TINY, jax.random.key(0))
+    with pytest.raises(ValueError, match="needs 6 devices but 8"):
+        zp.make_mesh(2, 3)
+    with pytest.raises(ValueError, match="unknown preset 'zero4'"):
+        zp.ZeroConfig.from_preset("zero4")
+    with pytest.raises(ValueError, match="qwz_bits"):
+        zp.ZeroConfig(qwz_bits=3)
+    with pytest.raises(ValueError, match="unknown config field"):
+        zp.ZeroConfig.from_preset("zero3", qwz=8)
+    trainer = zp.make_trainer(
+        gpt_loss(), optimizer(), params, mesh=mesh_of(2, 4), per_layer=True, stacked=("blocks",)
+    )
+    with pytest.raises(ValueError, match="batch size 12 must be divisible by .* 8"):
+        trainer.shard_batch(np.zeros((12, 17), np.int32))
+    with pytest.raises(ValueError, match="stacked names"):
+        zp.make_trainer(gpt_loss(), optimizer(), params, mesh=mesh_of(2, 4), per_layer=True, stacked=("layers",))
+    bad = dict(params, ln_f={"scale": jnp.ones(7), "bias": jnp.zeros(32)})
+    with pytest.raises(ValueError, match="ln_f.*shape"):
+        trainer.init(bad)

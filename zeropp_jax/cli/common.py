@@ -1,0 +1,213 @@
+"""Flags and set-up shared by ``zeropp-train`` and ``zeropp-comm``.
+
+JAX is imported only after :func:`prepare_devices`: on a host without
+accelerators the simulated CPU device count has to be fixed before JAX
+starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from zeropp_jax.config import PRESETS, QGZ_MODES
+
+DEFAULT_SIMULATED_MESH = "2x4"
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """Model, data, mesh and ZeRO++ flags (same for train and comm)."""
+    g = parser.add_argument_group("mesh and data")
+    g.add_argument(
+        "--mesh",
+        default=None,
+        help="NODESxLOCAL, e.g. 2x4 (default: the real topology; 2x4 simulated "
+        "on a CPU-only host)",
+    )
+    g.add_argument(
+        "--data",
+        default=None,
+        help="text file or .npy of token ids (default: the Python standard "
+        "library's source, byte tokens)",
+    )
+    g.add_argument("--batch-size", type=positive_int, default=16, help="global batch (sequences per optimizer step)")
+    g.add_argument("--seq-len", type=positive_int, default=128)
+    g.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--seed", type=int, default=0)
+
+    g = parser.add_argument_group("model (GPT decoder, byte-level)")
+    g.add_argument("--layers", type=positive_int, default=4)
+    g.add_argument("--d-model", type=positive_int, default=128)
+    g.add_argument("--heads", type=positive_int, default=4)
+    g.add_argument("--lr", type=positive_float, default=3e-3)
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        help="compute dtype of gathered parameters: auto (bf16 on GPU, fp32 on "
+        "CPU), bf16, fp32",
+    )
+
+    g = parser.add_argument_group("ZeRO++ (a preset, then overrides)")
+    g.add_argument("--preset", default="zero3", help=f"one of {', '.join(PRESETS)}")
+    g.add_argument("--qwz-bits", type=int, default=None, choices=(0, 8, 4))
+    g.add_argument("--qwz-block", type=positive_int, default=None)
+    g.add_argument("--hpz", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--qgz", default=None, choices=QGZ_MODES)
+    g.add_argument(
+        "--qgz-error-feedback", action=argparse.BooleanOptionalAction, default=None
+    )
+    g.add_argument("--qgz-block", type=positive_int, default=None)
+    g.add_argument(
+        "--qgz-warmup", type=non_negative_int, default=None,
+        help="optimizer steps at full precision before qgZ compresses",
+    )
+    g.add_argument(
+        "--qgz-min-grad-rms", type=float, default=None,
+        help="compress only while the gradient RMS is at least this (0: always)",
+    )
+    g.add_argument(
+        "--implementation", default=None, choices=("auto", "xla", "pallas"),
+        help="quantization kernels",
+    )
+
+
+def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Checks that need no JAX (fail before any device or compile work)."""
+    if args.preset not in PRESETS:
+        parser.error(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
+    if args.mesh is not None:
+        from zeropp_jax.mesh import parse_mesh_shape
+
+        try:
+            parse_mesh_shape(args.mesh)
+        except ValueError as e:
+            parser.error(str(e))
+    if args.d_model % args.heads:
+        parser.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
+    if args.dtype not in ("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16"):
+        parser.error(f"--dtype must be auto, bf16 or fp32, got {args.dtype!r}")
+    if args.data is not None:
+        if not os.path.exists(args.data):
+            parser.error(f"--data {args.data}: no such file")
+        if os.path.isfile(args.data) and os.path.getsize(args.data) == 0:
+            parser.error(f"--data {args.data}: the file is empty")
+
+
+def prepare_devices(args: argparse.Namespace) -> None:
+    """Asks XLA for enough simulated host devices before JAX is imported.
+
+    Only the host (CPU) platform is affected; on a GPU machine JAX still uses
+    the GPUs. Must run before JAX creates its backends (the first device
+    query), which importing ``jax`` does not do.
+    """
+    from zeropp_jax.mesh import parse_mesh_shape  # no JAX import
+
+    nodes, local = parse_mesh_shape(args.mesh or DEFAULT_SIMULATED_MESH)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={nodes * local}".strip()
+        )
+
+
+def build_mesh(args: argparse.Namespace):
+    import jax
+
+    from zeropp_jax.mesh import default_mesh_shape, make_mesh, parse_mesh_shape
+
+    if args.mesh is not None:
+        nodes, local = parse_mesh_shape(args.mesh)
+    elif jax.default_backend() == "cpu" and jax.process_count() == 1:
+        nodes, local = parse_mesh_shape(DEFAULT_SIMULATED_MESH)
+    else:
+        nodes, local = default_mesh_shape()
+    return make_mesh(nodes, local)
+
+
+def build_config(args: argparse.Namespace):
+    from zeropp_jax.config import ZeroConfig
+
+    return ZeroConfig.from_preset(
+        args.preset,
+        compute_dtype=None if args.dtype == "auto" else args.dtype,
+        qwz_bits=args.qwz_bits,
+        qwz_block=args.qwz_block,
+        hpz=args.hpz,
+        qgz=args.qgz,
+        qgz_error_feedback=args.qgz_error_feedback,
+        qgz_block=args.qgz_block,
+        qgz_warmup_steps=args.qgz_warmup,
+        qgz_min_grad_rms=args.qgz_min_grad_rms,
+        grad_accum=args.grad_accum,
+        implementation=args.implementation,
+    )
+
+
+def build_model(args: argparse.Namespace, vocab_size: int):
+    from zeropp_jax.models import gpt
+
+    return gpt.GPTConfig(
+        vocab_size=vocab_size,
+        seq_len=args.seq_len,
+        n_layers=args.layers,
+        d_model=args.d_model,
+        n_heads=args.heads,
+    )
+
+
+def build_trainer(args: argparse.Namespace, mesh, model_cfg, params_or_shapes) -> Any:
+    """The GPT trainer: per-layer gathering over the stacked blocks."""
+    import functools
+
+    import optax
+
+    import zeropp_jax as zp
+    from zeropp_jax.models import gpt
+    from zeropp_jax.train import global_batch_size_check
+
+    config = build_config(args)
+    global_batch_size_check(args.batch_size, mesh.size, config.grad_accum)
+    loss = functools.partial(gpt.loss_fn, cfg=model_cfg, gather=zp.gather, layer=zp.layer)
+    optimizer = make_optimizer(args.lr)
+    return zp.make_trainer(
+        loss, optimizer, params_or_shapes, mesh=mesh, config=config,
+        per_layer=True, stacked=("blocks",),
+    )
+
+
+def make_optimizer(lr: float):
+    """The default optimizer: global-norm clipping at 1, then Adam."""
+    import optax
+
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr))
+
+
+def fail(message: str) -> "None":
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)

@@ -1,0 +1,305 @@
+"""Default training data and deterministic batching (numpy only).
+
+The default corpus is real text that exists on every machine without network
+access: the Python standard library's own ``.py`` sources, read as bytes.
+Bytes are tokens (vocabulary of 256), so no tokenizer is needed.
+
+Batches are random windows of ``seq_len + 1`` tokens whose start offsets are a
+pure function of ``(seed, step)``. Batch ``k`` is therefore the same whoever
+asks for it and in whatever order, which gives exact resumption after a restart
+and lets several processes each take their own rows of one global batch without
+talking to each other.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+
+import numpy as np
+
+VOCAB_SIZE_BYTES = 256
+
+# Directory names never descended into when collecting the default corpus:
+# installed third-party packages, the standard library's own test suites
+# (large, repetitive, partly binary fixtures) and byte-code caches.
+_SKIPPED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+)
+
+
+def default_corpus(max_bytes: int = 4_000_000, *, root: str | None = None) -> np.ndarray:
+    """Returns the Python standard library's ``.py`` sources as bytes.
+
+    Files are visited in sorted order (directories walked top-down with sorted
+    names), so the result is deterministic for a given Python installation.
+    ``site-packages``/``dist-packages``, test directories (``test``, ``tests``,
+    ``idle_test``), ``__pycache__`` and unreadable files are skipped. File
+    contents are joined with a single newline byte and cut at ``max_bytes``.
+
+    Args:
+      max_bytes: upper bound on the corpus length in bytes; must be positive.
+      root: directory to read instead of the standard library (for tests);
+        defaults to ``sysconfig.get_paths()["stdlib"]``.
+
+    Returns:
+      uint8 array of shape ``(n,)`` with ``0 < n <= max_bytes``.
+
+    Raises:
+      ValueError: if ``max_bytes`` is not a positive integer.
+      FileNotFoundError: if no readable, non-empty ``.py`` file was found.
+
+    Example:
+      >>> corpus = default_corpus(max_bytes=10_000)
+      >>> corpus.dtype, corpus.shape
+      (dtype('uint8'), (10000,))
+    """
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) or max_bytes <= 0:
+        raise ValueError(f"max_bytes must be a positive integer, got {max_bytes!r}.")
+    if root is None:
+        root = sysconfig.get_paths()["stdlib"]
+    chunks: list[bytes] = []
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Sorting in place fixes the order in which os.walk descends.
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIPPED_DIRS)
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            try:
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    text = f.read(max_bytes - total)
+            except OSError:
+                continue
+            if not text:
+                continue
+            if chunks:
+                chunks.append(b"\n")
+                total += 1
+            chunks.append(text)
+            total += len(text)
+            if total >= max_bytes:
+                break
+        if total >= max_bytes:
+            break
+    if not chunks:
+        raise FileNotFoundError(
+            f"No readable, non-empty .py files found under {root!r} to build the default "
+            "corpus; pass a token file path instead."
+        )
+    data = b"".join(chunks)[:max_bytes]
+    return np.frombuffer(data, dtype=np.uint8).copy()
+
+
+def _check_vocab(tokens: np.ndarray, vocab: int, source: str) -> None:
+    top = int(tokens.max())
+    if top >= vocab:
+        raise ValueError(
+            f"{source}: token id {top} is out of range for vocab_size={vocab}; "
+            f"pass vocab_size >= {top + 1} (or omit it to use max id + 1)."
+        )
+
+
+def load_tokens(path: str | None, *, vocab_size: int | None = None) -> tuple[np.ndarray, int]:
+    """Loads a 1-D token stream and its vocabulary size.
+
+    * ``None``: the default corpus (:func:`default_corpus`) as byte tokens.
+    * a path ending in ``.npy``: an integer array of token ids (flattened).
+    * any other path: the file's raw bytes as tokens.
+
+    Args:
+      path: file to read, or ``None`` for the default corpus.
+      vocab_size: vocabulary size to use. For ``.npy`` files it defaults to
+        ``max id + 1``; for byte tokens it defaults to 256. Every id must be
+        below it.
+
+    Returns:
+      ``(tokens, vocab)``: tokens is int32 of shape ``(n,)`` with ``n >= 1`` and
+      values in ``[0, vocab)``; vocab is a Python int.
+
+    Raises:
+      FileNotFoundError: if ``path`` does not exist.
+      ValueError: if the file is empty, not a regular file, holds non-integer
+        or negative ids, or ids ``>= vocab_size``.
+
+    Example:
+      >>> tokens, vocab = load_tokens(None)
+      >>> tokens.dtype, vocab
+      (dtype('int32'), 256)
+    """
+    if vocab_size is not None and (
+        isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or vocab_size <= 0
+    ):
+        raise ValueError(f"vocab_size must be a positive integer or None, got {vocab_size!r}.")
+
+    if path is None:
+        tokens = default_corpus().astype(np.int32)
+        vocab = VOCAB_SIZE_BYTES if vocab_size is None else int(vocab_size)
+        _check_vocab(tokens, vocab, "default corpus")
+        return tokens, vocab
+
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"Token file {path!r} does not exist.")
+    if not os.path.isfile(path):
+        raise ValueError(f"Token file {path!r} is not a regular file.")
+
+    if path.endswith(".npy"):
+        arr = np.load(path, allow_pickle=False)
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(
+                f"Token file {path!r} holds dtype {arr.dtype}; token ids must be an integer array "
+                "(e.g. int32)."
+            )
+        arr = arr.reshape(-1)
+        if arr.size == 0:
+            raise ValueError(f"Token file {path!r} holds an empty array; it needs at least one token.")
+        if int(arr.min()) < 0:
+            raise ValueError(
+                f"Token file {path!r} holds negative id {int(arr.min())}; token ids must be >= 0."
+            )
+        top = int(arr.max())
+        if top > np.iinfo(np.int32).max:
+            raise ValueError(f"Token file {path!r} holds id {top}, which does not fit in int32.")
+        vocab = top + 1 if vocab_size is None else int(vocab_size)
+        tokens = arr.astype(np.int32)
+    else:
+        with open(path, "rb") as f:
+            data = f.read()
+        if not data:
+            raise ValueError(f"Token file {path!r} is empty; it needs at least one byte.")
+        tokens = np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+        vocab = VOCAB_SIZE_BYTES if vocab_size is None else int(vocab_size)
+    _check_vocab(tokens, vocab, f"Token file {path!r}")
+    return tokens, vocab
+
+
+def _check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    return int(value)
+
+
+class TokenBatches:
+    """Deterministic random windows over a token stream.
+
+    Batch ``step`` is a pure function of ``(tokens, seed, step)``: its window
+    start offsets come from ``np.random.default_rng([seed, step])``. There is no
+    iterator state, so batches can be requested in any order, by any process.
+
+    Example:
+      >>> tokens, _ = load_tokens(None)
+      >>> batches = TokenBatches(tokens, batch_size=8, seq_len=128, seed=0)
+      >>> batches.batch_at(0).shape
+      (8, 129)
+    """
+
+    def __init__(self, tokens, *, batch_size: int, seq_len: int, seed: int):
+        """Validates and stores the stream.
+
+        Args:
+          tokens: integer array-like of shape ``(n,)``; copied to a read-only
+            int32 array.
+          batch_size: rows per global batch, positive.
+          seq_len: model sequence length, positive; windows hold
+            ``seq_len + 1`` tokens (inputs plus shifted targets).
+          seed: non-negative integer seed.
+
+        Raises:
+          ValueError: on non-positive sizes, a negative seed, a non-integer or
+            non-1-D token array, or fewer than ``seq_len + 1`` tokens.
+        """
+        self._batch_size = _check_positive_int("batch_size", batch_size)
+        self._seq_len = _check_positive_int("seq_len", seq_len)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}.")
+        self._seed = int(seed)
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {arr.shape}; flatten it first.")
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"tokens must be an integer array, got dtype {arr.dtype}.")
+        if len(arr) < self._seq_len + 1:
+            raise ValueError(
+                f"Need at least seq_len + 1 = {self._seq_len + 1} tokens for one window, but the "
+                f"stream has only {len(arr)}; use a shorter seq_len or more data."
+            )
+        arr = arr.astype(np.int32)  # Always a copy: later edits to `tokens` cannot leak in.
+        arr.setflags(write=False)
+        self._tokens = arr
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Read-only int32 token stream, shape ``(n,)``."""
+        return self._tokens
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def seq_len(self) -> int:
+        return self._seq_len
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    def _starts(self, step: int) -> np.ndarray:
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}.")
+        rng = np.random.default_rng([self._seed, int(step)])
+        # Exclusive upper bound: the last window ends exactly at len(tokens).
+        high = len(self._tokens) - self._seq_len
+        return rng.integers(0, high, size=self._batch_size)
+
+    def _windows(self, starts: np.ndarray) -> np.ndarray:
+        offsets = np.arange(self._seq_len + 1)
+        return self._tokens[starts[:, None] + offsets[None, :]]
+
+    def batch_at(self, step: int) -> np.ndarray:
+        """Returns global batch number ``step``.
+
+        Args:
+          step: non-negative integer.
+
+        Returns:
+          int32 array of shape ``(batch_size, seq_len + 1)``.
+        """
+        return self._windows(self._starts(step))
+
+    def local_batch_at(self, step: int, *, process_index: int, process_count: int) -> np.ndarray:
+        """Returns this process's rows of global batch ``step``.
+
+        Process ``i`` of ``p`` gets rows ``[i * B/p, (i + 1) * B/p)`` of
+        ``batch_at(step)``, where ``B = batch_size``.
+
+        Args:
+          step: non-negative integer.
+          process_index: integer in ``[0, process_count)``.
+          process_count: positive integer dividing ``batch_size``.
+
+        Returns:
+          int32 array of shape ``(batch_size // process_count, seq_len + 1)``.
+
+        Raises:
+          ValueError: on a bad index/count or if ``batch_size`` is not divisible
+            by ``process_count``.
+        """
+        process_count = _check_positive_int("process_count", process_count)
+        if (
+            isinstance(process_index, bool)
+            or not isinstance(process_index, (int, np.integer))
+            or not 0 <= process_index < process_count
+        ):
+            raise ValueError(
+                f"process_index must be an integer in [0, {process_count}), got {process_index!r}."
+            )
+        if self._batch_size % process_count:
+            raise ValueError(
+                f"batch_size={self._batch_size} is not divisible by process_count={process_count}; "
+                "choose a global batch size that is a multiple of the number of processes."
+            )
+        rows = self._batch_size // process_count
+        lo = int(process_index) * rows
+        return self._windows(self._starts(step)[lo : lo + rows])
