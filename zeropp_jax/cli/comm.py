@@ -1,0 +1,111 @@
+"""``zeropp-comm``: what one train step moves, read from the compiled program.
+
+Compiles the step for the same model, mesh and config flags as
+``zeropp-train`` (nothing runs, no data is read beyond its vocabulary) and
+prints, per collective kind, dtype and mesh axis, the bytes each node takes
+in over its inter-node link and each device over intra-node links, counting
+loop trip counts, plus per-device memory from the compiler.
+
+When qgZ is active the schedule switches between two compiled variants
+(compressed, and full precision during warm-up or below the gradient gate);
+both are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from zeropp_jax.cli import common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zeropp-comm",
+        description="Compile the ZeRO train step without running it and report "
+        "its communication (inter-node / intra-node bytes per step) and memory.",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--dump-hlo", default=None, metavar="FILE", help="write the compiled HLO text here")
+    common.add_common_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    common.validate_args(parser, args)
+    common.prepare_devices(args)
+    try:
+        result, hlo = report(args)
+    except (ValueError, FileNotFoundError) as e:
+        common.fail(str(e))
+    if args.dump_hlo:
+        with open(args.dump_hlo, "w") as f:
+            f.write(hlo)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_result(result))
+    return 0
+
+
+def report(args: argparse.Namespace) -> tuple[dict, str]:
+    """Compiles the step variants and returns ``(json_dict, main_hlo_text)``."""
+    import jax
+
+    from zeropp_jax import data
+    from zeropp_jax.comm_report import comm_report
+    from zeropp_jax.models import gpt
+
+    vocab = data.VOCAB_SIZE_BYTES
+    if args.data is not None:
+        _, vocab = data.load_tokens(args.data)
+    mesh = common.build_mesh(args)
+    model_cfg = common.build_model(args, vocab)
+    shapes = jax.eval_shape(lambda k: gpt.init_params(model_cfg, k), jax.random.key(args.seed))
+    trainer = common.build_trainer(args, mesh, model_cfg, shapes)
+    state = trainer.abstract_state(shapes)
+    batch = jax.ShapeDtypeStruct(
+        (args.batch_size, args.seq_len + 1), jax.numpy.int32, sharding=trainer.batch_sharding
+    )
+    variants = {"compressed": True, "full_precision": False} if trainer.qgz_active else {"step": False}
+    out = {
+        "trainer": trainer.describe(),
+        "model": {
+            "params": trainer.layout.numel,
+            "param_bytes_fp32": 4 * trainer.layout.numel,
+            "tokens_per_step": args.batch_size * args.seq_len,
+        },
+        "variants": {},
+    }
+    main_hlo = ""
+    for name, compress in variants.items():
+        compiled = trainer.lower(state, batch, compress=compress).compile()
+        hlo = compiled.as_text()
+        main_hlo = main_hlo or hlo
+        rep = comm_report(compiled, mesh_shape=(trainer.nodes, trainer.local))
+        out["variants"][name] = {"report": rep.to_json(), "table": rep.format_table()}
+    first = next(iter(out["variants"].values()))["report"]
+    out["inter_node_bytes"] = first["inter_node_bytes"]
+    out["intra_node_bytes"] = first["intra_node_bytes"]
+    out["memory"] = first.get("memory")
+    return out, main_hlo
+
+
+def format_result(result: dict) -> str:
+    t = result["trainer"]
+    lines = [
+        f"zeropp-comm: preset={t['config']['preset']} mesh={t['mesh']['node']}x{t['mesh']['local']} "
+        f"params={t['params']:,} compute={t['compute_dtype']} grad_accum={t['config']['grad_accum']}",
+    ]
+    for name, variant in result["variants"].items():
+        lines.append("")
+        lines.append(f"[{name}] per optimizer step")
+        lines.append(variant["table"])
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
