@@ -142,9 +142,93 @@ def gather(tree: Any) -> Any:
 def layer(fn: Callable) -> Callable:
     """Marks ``fn`` as one layer: its gathered weights are recomputed, not saved.
 
-    ``fn`` should call :func:`gather` on the units it uses. Under
-    ``jax.checkpoint`` the forward keeps only ``fn``'s inputs (shards and
+    ``fn(*args)`` should call :func:`gather` on the :class:`Unit`\ s among its
+    arguments. The forward keeps only ``fn``'s inputs (shards and
     activations); the backward re-runs ``fn``, gathering the layer again, so
-    at most one layer's full parameters are alive at a time.
+    at most one layer's full parameters are alive at a time (``2L`` gathers
+    per step for ``L`` layers).
+
+    Like ``jax.checkpoint``, with the ordering made explicit in the data:
+
+    * forward: the units' shards are made to depend on the layer's other
+      inputs (its activations), so a layer's gather cannot be scheduled
+      before the previous layer has produced them; otherwise a scheduler
+      that ignores memory may issue every gather of a Python loop of layers
+      at the start;
+    * backward: the recomputation depends on the incoming cotangent, so it
+      cannot be merged with the forward gather. ``jax.checkpoint`` relies on
+      optimization barriers for this, which some XLA backends (CPU) drop
+      before common-subexpression elimination.
+
+    The dependency is an added ``0 * probe`` (guarded against non-finite
+    probes): opaque to every compiler pass, and one element-wise add over
+    the layer's shards.
     """
-    return jax.checkpoint(fn, prevent_cse=True)
+
+    @functools.wraps(fn)
+    def wrapped(*args):
+        converted, consts = jax.closure_convert(fn, *args)
+        return _rematerialized(converted, tuple(consts), args)
+
+    return wrapped
+
+
+def _call_in_order(fn: Callable, consts: tuple, args: tuple) -> Any:
+    activations = jax.tree.map(lambda x: None if _is_unit(x) else x, args, is_leaf=_is_unit)
+    args = jax.tree.map(
+        lambda x: Unit(_after(x.source, activations), x.sink, x.layout, x.plan)
+        if _is_unit(x) else x,
+        args,
+        is_leaf=_is_unit,
+    )
+    return fn(*args, *consts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rematerialized(fn: Callable, consts: tuple, args: tuple) -> Any:
+    return _call_in_order(fn, consts, args)
+
+
+def _remat_fwd(fn, consts, args):
+    return _call_in_order(fn, consts, args), (consts, args)
+
+
+def _remat_bwd(fn, residuals, cotangent):
+    consts, args = _after(residuals, cotangent)
+    _, vjp = jax.vjp(lambda c, a: _call_in_order(fn, c, a), consts, args)
+    return vjp(cotangent)
+
+
+_rematerialized.defvjp(_remat_fwd, _remat_bwd)
+
+
+def _after(tree: Any, deps: Any) -> Any:
+    """Returns ``tree`` unchanged in value but computed after ``deps``."""
+    probes = [
+        x for x in jax.tree.leaves(deps)
+        if hasattr(x, "dtype") and x.dtype != jnp.bool_ and x.size
+        and (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer))
+    ]
+    if not probes:
+        return tree
+    probe = jnp.reshape(probes[0], (-1,))[0].astype(jnp.float32)
+    zero = jnp.where(jnp.isfinite(probe), probe * 0.0, 0.0)
+    zero_vma = _varying_axes(zero)
+
+    def tie(x):
+        if not hasattr(x, "dtype") or x.dtype == jnp.bool_ or not x.size:
+            return x
+        if not zero_vma <= _varying_axes(x):
+            return x  # adding a varying zero would change x's type
+        return x + zero.astype(x.dtype)
+
+    return jax.tree.map(tie, tree)
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+    """Mesh axes over which ``x`` varies inside shard_map (JAX 0.10 and 0.11)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))

@@ -1,0 +1,288 @@
+"""End-to-end tests of the console scripts ``zeropp-train`` and ``zeropp-comm``.
+
+Each run is a fresh subprocess (``python -m zeropp_jax.cli.<name>``): the CLI
+fixes the simulated host device count from ``--mesh`` before JAX starts, which
+cannot happen inside this pytest process (conftest already fixed 8 devices).
+Runs that several assertions share are module-scoped fixtures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+
+import numpy as np
+import pytest
+
+from _util import read_jsonl, run_cli
+
+TRAIN = ("-m", "zeropp_jax.cli.train")
+COMM = ("-m", "zeropp_jax.cli.comm")
+TINY_ARGS = (
+    "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16",
+    "--batch-size", "8", "--dtype", "fp32",
+)
+EQUIVALENCE_STEPS = 20
+DEFAULT_MODEL_STEPS = 60
+# Argument checks need no compilation; a few seconds of interpreter and JAX
+# start-up are allowed, a compiled train step is not.
+QUICK_FAILURE_S = 20.0
+
+
+def _ok(proc) -> None:
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    )
+
+
+def _summary(stdout: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.startswith("summary: ")]
+    assert len(lines) == 1, f"expected one summary line in:\n{stdout}"
+    return json.loads(lines[0][len("summary: "):])
+
+
+def _header(stdout: str) -> str:
+    lines = [line for line in stdout.splitlines() if line.startswith("zeropp-train: ")]
+    assert len(lines) == 1, f"expected one header line in:\n{stdout}"
+    return lines[0]
+
+
+def _train(tmp_dir, name, *args, env_devices=None):
+    """Runs zeropp-train; returns (process, per-step metrics or None)."""
+    metrics = tmp_dir / f"{name}.jsonl"
+    proc = run_cli(
+        *TRAIN, "--no-progress", "--metrics-out", str(metrics), *args,
+        env_devices=env_devices,
+    )
+    return proc, (read_jsonl(metrics) if metrics.exists() else None)
+
+
+# --- 1. the mesh shape does not change the losses ---------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mesh_runs")
+    runs = {}
+    for mesh in ("1x1", "2x4", "1x8"):
+        runs[mesh] = _train(
+            tmp, mesh, *TINY_ARGS, "--mesh", mesh, "--preset", "zero3",
+            "--steps", str(EQUIVALENCE_STEPS),
+        )
+    return runs
+
+
+@pytest.mark.parametrize("mesh", ["1x1", "2x4", "1x8"])
+def test_train_runs_and_writes_one_metrics_line_per_step(mesh_runs, mesh):
+    proc, metrics = mesh_runs[mesh]
+    _ok(proc)
+    assert f"mesh={mesh}" in _header(proc.stdout)
+    assert [m["step"] for m in metrics] == list(range(EQUIVALENCE_STEPS))
+    assert all(math.isfinite(m["loss"]) for m in metrics)
+
+
+@pytest.mark.parametrize("mesh", ["2x4", "1x8"])
+def test_sharded_losses_match_single_device(mesh_runs, mesh):
+    _, reference = mesh_runs["1x1"]
+    _, sharded = mesh_runs[mesh]
+    np.testing.assert_allclose(
+        [m["loss"] for m in sharded], [m["loss"] for m in reference], rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("mesh", ["1x1", "2x4", "1x8"])
+def test_summary_line_reports_first_and_final_loss(mesh_runs, mesh):
+    proc, metrics = mesh_runs[mesh]
+    summary = _summary(proc.stdout)
+    assert summary["preset"] == "zero3"
+    assert summary["mesh"] == mesh
+    assert summary["steps"] == EQUIVALENCE_STEPS
+    assert summary["first_loss"] == pytest.approx(metrics[0]["loss"], rel=1e-7)
+    assert summary["final_loss"] == pytest.approx(metrics[-1]["loss"], rel=1e-7)
+    assert summary["final_loss"] < summary["first_loss"]
+
+
+# --- 2. the default model learns the default data ---------------------------
+
+
+def test_default_model_loss_falls(tmp_path):
+    proc, metrics = _train(tmp_path, "default", "--steps", str(DEFAULT_MODEL_STEPS))
+    _ok(proc)
+    header = _header(proc.stdout)
+    assert "mesh=2x4" in header  # the simulated default on a CPU-only host
+    assert "vocab=256" in header
+    losses = np.array([m["loss"] for m in metrics])
+    assert len(losses) == DEFAULT_MODEL_STEPS
+    # Byte tokens start near ln(256) = 5.55 nats.
+    assert abs(losses[0] - math.log(256)) < 0.5, losses[0]
+    drop = losses[0] - losses[-10:].mean()
+    assert drop >= 1.5, f"loss fell only {drop:.3f} nats: {losses.round(3).tolist()}"
+
+
+# --- 3. bad input fails fast with a clear message ---------------------------
+
+
+def _error_lines(stderr: str) -> str:
+    """The ``error:`` lines (argparse also prints a usage block with digits)."""
+    return "\n".join(line for line in stderr.splitlines() if "error:" in line)
+
+
+BAD_INPUTS = {
+    # 8 devices forced through XLA_FLAGS, so 3x3 cannot be derived from --mesh.
+    "mesh_3x3_on_8_devices": (("--mesh", "3x3"), 8, [r"\b9\b", r"\b8\b", "3x3"]),
+    "batch_not_divisible": (
+        ("--mesh", "2x4", "--batch-size", "12"), None, [r"\b12\b", r"\b8\b", "batch"]
+    ),
+    "unknown_preset": (("--preset", "zero4"), None, ["zero4", "preset"]),
+    "zero_steps": (("--steps", "0"), None, ["--steps", r"\b0\b"]),
+    "negative_layers": (("--layers", "-1"), None, ["--layers", "-1"]),
+    "heads_do_not_divide_width": (
+        ("--d-model", "30", "--heads", "4"), None, [r"\b30\b", r"\b4\b", "heads"]
+    ),
+    "missing_data": (("--data", "/nonexistent"), None, ["/nonexistent"]),
+    "empty_data": (("--data", "{empty}"), None, ["{empty}", "empty"]),
+    "malformed_mesh": (("--mesh", "banana"), None, ["banana", "NODESxLOCAL"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_fails_before_compiling(tmp_path, case):
+    args, env_devices, needles = BAD_INPUTS[case]
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    args = [a.replace("{empty}", str(empty)) for a in args]
+    needles = [n.replace("{empty}", re.escape(str(empty))) for n in needles]
+    # Tiny model flags first: the case's own flags override them.
+    start = time.perf_counter()
+    proc, metrics = _train(
+        tmp_path, case, *TINY_ARGS, "--steps", "3", *args, env_devices=env_devices
+    )
+    elapsed = time.perf_counter() - start
+
+    assert proc.returncode != 0, f"accepted {args}:\n{proc.stdout}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    message = _error_lines(proc.stderr)
+    assert message, f"no error line in stderr:\n{proc.stderr}"
+    for needle in needles:
+        assert re.search(needle, message), f"{needle!r} not in {message!r}"
+    assert "zeropp-train: " not in proc.stdout
+    assert "summary:" not in proc.stdout
+    assert not metrics  # no step ran
+    assert elapsed < QUICK_FAILURE_S, f"took {elapsed:.1f}s to reject {args}"
+
+
+def test_device_count_follows_mesh_when_not_forced(tmp_path):
+    """Without XLA_FLAGS the CLI asks XLA for NODES*LOCAL host devices."""
+    proc, metrics = _train(
+        tmp_path, "3x3", *TINY_ARGS, "--mesh", "3x3", "--batch-size", "9", "--steps", "2"
+    )
+    _ok(proc)
+    assert "mesh=3x3" in _header(proc.stdout)
+    assert len(metrics) == 2
+
+
+# --- 4. zeropp-comm ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def comm_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("comm")
+    hlo = tmp / "zero3.hlo"
+    base = (*COMM, *TINY_ARGS, "--mesh", "2x4")
+    return {
+        "zero3": run_cli(*base, "--preset", "zero3", "--json", "--dump-hlo", str(hlo)),
+        "zeropp": run_cli(*base, "--preset", "zeropp", "--json"),
+        "table": run_cli(*base, "--preset", "zero3"),
+        "hlo_path": hlo,
+    }
+
+
+def _comm_json(proc) -> dict:
+    _ok(proc)
+    return json.loads(proc.stdout)
+
+
+def test_comm_json_zero3_crosses_nodes(comm_runs):
+    result = _comm_json(comm_runs["zero3"])
+    assert result["inter_node_bytes"] > 0
+    assert result["intra_node_bytes"] > 0
+    assert result["trainer"]["config"]["preset"] == "zero3"
+    assert set(result["variants"]) == {"step"}  # no qgZ: one compiled variant
+
+
+def test_comm_json_zeropp_cuts_inter_node_bytes(comm_runs):
+    zero3 = _comm_json(comm_runs["zero3"])
+    zeropp = _comm_json(comm_runs["zeropp"])
+    assert zeropp["trainer"]["config"]["preset"] == "zeropp"
+    assert 0 < zeropp["inter_node_bytes"] <= zero3["inter_node_bytes"] / 5, (
+        zeropp["inter_node_bytes"], zero3["inter_node_bytes"]
+    )
+    # Same model in both reports.
+    assert zeropp["model"]["params"] == zero3["model"]["params"]
+
+
+def test_comm_dump_hlo(comm_runs):
+    _ok(comm_runs["zero3"])
+    text = comm_runs["hlo_path"].read_text()
+    assert "HloModule" in text
+    assert "all-gather" in text
+
+
+def test_comm_table(comm_runs):
+    proc = comm_runs["table"]
+    _ok(proc)
+    assert proc.stdout.startswith("zeropp-comm: preset=zero3 mesh=2x4")
+    assert "inter" in proc.stdout
+    assert "memory" in proc.stdout
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(proc.stdout)
+
+
+# --- 5. --data: a text file and a .npy of token ids -------------------------
+
+
+def _text(n_bytes: int) -> str:
+    words = (
+        "the quick brown fox jumps over a lazy dog while sharded parameters "
+        "are gathered layer by layer and gradients are reduced across nodes"
+    ).split()
+    rng = np.random.default_rng(0)
+    out, size = [], 0
+    while size < n_bytes:
+        line = " ".join(rng.choice(words, size=12)) + ".\n"
+        out.append(line)
+        size += len(line)
+    return "".join(out)
+
+
+def test_train_on_text_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(_text(4096))
+    proc, metrics = _train(tmp_path, "text", *TINY_ARGS, "--data", str(path), "--steps", "3")
+    _ok(proc)
+    header = _header(proc.stdout)
+    assert "vocab=256" in header  # bytes
+    assert f"tokens={path.stat().st_size:,}" in header
+    assert "mesh=2x4" in header
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert all(math.isfinite(m["loss"]) for m in metrics)
+    assert _summary(proc.stdout)["steps"] == 3
+
+
+def test_train_on_npy_token_ids(tmp_path):
+    vocab = 50
+    ids = np.random.default_rng(0).integers(0, vocab, size=5000).astype(np.int32)
+    ids[0] = vocab - 1  # the vocabulary is max id + 1
+    path = tmp_path / "ids.npy"
+    np.save(path, ids)
+    proc, metrics = _train(tmp_path, "npy", *TINY_ARGS, "--data", str(path), "--steps", "3")
+    _ok(proc)
+    header = _header(proc.stdout)
+    assert f"vocab={vocab}" in header
+    assert "tokens=5,000" in header
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    # An untrained model predicts near-uniformly over the 50 ids, not 256.
+    assert abs(metrics[0]["loss"] - math.log(vocab)) < 0.3, metrics[0]["loss"]
+    assert _summary(proc.stdout)["steps"] == 3
