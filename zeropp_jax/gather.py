@@ -142,7 +142,7 @@ def gather(tree: Any) -> Any:
 def layer(fn: Callable) -> Callable:
     """Marks ``fn`` as one layer: its gathered weights are recomputed, not saved.
 
-    ``fn(*args)`` should call :func:`gather` on the :class:`Unit`\ s among its
+    ``fn(*args)`` should call :func:`gather` on the :class:`Unit` handles among its
     arguments. The forward keeps only ``fn``'s inputs (shards and
     activations); the backward re-runs ``fn``, gathering the layer again, so
     at most one layer's full parameters are alive at a time (``2L`` gathers

@@ -1,0 +1,128 @@
+"""The compiled step does per-layer ZeRO-3: read from the HLO, not timed.
+
+For L layers the step must run about 2L all-gathers (forward, and again in
+the backward), not one whole-model gather, and its temporary memory must grow
+with the largest layer, not with depth.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import zeropp_jax as zp
+from zeropp_jax.comm_report import comm_report
+from zeropp_jax.models import gpt
+
+from _util import mesh_of
+
+MESH = (2, 4)
+
+
+def compile_step(loss, shapes, *, config=None, per_layer=True, stacked=(), batch=None):
+    trainer = zp.make_trainer(
+        loss, optax.adam(1e-3), shapes, mesh=mesh_of(*MESH),
+        config=config or zp.ZeroConfig(compute_dtype="float32"),
+        per_layer=per_layer, stacked=stacked,
+    )
+    state = trainer.abstract_state(shapes)
+    batch = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=trainer.batch_sharding)
+    compiled = trainer.lower(state, batch).compile()
+    return trainer, compiled, comm_report(compiled, mesh_shape=MESH)
+
+
+def executions(report, kind):
+    return sum(c.count for c in report.collectives if c.kind == kind)
+
+
+def gpt_step(n_layers, preset="zero3", per_layer=True):
+    cfg = gpt.GPTConfig(n_layers=n_layers, d_model=128, n_heads=4, seq_len=16)
+    shapes = jax.eval_shape(lambda k: gpt.init_params(cfg, k), jax.random.key(0))
+    if per_layer:
+        loss = functools.partial(gpt.loss_fn, cfg=cfg, gather=zp.gather, layer=zp.layer)
+    else:
+        loss = functools.partial(gpt.loss_fn, cfg=cfg)
+    batch = jax.ShapeDtypeStruct((8, 17), jnp.int32)
+    config = zp.ZeroConfig.from_preset(preset, compute_dtype="float32")
+    return compile_step(
+        loss, shapes, config=config, per_layer=per_layer,
+        stacked=("blocks",) if per_layer else (), batch=batch,
+    )
+
+
+def block_bytes(trainer):
+    return 4 * trainer.layout.unit("blocks").padded
+
+
+def test_scan_layers_gather_twice_per_layer_and_memory_is_flat_in_depth():
+    t2, c2, r2 = gpt_step(2)
+    t6, c6, r6 = gpt_step(6)
+    # every extra layer adds exactly one forward and one backward gather
+    assert executions(r6, "all-gather") - executions(r2, "all-gather") == 2 * 4
+    assert executions(r6, "reduce-scatter") - executions(r2, "reduce-scatter") == 4
+    # a gather is one layer, never the stacked blocks or the whole model
+    largest = max(c.result_bytes for c in r6.collectives if c.kind == "all-gather")
+    assert largest <= block_bytes(t6)
+    # temporaries grow by the sharded gradient of a layer (1/8 of it), not
+    # by a gathered layer per layer of depth
+    growth_per_layer = (
+        c6.memory_analysis().temp_size_in_bytes - c2.memory_analysis().temp_size_in_bytes
+    ) / 4
+    assert growth_per_layer < 0.25 * block_bytes(t6), growth_per_layer
+
+
+def _python_loop_model(n_layers, width=256):
+    shapes = {
+        f"layer{i}": {"w": jax.ShapeDtypeStruct((width, width), jnp.float32),
+                      "b": jax.ShapeDtypeStruct((width,), jnp.float32)}
+        for i in range(n_layers)
+    }
+
+    def loss(params, x):
+        for i in range(n_layers):
+            def one(unit, h):
+                p = zp.gather(unit)
+                return jnp.tanh(h @ p["w"] + p["b"][None, :])
+
+            x = zp.layer(one)(params[f"layer{i}"], x)
+        return jnp.mean(jnp.square(x))
+
+    return shapes, loss
+
+
+def test_python_loop_layers_gather_twice_per_layer_and_memory_is_flat_in_depth():
+    results = {}
+    for n in (2, 8):
+        shapes, loss = _python_loop_model(n)
+        batch = jax.ShapeDtypeStruct((8, 256), jnp.float32)
+        trainer, compiled, report = compile_step(loss, shapes, batch=batch)
+        results[n] = (trainer, compiled, report)
+        assert executions(report, "all-gather") == 2 * n
+        assert executions(report, "reduce-scatter") == n
+    layer_bytes = 4 * results[8][0].layout.unit("layer0").padded
+    growth = (
+        results[8][1].memory_analysis().temp_size_in_bytes
+        - results[2][1].memory_analysis().temp_size_in_bytes
+    ) / 6
+    assert growth < 0.25 * layer_bytes, growth
+
+
+def test_whole_model_fallback_gathers_everything_once():
+    trainer, _, report = gpt_step(2, per_layer=False)
+    gathers = [c for c in report.collectives if c.kind == "all-gather"]
+    assert sum(c.count for c in gathers) == 1
+    assert gathers[0].result_bytes == 4 * trainer.layout.padded_numel
+
+
+def test_zero3_collectives_span_all_devices_in_fp32():
+    _, _, report = gpt_step(2)
+    for c in report.collectives:
+        if c.kind in ("all-gather", "reduce-scatter"):
+            assert c.axis == "node+local", c
+            assert c.dtype == "f32", c
+    assert report.inter_node_bytes > 0
+    assert report.exact
