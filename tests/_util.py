@@ -15,6 +15,7 @@ import optax
 
 import zeropp_jax as zp
 from zeropp_jax import data
+from zeropp_jax.comm_report import comm_report
 from zeropp_jax.models import gpt
 
 TINY = gpt.GPTConfig(vocab_size=256, seq_len=16, n_layers=2, d_model=32, n_heads=2)
@@ -91,3 +92,37 @@ def run_cli(*args, env_devices=None, timeout=600):
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+MESH = (2, 4)
+
+
+def compile_step(loss, shapes, *, config=None, per_layer=True, stacked=(), batch=None):
+    trainer = zp.make_trainer(
+        loss, optax.adam(1e-3), shapes, mesh=mesh_of(*MESH),
+        config=config or zp.ZeroConfig(compute_dtype="float32"),
+        per_layer=per_layer, stacked=stacked,
+    )
+    state = trainer.abstract_state(shapes)
+    batch = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=trainer.batch_sharding)
+    compiled = trainer.lower(state, batch).compile()
+    return trainer, compiled, comm_report(compiled, mesh_shape=MESH)
+
+
+def executions(report, kind):
+    return sum(c.count for c in report.collectives if c.kind == kind)
+
+
+def gpt_step(n_layers, preset="zero3", per_layer=True, **overrides):
+    cfg = gpt.GPTConfig(n_layers=n_layers, d_model=128, n_heads=4, seq_len=16)
+    shapes = jax.eval_shape(lambda k: gpt.init_params(cfg, k), jax.random.key(0))
+    if per_layer:
+        loss = functools.partial(gpt.loss_fn, cfg=cfg, gather=zp.gather, layer=zp.layer)
+    else:
+        loss = functools.partial(gpt.loss_fn, cfg=cfg)
+    batch = jax.ShapeDtypeStruct((8 * overrides.get("grad_accum", 1), 17), jnp.int32)
+    config = zp.ZeroConfig.from_preset(preset, compute_dtype="float32", **overrides)
+    return compile_step(
+        loss, shapes, config=config, per_layer=per_layer,
+        stacked=("blocks",) if per_layer else (), batch=batch,
+    )

@@ -7,51 +7,11 @@ with the largest layer, not with depth.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import optax
-import pytest
-
 import zeropp_jax as zp
-from zeropp_jax.comm_report import comm_report
-from zeropp_jax.models import gpt
 
-from _util import mesh_of
-
-MESH = (2, 4)
-
-
-def compile_step(loss, shapes, *, config=None, per_layer=True, stacked=(), batch=None):
-    trainer = zp.make_trainer(
-        loss, optax.adam(1e-3), shapes, mesh=mesh_of(*MESH),
-        config=config or zp.ZeroConfig(compute_dtype="float32"),
-        per_layer=per_layer, stacked=stacked,
-    )
-    state = trainer.abstract_state(shapes)
-    batch = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=trainer.batch_sharding)
-    compiled = trainer.lower(state, batch).compile()
-    return trainer, compiled, comm_report(compiled, mesh_shape=MESH)
-
-
-def executions(report, kind):
-    return sum(c.count for c in report.collectives if c.kind == kind)
-
-
-def gpt_step(n_layers, preset="zero3", per_layer=True):
-    cfg = gpt.GPTConfig(n_layers=n_layers, d_model=128, n_heads=4, seq_len=16)
-    shapes = jax.eval_shape(lambda k: gpt.init_params(cfg, k), jax.random.key(0))
-    if per_layer:
-        loss = functools.partial(gpt.loss_fn, cfg=cfg, gather=zp.gather, layer=zp.layer)
-    else:
-        loss = functools.partial(gpt.loss_fn, cfg=cfg)
-    batch = jax.ShapeDtypeStruct((8, 17), jnp.int32)
-    config = zp.ZeroConfig.from_preset(preset, compute_dtype="float32")
-    return compile_step(
-        loss, shapes, config=config, per_layer=per_layer,
-        stacked=("blocks",) if per_layer else (), batch=batch,
-    )
+from _util import compile_step, executions, gpt_step
 
 
 def block_bytes(trainer):
