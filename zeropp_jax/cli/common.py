@@ -34,6 +34,13 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -70,7 +77,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         help="compute dtype of gathered parameters: auto (bf16 on GPU, fp32 on "
-        "CPU), bf16, fp32",
+        "CPU), bf16, fp32, fp16",
     )
 
     g = parser.add_argument_group("ZeRO++ (a preset, then overrides)")
@@ -88,7 +95,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         help="optimizer steps at full precision before qgZ compresses",
     )
     g.add_argument(
-        "--qgz-min-grad-rms", type=float, default=None,
+        "--qgz-min-grad-rms", type=non_negative_float, default=None,
         help="compress only while the gradient RMS is at least this (0: always)",
     )
     g.add_argument(
@@ -111,7 +118,7 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.d_model % args.heads:
         parser.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
     if args.dtype not in ("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16"):
-        parser.error(f"--dtype must be auto, bf16 or fp32, got {args.dtype!r}")
+        parser.error(f"--dtype must be auto, bf16, fp32 or fp16, got {args.dtype!r}")
     if args.data is not None:
         if not os.path.exists(args.data):
             parser.error(f"--data {args.data}: no such file")
