@@ -459,9 +459,40 @@ class Trainer:
             )
         return join_units(trees, self.layout)
 
+    def memory_per_device(self) -> dict:
+        """Bytes each device holds per ZeRO++ structure (from the layout).
+
+        ``hpz_secondary`` is hpZ's extra cost: the node's copy of the model,
+        sharded over ``local`` only, built once per step. ``grad_accumulator``
+        holds gradients between the backward and the cross-node reduction:
+        ``1/local`` of the model with hierarchical gradients (hpZ or qgZ),
+        ``1/(nodes*local)`` otherwise. ``qgz_carry`` is the error-feedback
+        carry (``1/local`` of the model, float32).
+        """
+        cfg = self.config
+        padded = self.layout.padded_numel
+        per_local = padded // self.local
+        secondary = 0
+        if cfg.hpz:
+            if cfg.qwz_bits:
+                secondary = quantization.wire_bytes(
+                    per_local, bits=cfg.qwz_bits, block=cfg.qwz_block,
+                    scale_dtype=cfg.scale_dtype,
+                )
+            else:
+                secondary = per_local * jnp.dtype(self.compute_dtype).itemsize
+        accumulator = 4 * (per_local if cfg.hierarchical_grads else padded // self.n_devices)
+        return {
+            "master_params": 4 * padded // self.n_devices,
+            "hpz_secondary": secondary,
+            "grad_accumulator": accumulator,
+            "qgz_carry": 4 * per_local if self.error_feedback else 0,
+        }
+
     def describe(self) -> dict:
         """What runs where: plain data for reports and metrics files."""
         return {
+            "memory_per_device": self.memory_per_device(),
             "mesh": {"node": self.nodes, "local": self.local},
             "config": self.config.describe(),
             "compute_dtype": jnp.dtype(self.compute_dtype).name,

@@ -99,6 +99,9 @@ def format_result(result: dict) -> str:
     lines = [
         f"zeropp-comm: preset={t['config']['preset']} mesh={t['mesh']['node']}x{t['mesh']['local']} "
         f"params={t['params']:,} compute={t['compute_dtype']} grad_accum={t['config']['grad_accum']}",
+        "state per device: " + ", ".join(
+            f"{k} {v / 2**20:.2f} MiB" for k, v in t["memory_per_device"].items()
+        ),
     ]
     for name, variant in result["variants"].items():
         lines.append("")
