@@ -283,13 +283,17 @@ class Trainer:
         if any(not isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
             batch = self.shard_batch(batch)
         with jax.set_mesh(self.mesh):
-            return self._step_jit(bool(compress))(state, batch)
+            return self._step_variants[bool(compress)](state, batch)
 
-    @functools.cache
-    def _step_jit(self, compress: bool) -> Callable:
-        return jax.jit(
-            functools.partial(self._step_global, compress=compress), donate_argnums=0
-        )
+    @functools.cached_property
+    def _step_variants(self) -> dict[bool, Callable]:
+        """The two compiled step variants of the qgZ schedule (lazily jitted)."""
+        return {
+            compress: jax.jit(
+                functools.partial(self._step_global, compress=compress), donate_argnums=0
+            )
+            for compress in (True, False)
+        }
 
     def lower(self, state: Any, batch: Any, *, compress: bool | None = None):
         """Lowers the step (for the communication report), without running it.
@@ -300,7 +304,7 @@ class Trainer:
         if compress is None:
             compress = self.qgz_active
         with jax.set_mesh(self.mesh):
-            return self._step_jit(bool(compress)).lower(state, batch)
+            return self._step_variants[bool(compress)].lower(state, batch)
 
     def abstract_state(self, params_shapes: Any) -> TrainState:
         """The state's shapes, dtypes and shardings, computed without data."""

@@ -68,6 +68,15 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--seed", type=int, default=0)
 
+    g = parser.add_argument_group("multi-host (jax.distributed)")
+    g.add_argument(
+        "--coordinator", default=None, metavar="HOST:PORT",
+        help="coordinator address of a multi-process run (default: from the "
+        "environment: SLURM, Open MPI, or zeropp-launch)",
+    )
+    g.add_argument("--num-processes", type=positive_int, default=None)
+    g.add_argument("--process-id", type=int, default=None)
+
     g = parser.add_argument_group("model (GPT decoder, byte-level)")
     g.add_argument("--layers", type=positive_int, default=4)
     g.add_argument("--d-model", type=positive_int, default=128)
@@ -141,6 +150,17 @@ def prepare_devices(args: argparse.Namespace) -> None:
         os.environ["XLA_FLAGS"] = (
             f"{flags} --xla_force_host_platform_device_count={nodes * local}".strip()
         )
+
+
+def init_distributed(args: argparse.Namespace) -> None:
+    """Joins a multi-process run if the flags or the environment describe one."""
+    from zeropp_jax import distributed
+
+    distributed.initialize(
+        coordinator=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+    )
 
 
 def build_mesh(args: argparse.Namespace):

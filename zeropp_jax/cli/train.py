@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     common.validate_args(parser, args)
     common.prepare_devices(args)
+    common.init_distributed(args)
     return run(args)
 
 

@@ -1,0 +1,256 @@
+"""Quantization error vs scale overhead per block size, on real GPT tensors.
+
+What is measured
+----------------
+The example byte-level GPT (``zeropp_jax.models.gpt`` at the CLI defaults:
+4 layers, d_model 128, 842,496 parameters) is trained in this process on one
+device with plain optax (``clip_by_global_norm(1)`` + Adam 3e-3, the CLI's
+optimizer), batch 16 x 128 tokens of the default data, for ``--steps`` steps
+(default 50). Three sets of tensors are then quantized:
+
+* ``init weights``: the initial parameters (seed 0);
+* ``trained weights``: the parameters after ``--steps`` steps;
+* ``gradients``: the gradient of the loss at the trained parameters on the
+  next batch (before clipping).
+
+Each set is flattened exactly as the trainer stores it
+(:func:`zeropp_jax.layout.flatten_unit`: one flat vector per unit, i.e. the
+embeddings, each transformer layer, the final LayerNorm; leaves concatenated
+in tree order), so blocks straddle leaf boundaries the way they do on the
+wire, e.g. a block holding LayerNorm scales (about 1.0) next to weights of
+about 0.02. The vectors are zero-padded to a multiple of 4096 so every block
+size divides them; errors are taken over the real elements only.
+
+For bits 8 and 4 (absmax, :func:`zeropp_jax.quantization.quantize`) on all
+three sets and for 1 bit (sign with a mean-|x| scale per block, qgZ's
+format) on the gradients, and blocks 32 ... 4096, the table gives
+
+* ``rel L2``: ``||x - x_hat|| / ||x||`` over all units;
+* ``vs finest``: that error divided by the error at block 32;
+* ``max err / absmax``: ``max |x - x_hat|`` over ``max |x|``;
+* ``scale overhead``: float32 scale bytes as % of the payload bytes
+  (``32 / (bits * block)``, from :func:`zeropp_jax.quantization.wire_bytes`).
+
+How the default block (``DEFAULT_QWZ_BLOCK = DEFAULT_QGZ_BLOCK = 256``) is chosen
+--------------------------------------------------------------------------------
+A scale costs 4 bytes per block whatever the bits, so its share of the wire
+falls as ``1 / block``: for int8 it is 12.5% at 32, 3.1% at 128, 1.6% at 256
+and 0.8% at 512; for int4 and 1 bit it is 2x and 8x that. The error grows
+with the block because one absmax (or one mean) has to cover more, more
+varied, values. The rule applied below (``choose_block``) is: the largest
+block whose relative L2 error is within ``--tolerance`` (default 10%) of the
+finest block's while the int8 scale overhead is at most 2%; 256 is the
+smallest block that meets the overhead bound, so the rule returns 256 exactly
+when going from the finest block to 256 costs less than the tolerance in
+error. The script prints, per tensor set and bits, the error ratio at 256 vs
+the finest block and the block the rule picks, so the choice can be checked
+against the data (see the ``choice`` section of the output and the JSON).
+
+Usage::
+
+  python benchmarks/quantization_blocks.py            # ~1 minute on 2 CPU cores
+  python benchmarks/quantization_blocks.py --steps 100 --json-out q.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+BLOCKS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+ALIGN = max(BLOCKS)
+DEFAULT_BLOCK = 256
+MAX_OVERHEAD_INT8 = 0.02  # scale bytes / int8 payload bytes
+
+
+def log(message: str) -> None:
+    print(f"[quantization_blocks] {message}", file=sys.stderr, flush=True)
+
+
+def train_tensors(steps: int, seed: int, lr: float) -> dict:
+    """Returns ``{"init weights": tree, "trained weights": tree, "gradients": tree}``."""
+    import jax
+
+    from zeropp_jax import data
+    from zeropp_jax.cli.common import make_optimizer
+    from zeropp_jax.models import gpt
+
+    tokens, vocab = data.load_tokens(None)
+    cfg = gpt.GPTConfig(vocab_size=vocab)
+    batches = data.TokenBatches(tokens, batch_size=16, seq_len=cfg.seq_len, seed=seed)
+    params = gpt.init_params(cfg, jax.random.key(seed))
+    init = jax.tree.map(lambda x: x.copy(), params)
+    optimizer = make_optimizer(lr)
+    opt_state = optimizer.init(params)
+    grad_fn = jax.jit(jax.value_and_grad(lambda p, b: gpt.loss_fn(p, b, cfg)))
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss, grads = grad_fn(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return jax.tree.map(lambda p, u: p + u, params, updates), opt_state, loss
+
+    t0 = time.perf_counter()
+    loss = None
+    for i in range(steps):
+        params, opt_state, loss = step(params, opt_state, batches.batch_at(i))
+    loss_now, grads = grad_fn(params, batches.batch_at(steps))
+    log(
+        f"trained {steps} steps in {time.perf_counter() - t0:.1f}s: last train loss "
+        f"{float(loss) if loss is not None else float('nan'):.4f}, loss at gradient batch "
+        f"{float(loss_now):.4f}"
+    )
+    return {"init weights": init, "trained weights": params, "gradients": grads}
+
+
+def flat_units(tree) -> list:
+    """``[(flat (rows, padded) float32, numel)]``, one per unit, as the trainer flattens."""
+    import jax.numpy as jnp
+
+    from zeropp_jax.layout import build_layout, flatten_unit, split_units
+
+    layout = build_layout(tree, n_devices=1, align=ALIGN, per_layer=True, stacked=("blocks",))
+    trees = split_units(tree, layout)
+    out = []
+    for u in layout.units:
+        flat = flatten_unit(trees[u.name], u)
+        out.append((jnp.reshape(flat, (-1, u.padded)), u.numel))
+    return out
+
+
+def measure(units: list, bits: int, block: int) -> dict:
+    import jax.numpy as jnp
+
+    from zeropp_jax.quantization import dequantize, quantize
+
+    err_sq = x_sq = 0.0
+    max_err = absmax = 0.0
+    for flat, numel in units:
+        q = quantize(flat, bits=bits, block=block)
+        err = dequantize(q, bits=bits, block=block, dtype=jnp.float32) - flat
+        real = flat[:, :numel]
+        err = err[:, :numel]
+        err_sq += float(jnp.sum(err * err))
+        x_sq += float(jnp.sum(real * real))
+        max_err = max(max_err, float(jnp.max(jnp.abs(err))))
+        absmax = max(absmax, float(jnp.max(jnp.abs(real))))
+    return {
+        "relative_l2_error": (err_sq / x_sq) ** 0.5 if x_sq else 0.0,
+        "max_abs_error_over_absmax": max_err / absmax if absmax else 0.0,
+    }
+
+
+def scale_overhead(bits: int, block: int) -> float:
+    """Scale bytes as a fraction of payload bytes (float32 scales)."""
+    from zeropp_jax.quantization import wire_bytes
+
+    n = ALIGN * 8  # any multiple of every block
+    payload = n * bits // 8
+    return (wire_bytes(n, bits=bits, block=block) - payload) / payload
+
+
+def choose_block(rows: list, tolerance: float) -> dict:
+    """The largest block with error within ``tolerance`` of the finest, int8 overhead <= 2%."""
+    finest = rows[0]["relative_l2_error"]
+    ok = [
+        r["block"] for r in rows
+        if r["relative_l2_error"] <= (1 + tolerance) * finest
+        and scale_overhead(8, r["block"]) <= MAX_OVERHEAD_INT8 + 1e-12
+    ]
+    at_default = next(r for r in rows if r["block"] == DEFAULT_BLOCK)
+    return {
+        "chosen_block": max(ok) if ok else None,
+        "error_ratio_at_default_vs_finest": at_default["relative_l2_error"] / finest if finest else 1.0,
+        "default_within_tolerance": at_default["relative_l2_error"] <= (1 + tolerance) * finest,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=50, help="training steps before the trained tensors")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--tolerance", type=float, default=0.10,
+                        help="error allowed over the finest block when choosing (fraction)")
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args(argv)
+
+    started = time.perf_counter()
+    tensors = train_tensors(args.steps, args.seed, args.lr)
+    plan = [
+        ("init weights", (8, 4)),
+        ("trained weights", (8, 4)),
+        ("gradients", (8, 4, 1)),
+    ]
+    results: dict = {}
+    choices: dict = {}
+    for name, bit_list in plan:
+        units = flat_units(tensors[name])
+        numel = sum(n * flat.shape[0] for flat, n in units)
+        results[name] = {"numel": numel, "bits": {}}
+        for bits in bit_list:
+            rows = []
+            for block in BLOCKS:
+                m = measure(units, bits, block)
+                rows.append({"block": block, **m, "scale_overhead": scale_overhead(bits, block)})
+            finest = rows[0]["relative_l2_error"]
+            for r in rows:
+                r["error_vs_finest"] = r["relative_l2_error"] / finest if finest else 1.0
+            results[name]["bits"][str(bits)] = rows
+            choices[f"{name}, {bits}-bit"] = choose_block(rows, args.tolerance)
+            log(f"{name} {bits}-bit done")
+
+    lines = [
+        "# Block-wise quantization error vs scale overhead (example GPT, real tensors)",
+        "",
+        f"Trained {args.steps} steps (seed {args.seed}); units flattened as the trainer stores them; "
+        "errors over real elements.",
+        "",
+        "| tensors | bits | block | rel L2 error | vs finest | max err / absmax | scale overhead % |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, res in results.items():
+        for bits, rows in res["bits"].items():
+            for r in rows:
+                lines.append(
+                    f"| {name} | {bits} | {r['block']} | {r['relative_l2_error']:.4e} "
+                    f"| {r['error_vs_finest']:.3f} | {r['max_abs_error_over_absmax']:.4e} "
+                    f"| {100 * r['scale_overhead']:.2f} |"
+                )
+    lines += [
+        "",
+        f"## choice (largest block with error <= {1 + args.tolerance:.2f}x the block-32 error "
+        f"and int8 scale overhead <= {100 * MAX_OVERHEAD_INT8:.0f}%)",
+        "",
+        "| tensors, bits | error at 256 / error at 32 | 256 within tolerance | chosen block |",
+        "|---|---:|---|---:|",
+    ]
+    for key, c in choices.items():
+        lines.append(
+            f"| {key} | {c['error_ratio_at_default_vs_finest']:.3f} | "
+            f"{'yes' if c['default_within_tolerance'] else 'no'} | {c['chosen_block']} |"
+        )
+    print("\n".join(lines), flush=True)
+
+    out = {
+        "steps": args.steps,
+        "seed": args.seed,
+        "tolerance": args.tolerance,
+        "blocks": list(BLOCKS),
+        "default_block": DEFAULT_BLOCK,
+        "results": results,
+        "choice": choices,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    line = json.dumps(out)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(line + "\n")
+    print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
