@@ -152,18 +152,29 @@ def scale_overhead(bits: int, block: int) -> float:
 
 
 def choose_block(rows: list, tolerance: float) -> dict:
-    """The largest block with error within ``tolerance`` of the finest, int8 overhead <= 2%."""
+    """Applies the selection rule to one (tensor set, bits) sweep.
+
+    Returns the largest block whose error is within ``tolerance`` of the
+    finest block's, the largest block whose error is within ``tolerance`` of
+    the previous (half as large) block's for every step up to it (the end of
+    the smooth region, before the first jump), and the error ratios of the
+    default block.
+    """
     finest = rows[0]["relative_l2_error"]
-    ok = [
-        r["block"] for r in rows
-        if r["relative_l2_error"] <= (1 + tolerance) * finest
-        and scale_overhead(8, r["block"]) <= MAX_OVERHEAD_INT8 + 1e-12
-    ]
-    at_default = next(r for r in rows if r["block"] == DEFAULT_BLOCK)
+    by_block = {r["block"]: r["relative_l2_error"] for r in rows}
+    within = [b for b, e in by_block.items() if e <= (1 + tolerance) * finest]
+    smooth = rows[0]["block"]
+    for prev, cur in zip(rows, rows[1:]):
+        if cur["relative_l2_error"] > (1 + tolerance) * prev["relative_l2_error"]:
+            break
+        smooth = cur["block"]
+    half = DEFAULT_BLOCK // 2
     return {
-        "chosen_block": max(ok) if ok else None,
-        "error_ratio_at_default_vs_finest": at_default["relative_l2_error"] / finest if finest else 1.0,
-        "default_within_tolerance": at_default["relative_l2_error"] <= (1 + tolerance) * finest,
+        "largest_block_within_tolerance_of_finest": max(within),
+        "largest_block_before_first_jump": smooth,
+        "error_ratio_default_vs_finest": by_block[DEFAULT_BLOCK] / finest if finest else 1.0,
+        "error_ratio_default_vs_half": by_block[DEFAULT_BLOCK] / by_block[half] if by_block[half] else 1.0,
+        "default_within_tolerance_of_finest": by_block[DEFAULT_BLOCK] <= (1 + tolerance) * finest,
     }
 
 

@@ -1,13 +1,45 @@
 """GPU Pallas kernels for ZeRO++ quantization.
 
-This package will hold the Pallas kernels, one file per op, each beside a
-pure-``jnp`` ``<op>_reference`` that defines its numerics, serves as the CPU
-fall-back and is what the kernel tests compare against. For now it only
-re-exports the block-wise quantization reference from
-:mod:`zeropp_jax.quantization`.
+One file per op, each beside a pure-``jnp`` ``<op>_reference`` that defines
+its numerics, serves as the fall-back where no GPU is present, and is what
+the kernel tests compare against. The wire format and its numerics are
+:mod:`zeropp_jax.quantization`'s.
+
+* :func:`quantize` / :func:`dequantize` (``quantize.py``): int8 / int4
+  block-wise absmax (qwZ). References: :func:`quantize_reference`,
+  :func:`dequantize_reference` (= :mod:`zeropp_jax.quantization`'s).
+* :func:`compress_1bit_ef` (``onebit.py``): ``g + carry`` -> 1-bit signs,
+  per-block mean-|x| scales and the new error-feedback carry, in one pass.
+* :func:`dequantize_sum` (``dequant_sum.py``): dequantize ``k`` received
+  chunks (1, 4 or 8 bits) and sum them in float32, in one pass (qgZ).
+
+Every op takes ``config: KernelConfig | None`` (tile sizes) and
+``interpret: bool``: ``interpret=True`` runs the kernel with Pallas'
+interpreter on any backend (the CPU tests do this); ``interpret=False``
+compiles it for the GPU (Triton lowering, see ``_backend.py``). Kernels need
+``block`` to be a power of two; the references accept any multiple of 8.
 """
 
-from zeropp_jax.quantization import dequantize as dequantize_reference
-from zeropp_jax.quantization import quantize as quantize_reference
+from pallas_kernels.config import DEFAULT_CONFIG
+from pallas_kernels.config import KernelConfig
+from pallas_kernels.dequant_sum import dequantize_sum
+from pallas_kernels.dequant_sum import dequantize_sum_reference
+from pallas_kernels.onebit import compress_1bit_ef
+from pallas_kernels.onebit import compress_1bit_ef_reference
+from pallas_kernels.quantize import dequantize
+from pallas_kernels.quantize import dequantize_reference
+from pallas_kernels.quantize import quantize
+from pallas_kernels.quantize import quantize_reference
 
-__all__ = ["quantize_reference", "dequantize_reference"]
+__all__ = [
+    "KernelConfig",
+    "DEFAULT_CONFIG",
+    "quantize",
+    "quantize_reference",
+    "dequantize",
+    "dequantize_reference",
+    "compress_1bit_ef",
+    "compress_1bit_ef_reference",
+    "dequantize_sum",
+    "dequantize_sum_reference",
+]

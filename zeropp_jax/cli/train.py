@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     last_time = start
 
-    def record(step: int, metrics) -> None:
+    def record(step: int, metrics) -> float:
         nonlocal last_time
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if not math.isfinite(values["loss"]):
@@ -103,12 +103,18 @@ def run(args: argparse.Namespace) -> int:
             line = {"step": step, **values, "compressed": int(values["compressed"]), "time": now - start}
             metrics_file.write(json.dumps(line) + "\n")
             metrics_file.flush()
+        return values["grad_rms"]
 
+    # The qgZ schedule is decided here, on the host, from the step number and
+    # the last gradient RMS already read back (metrics are read one step late
+    # so the device never waits for the host).
+    last_rms = float("inf")
     for step in range(args.steps):
         batch = trainer.shard_batch(_local_rows(batches, step))
-        state, metrics = trainer.step(state, batch)
+        compress = trainer.compress_at(step, last_rms)
+        state, metrics = trainer.step(state, batch, compress=compress)
         if pending is not None:
-            record(*pending)
+            last_rms = record(*pending)
         pending = (step, metrics)
     if pending is not None:
         record(*pending)

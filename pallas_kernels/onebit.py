@@ -1,0 +1,164 @@
+"""1-bit gradient compression with error feedback in one pass (qgZ 1-bit).
+
+Error feedback keeps what 1-bit quantization loses and adds it to the next
+step's gradient::
+
+    x         = g + carry                       # float32
+    q         = quantize(x, bits=1, block)      # signs + mean|x| per block
+    new_carry = x - dequantize(q)               # float32
+
+The jnp version (:func:`compress_1bit_ef_reference`, written with
+:mod:`zeropp_jax.quantization`) leaves XLA to decide how many passes this
+takes; the kernel reads ``g`` and ``carry`` once and writes the packed signs,
+the scales and the new carry once.
+
+Numerics, as the reference: ``scale = sum(|x| / block)`` per block in
+float32 (the division first, so a block of large finite values cannot
+overflow), rounded to ``scale_dtype``; bit ``j`` of byte ``i`` is
+``x[8i + j] >= 0`` (so ``-0.0`` counts as positive); a block holding inf or
+NaN gets scale NaN, so its new carry is NaN too (the reference's behaviour:
+a non-finite gradient poisons its block until the caller resets the carry).
+
+Summation order of the scale: the kernel sums each tile row with
+``jnp.sum`` over the block; ``block`` is a power of two so ``|x| / block``
+is the exactly rounded ``|x| * 2**-k`` whatever the backend. On CPU
+(interpret mode) XLA sums the kernel's tile rows in the same order as the
+reference's rows, so results are bit-identical; a GPU compiler may
+associate the ``block`` additions differently, which changes the float32
+scale by at most ``2 * (block - 1)`` ulp-relative (all terms are >= 0).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _backend, _common
+from pallas_kernels.config import KernelConfig
+from zeropp_jax.quantization import Quantized
+from zeropp_jax.quantization import dequantize as _dequantize
+from zeropp_jax.quantization import quantize as _quantize
+
+__all__ = ["compress_1bit_ef", "compress_1bit_ef_kernel", "compress_1bit_ef_reference"]
+
+
+@functools.partial(jax.jit, static_argnames=("block", "scale_dtype"))
+def compress_1bit_ef_reference(
+    g: jax.typing.ArrayLike,
+    carry: jax.typing.ArrayLike,
+    *,
+    block: int,
+    scale_dtype=jnp.float32,
+) -> tuple[Quantized, jax.Array]:
+    """Pure-jnp 1-bit compression with error feedback (the kernel's spec).
+
+    Args:
+      g: floating gradient ``(..., n)``; ``n % block == 0``.
+      carry: float32 error-feedback carry, same shape as ``g``.
+      block: elements per scale (a multiple of 8).
+      scale_dtype: float32 or bfloat16.
+
+    Returns:
+      ``(q, new_carry)``: ``q = quantize(g + carry, bits=1, ...)`` and
+      ``new_carry = (g + carry) - dequantize(q)``, float32 ``(..., n)``.
+    """
+    g, carry = jnp.asarray(g), jnp.asarray(carry)
+    x = g.astype(jnp.float32) + carry.astype(jnp.float32)
+    q = _quantize(x, bits=1, block=block, scale_dtype=scale_dtype)
+    return q, x - _dequantize(q, bits=1, block=block, dtype=jnp.float32)
+
+
+def compress_1bit_ef_kernel(g_ref, carry_ref, values_ref, scales_ref, new_carry_ref, *, block, scale_dtype):
+    """One tile: ``g``, ``carry`` ``(tb, block)`` -> signs, scales, new carry."""
+    x = g_ref[...].astype(jnp.float32) + carry_ref[...]
+    bad = jnp.max(jnp.where(jnp.isfinite(x), 0, 1), axis=1, keepdims=True)
+    # 1/block is a power of two: the product is the exactly rounded quotient,
+    # like the reference's |x| / block, with no division instruction.
+    scale = jnp.sum(jnp.abs(x) * (1.0 / block), axis=1, keepdims=True)  # (tb, 1)
+    scale = jnp.where(bad == 0, scale, jnp.nan).astype(scale_dtype)
+    s = scale.astype(jnp.float32)
+    positive = x >= 0
+    values_ref[...] = _common.pack_codes(positive.astype(jnp.int32), 1)
+    scales_ref[...] = scale.reshape(scale.shape[0])
+    new_carry_ref[...] = x - jnp.where(positive, s, -s)
+
+
+@functools.partial(jax.jit, static_argnames=("block", "scale_dtype", "config", "interpret"))
+def compress_1bit_ef(
+    g: jax.typing.ArrayLike,
+    carry: jax.typing.ArrayLike,
+    *,
+    block: int,
+    scale_dtype=jnp.float32,
+    config: KernelConfig | None = None,
+    interpret: bool = False,
+) -> tuple[Quantized, jax.Array]:
+    """1-bit quantization of ``g + carry`` with error feedback (Pallas kernel).
+
+    Same results as :func:`compress_1bit_ef_reference` (bit-identical signs;
+    scales and carry see the module docstring on summation order).
+
+    Args:
+      g: floating gradient ``(..., n)`` (float32, bfloat16, float16);
+        ``n % block == 0``.
+      carry: float32 carry of the same shape (zeros at the first step).
+      block: elements per scale; a power of two >= 8.
+      scale_dtype: float32 (default) or bfloat16.
+      config: tile sizes and launch parameters; ``None`` for the default.
+      interpret: run in Pallas interpret mode instead of compiling for GPU.
+
+    Returns:
+      ``(Quantized(values, scales), new_carry)``: values uint8
+      ``(..., n // 8)``, scales ``scale_dtype`` ``(..., n // block)``,
+      new_carry float32 ``(..., n)``.
+
+    Example:
+      >>> carry = jnp.zeros(g.shape, jnp.float32)  # doctest: +SKIP
+      >>> q, carry = compress_1bit_ef(g, carry, block=256)  # doctest: +SKIP
+    """
+    block = _common.check_block(block)
+    scale_dtype = _common.check_scale_dtype(scale_dtype)
+    config = _common.get_config(config)
+    g, carry = jnp.asarray(g), jnp.asarray(carry)
+    _common.check_float_input(g, "g")
+    if carry.dtype != jnp.float32 or carry.shape != g.shape:
+        raise ValueError(
+            f"carry must be float32 with the gradient's shape {g.shape}, got {carry.dtype} "
+            f"{carry.shape}; start from jnp.zeros(g.shape, jnp.float32)."
+        )
+    lead, n = g.shape[:-1], g.shape[-1]
+    _common.check_n(n, block, "g")
+    nb = _common.num_blocks(g.shape, block)
+    if nb == 0:
+        return compress_1bit_ef_reference(g, carry, block=block, scale_dtype=scale_dtype)
+
+    tb = _common.tile_blocks(nb, block, config.tile_elems)
+    spec = pl.BlockSpec((tb, block), _common.index_map(2))
+    values, scales, new_carry = pl.pallas_call(
+        functools.partial(compress_1bit_ef_kernel, block=block, scale_dtype=scale_dtype),
+        out_shape=(
+            jax.ShapeDtypeStruct((nb, block // 8), jnp.uint8),
+            jax.ShapeDtypeStruct((nb,), scale_dtype),
+            jax.ShapeDtypeStruct((nb, block), jnp.float32),
+        ),
+        grid=(nb // tb,),
+        in_specs=[spec, spec],
+        out_specs=(
+            pl.BlockSpec((tb, block // 8), _common.index_map(2)),
+            pl.BlockSpec((tb,), _common.index_map(1)),
+            spec,
+        ),
+        compiler_params=_backend.compiler_params(config),
+        cost_estimate=pl.CostEstimate(
+            flops=6 * g.size,
+            transcendentals=0,
+            bytes_accessed=g.size * (g.dtype.itemsize + 4 + 4) + nb * (block // 8 + scale_dtype.itemsize),
+        ),
+        interpret=interpret,
+        name="compress_1bit_ef",
+    )(g.reshape(nb, block), carry.reshape(nb, block))
+    q = Quantized(values=values.reshape(*lead, n // 8), scales=scales.reshape(*lead, n // block))
+    return q, new_carry.reshape(g.shape)

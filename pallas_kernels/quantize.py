@@ -1,0 +1,233 @@
+"""Block-wise int8 / int4 quantize and dequantize as Pallas kernels (qwZ).
+
+Numerics are those of :func:`zeropp_jax.quantization.quantize` /
+:func:`~zeropp_jax.quantization.dequantize` (the references, re-exported here
+as ``quantize_reference`` / ``dequantize_reference``), bit for bit:
+
+* per block: ``absmax = max|x|`` (float32), ``scale = absmax / qmax`` (IEEE
+  division) rounded to ``scale_dtype``; a block holding inf or NaN gets scale
+  NaN and codes 0; a block whose stored scale is 0 gets codes 0;
+* ``code = clip(round_half_even(x / scale_as_stored), -qmax, qmax)``;
+* bits=8: int8 codes; bits=4: two's-complement nibbles, element ``2i`` in the
+  low nibble of byte ``i``;
+* dequantize: ``code * scale`` in float32, cast once to ``dtype``.
+
+One program handles ``tile_blocks`` whole blocks (see
+:class:`~pallas_kernels.KernelConfig`): it reads the tile once, reduces each
+block to its scale, and writes codes and scales - one pass over the data
+(read ``x``, write values + scales), where the jnp reference is left to XLA's
+fusion decisions.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _backend, _common
+from pallas_kernels.config import KernelConfig
+from zeropp_jax.quantization import Quantized
+from zeropp_jax.quantization import dequantize as dequantize_reference
+from zeropp_jax.quantization import quantize as quantize_reference
+
+__all__ = [
+    "quantize",
+    "quantize_kernel",
+    "quantize_reference",
+    "dequantize",
+    "dequantize_kernel",
+    "dequantize_reference",
+]
+
+_QMAX = {8: 127, 4: 7}
+_BITS = (8, 4)
+
+
+def quantize_kernel(x_ref, values_ref, scales_ref, *, bits, scale_dtype, interpret):
+    """One tile: ``x`` ``(tb, block)`` -> codes ``(tb, bytes)`` and scales ``(tb,)``."""
+    qmax = _QMAX[bits]
+    x = x_ref[...].astype(jnp.float32)  # exact up-cast, as the reference
+    # Non-finite detection does not rely on max propagating NaN (Triton's max
+    # ignores NaN): any inf/NaN in the block marks the block.
+    bad = jnp.max(jnp.where(jnp.isfinite(x), 0, 1), axis=1, keepdims=True)
+    finite = bad == 0
+    absmax = jnp.max(jnp.abs(x), axis=1, keepdims=True)  # (tb, 1)
+    qmax_f = jnp.full(absmax.shape, qmax, jnp.float32)
+    scale = jnp.where(finite, _backend.div_rn(absmax, qmax_f, interpret=interpret), jnp.nan)
+    scale = scale.astype(scale_dtype)
+    s = scale.astype(jnp.float32)  # codes come from the scale as stored
+    usable = finite & (s > 0)
+    safe_s = jnp.broadcast_to(jnp.where(usable, s, 1.0), x.shape)
+    codes = _common.round_half_even(_backend.div_rn(x, safe_s, interpret=interpret))
+    codes = jnp.clip(codes, -qmax, qmax)
+    codes = jnp.where(usable, codes, 0.0).astype(jnp.int32)
+    if bits == 8:
+        values_ref[...] = codes.astype(jnp.int8)
+    else:
+        values_ref[...] = _common.pack_codes(codes & 0xF, bits)
+    scales_ref[...] = scale.reshape(scale.shape[0])
+
+
+@functools.partial(
+    jax.jit, static_argnames=("bits", "block", "scale_dtype", "config", "interpret")
+)
+def quantize(
+    x: jax.typing.ArrayLike,
+    *,
+    bits: int,
+    block: int,
+    scale_dtype=jnp.float32,
+    config: KernelConfig | None = None,
+    interpret: bool = False,
+) -> Quantized:
+    """Quantizes ``x`` block-wise along its last axis (Pallas kernel).
+
+    Same contract and bit-identical results as
+    :func:`zeropp_jax.quantization.quantize` for ``bits`` 8 and 4.
+
+    Args:
+      x: floating array ``(..., n)`` (float32, bfloat16, float16);
+        ``n % block == 0``.
+      bits: 8 (int8 codes) or 4 (packed int4 codes).
+      block: elements per scale; a power of two >= 8.
+      scale_dtype: float32 (default) or bfloat16.
+      config: tile sizes and launch parameters; ``None`` for the default.
+      interpret: run the kernel in Pallas interpret mode (any backend, slow);
+        False compiles it for the GPU.
+
+    Returns:
+      ``Quantized(values, scales)``: values int8 ``(..., n)`` (bits=8) or
+      uint8 ``(..., n // 2)`` (bits=4); scales ``scale_dtype`` ``(..., n // block)``.
+
+    Example:
+      >>> q = quantize(x, bits=8, block=256)  # doctest: +SKIP
+      >>> x_hat = dequantize(q, bits=8, block=256, dtype=jnp.bfloat16)  # doctest: +SKIP
+    """
+    bits = _common.check_bits(bits, _BITS)
+    block = _common.check_block(block)
+    scale_dtype = _common.check_scale_dtype(scale_dtype)
+    config = _common.get_config(config)
+    x = jnp.asarray(x)
+    _common.check_float_input(x, "x")
+    lead, n = x.shape[:-1], x.shape[-1]
+    _common.check_n(n, block, "x")
+    nb = _common.num_blocks(x.shape, block)
+    if nb == 0:
+        return quantize_reference(x, bits=bits, block=block, scale_dtype=scale_dtype)
+
+    tb = _common.tile_blocks(nb, block, config.tile_elems)
+    bpb = _common.bytes_per_block(bits, block)
+    value_dtype = jnp.int8 if bits == 8 else jnp.uint8
+    kernel = functools.partial(
+        quantize_kernel, bits=bits, scale_dtype=scale_dtype, interpret=interpret
+    )
+    values, scales = pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((nb, bpb), value_dtype),
+            jax.ShapeDtypeStruct((nb,), scale_dtype),
+        ),
+        grid=(nb // tb,),
+        in_specs=[pl.BlockSpec((tb, block), _common.index_map(2))],
+        out_specs=(
+            pl.BlockSpec((tb, bpb), _common.index_map(2)),
+            pl.BlockSpec((tb,), _common.index_map(1)),
+        ),
+        compiler_params=_backend.compiler_params(config),
+        cost_estimate=pl.CostEstimate(
+            flops=8 * x.size,
+            transcendentals=0,
+            bytes_accessed=x.size * x.dtype.itemsize + nb * (bpb + scale_dtype.itemsize),
+        ),
+        interpret=interpret,
+        name=f"quantize_int{bits}",
+    )(x.reshape(nb, block))  # free: blocks are contiguous
+    return Quantized(
+        values=values.reshape(*lead, n * bits // 8), scales=scales.reshape(*lead, n // block)
+    )
+
+
+def dequantize_kernel(values_ref, scales_ref, out_ref, *, bits):
+    """One tile: codes ``(tb, bytes)`` and scales ``(tb,)`` -> ``(tb, block)``."""
+    x = _common.decode_tile(values_ref[...], scales_ref[...].astype(jnp.float32), bits)
+    out_ref[...] = x.astype(out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "block", "dtype", "config", "interpret"))
+def dequantize(
+    q: Quantized,
+    *,
+    bits: int,
+    block: int,
+    dtype=jnp.float32,
+    config: KernelConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Inverse of :func:`quantize` (Pallas kernel).
+
+    Bit-identical to :func:`zeropp_jax.quantization.dequantize` for ``bits``
+    8 and 4.
+
+    Args:
+      q: ``Quantized`` from :func:`quantize` (or the reference) with the same
+        ``bits`` and ``block``.
+      bits: 8 or 4.
+      block: elements per scale; a power of two >= 8.
+      dtype: floating output dtype; the product is float32, cast once.
+      config: tile sizes and launch parameters; ``None`` for the default.
+      interpret: run in Pallas interpret mode instead of compiling for GPU.
+
+    Returns:
+      ``dtype`` array ``(..., n)``.
+    """
+    bits = _common.check_bits(bits, _BITS)
+    block = _common.check_block(block)
+    config = _common.get_config(config)
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dequantize needs a floating output dtype, got {dtype}.")
+    values, scales = jnp.asarray(q.values), jnp.asarray(q.scales)
+    want = jnp.int8 if bits == 8 else jnp.uint8
+    if values.dtype != want:
+        raise ValueError(
+            f"for bits={bits}, q.values must be {jnp.dtype(want)}, got {values.dtype}; "
+            "were bits passed the same as to quantize?"
+        )
+    if values.ndim < 1:
+        raise ValueError("q.values must have at least one axis, got a scalar.")
+    n = values.shape[-1] * 8 // bits
+    _common.check_n(n, block, "the dequantized array")
+    lead = values.shape[:-1]
+    if scales.shape != (*lead, n // block) or not jnp.issubdtype(scales.dtype, jnp.floating):
+        raise ValueError(
+            f"q.scales must be floating {(*lead, n // block)} for values {values.shape}, "
+            f"bits={bits}, block={block}; got {scales.dtype} {scales.shape}."
+        )
+    nb = _common.num_blocks((*lead, n), block)
+    if nb == 0:
+        return dequantize_reference(q, bits=bits, block=block, dtype=dtype)
+
+    tb = _common.tile_blocks(nb, block, config.tile_elems)
+    bpb = _common.bytes_per_block(bits, block)
+    out = pl.pallas_call(
+        functools.partial(dequantize_kernel, bits=bits),
+        out_shape=jax.ShapeDtypeStruct((nb, block), dtype),
+        grid=(nb // tb,),
+        in_specs=[
+            pl.BlockSpec((tb, bpb), _common.index_map(2)),
+            pl.BlockSpec((tb,), _common.index_map(1)),
+        ],
+        out_specs=pl.BlockSpec((tb, block), _common.index_map(2)),
+        compiler_params=_backend.compiler_params(config),
+        cost_estimate=pl.CostEstimate(
+            flops=2 * nb * block,
+            transcendentals=0,
+            bytes_accessed=nb * (bpb + scales.dtype.itemsize + block * dtype.itemsize),
+        ),
+        interpret=interpret,
+        name=f"dequantize_int{bits}",
+    )(values.reshape(nb, bpb), scales.reshape(nb))
+    return out.reshape(*lead, n)

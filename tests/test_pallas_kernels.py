@@ -1,0 +1,464 @@
+"""Pallas kernels (pallas_kernels) against their jnp references.
+
+Every test runs in ``mode``:
+
+* ``interpret`` (always): the kernel in Pallas interpret mode on the CPU
+  device. Kernel and reference then run through the same XLA CPU
+  arithmetic, so every output - integer codes, packed bits AND float scales,
+  dequantized values, carries and sums - must be bit-identical
+  (``assert_array_equal``, NaN positions included).
+* ``compiled`` (only with ``PALLAS_KERNELS_COMPILED=1`` and a GPU as the
+  default backend, see benchmarks/gpu_check.sh): the kernel compiled for the
+  GPU, against the reference run by XLA on the same GPU. Codes, bits,
+  absmax scales and dequantized values must still be bit-identical; two
+  results are sums whose association order the GPU compilers choose
+  differently (Triton's tree vs XLA's reduction), so there:
+  - 1-bit scales (a sum of ``block`` non-negative terms) may differ by
+    ``2 * (block - 1)`` float32 ulp-relative (plus one bf16 rounding step when
+    stored in bfloat16), and the new carry is checked EXACTLY against the
+    kernel's own scales (``x - (+-scale)``);
+  - ``dequantize_sum`` may differ by ``k * eps * sum_c |d_c|`` per element.
+
+Inputs are random normals with magnitudes spread over decades, on awkward
+shapes (odd numbers of blocks, lengths that are not multiples of 128 or of
+``8 * block``, 0 to 2 leading dims), with zero blocks mixed in and one huge
+value in every other block; never all zeros.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from pallas_kernels import _common
+from zeropp_jax import quantization as qz
+from zeropp_jax.quantization import Quantized
+
+try:  # The GPU image may lack hypothesis; the property test is then skipped.
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+except ImportError:  # pragma: no cover
+    given = None
+
+F32_EPS = float(np.finfo(np.float32).eps)
+BF16_EPS = 2.0**-7
+
+COMPILED = os.environ.get("PALLAS_KERNELS_COMPILED") == "1" and jax.default_backend() == "gpu"
+MODES = ["interpret"] + (["compiled"] if COMPILED else [])
+
+
+@pytest.fixture(params=MODES)
+def mode(request):
+    """Runs the test body on the CPU (interpret) or the GPU (compiled)."""
+    device = jax.devices("cpu")[0] if request.param == "interpret" else jax.devices("gpu")[0]
+    with jax.default_device(device):
+        yield request.param
+
+
+def _interp(mode) -> bool:
+    return mode == "interpret"
+
+
+# ---------------------------------------------------------------------------
+# Inputs.
+# ---------------------------------------------------------------------------
+
+# (shape, block): odd block counts, lengths not multiples of 128 / 8*block,
+# 0, 1 and 2 leading dims.
+SHAPES = [
+    ((3 * 32,), 32),  # 96 elements, 3 blocks, no leading dim
+    ((5, 7 * 8), 8),  # rows of 56, 35 blocks
+    ((2, 3, 5 * 64), 64),  # rows of 320, 30 blocks
+    ((3, 256), 256),  # one block per row, 3 blocks
+]
+SHAPE_IDS = ["96-b32", "5x56-b8", "2x3x320-b64", "3x256-b256"]
+
+# Small tiles so several programs (and tb > 1) are exercised on small inputs.
+CONFIGS = [pk.KernelConfig(tile_elems=64, num_warps=1), pk.KernelConfig()]
+
+
+def make_x(shape, block, dtype=jnp.float32, seed=0):
+    """Random (..., n): spread magnitudes, zero blocks, one spike per other block."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    lead, n = shape[:-1], shape[-1]
+    xb = x.reshape(-1, n // block, block)
+    rows, nb = xb.shape[:2]
+    xb *= (10.0 ** rng.uniform(-3, 3, size=(rows, nb, 1))).astype(np.float32)
+    flat = xb.reshape(rows * nb, block)
+    ids = rng.permutation(rows * nb)
+    zero = ids[: max(1, (rows * nb) // 5)] if rows * nb > 1 else ids[:0]
+    flat[zero] = 0.0
+    for b in ids[len(zero) :: 2]:  # one huge value in every other non-zero block
+        flat[b, rng.integers(block)] = np.float32(rng.choice([-1, 1]) * 1e3 * np.abs(flat[b]).max())
+    assert np.any(flat != 0)
+    return jnp.asarray(flat.reshape(*lead, n)).astype(dtype)
+
+
+def quantized_input(shape, block, bits, scale_dtype, seed):
+    return qz.quantize(make_x(shape, block, seed=seed), bits=bits, block=block, scale_dtype=scale_dtype)
+
+
+def f32(a):
+    return np.asarray(jnp.asarray(a).astype(jnp.float32))
+
+
+def assert_same(actual, desired):
+    actual, desired = jnp.asarray(actual), jnp.asarray(desired)
+    assert actual.shape == desired.shape and actual.dtype == desired.dtype, (
+        f"{actual.dtype}{actual.shape} != {desired.dtype}{desired.shape}"
+    )
+    np.testing.assert_array_equal(np.asarray(actual), np.asarray(desired))
+
+
+def assert_quantized_same(q, r):
+    assert_same(q.values, r.values)
+    assert_same(q.scales, r.scales)
+
+
+def assert_onebit_close(mode, x, q, carry, r, block, scale_dtype):
+    """1-bit result (q, carry) vs reference r = (q_ref, carry_ref), per ``mode``."""
+    assert_same(q.values, r[0].values)
+    if _interp(mode):
+        assert_same(q.scales, r[0].scales)
+        assert_same(carry, r[1])
+        return
+    assert q.scales.dtype == r[0].scales.dtype and carry.dtype == jnp.float32
+    rtol = 2 * (block - 1) * F32_EPS + (BF16_EPS if scale_dtype == jnp.bfloat16 else 0.0)
+    np.testing.assert_allclose(f32(q.scales), f32(r[0].scales), rtol=rtol, atol=0)
+    # The carry must be exactly x - (+-scale) with the kernel's own scales.
+    s = np.repeat(f32(q.scales), block, axis=-1)
+    signs = np.asarray(qz.unpack_bits(q.values))
+    np.testing.assert_array_equal(np.asarray(carry), f32(x) - np.where(signs, s, -s))
+
+
+# ---------------------------------------------------------------------------
+# quantize / dequantize (bits 8 and 4).
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape,block", SHAPES, ids=SHAPE_IDS)
+def test_quantize_matches_reference(mode, bits, dtype, shape, block):
+    scale_dtype = jnp.bfloat16 if block == 64 else jnp.float32
+    x = make_x(shape, block, dtype, seed=bits)
+    config = CONFIGS[len(shape) % 2]
+    q = pk.quantize(x, bits=bits, block=block, scale_dtype=scale_dtype, config=config,
+                    interpret=_interp(mode))
+    assert_quantized_same(q, pk.quantize_reference(x, bits=bits, block=block, scale_dtype=scale_dtype))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape,block", SHAPES[1:], ids=SHAPE_IDS[1:])
+def test_dequantize_matches_reference(mode, bits, dtype, shape, block):
+    scale_dtype = jnp.bfloat16 if block == 8 else jnp.float32
+    q = quantized_input(shape, block, bits, scale_dtype, seed=10 + bits)
+    config = CONFIGS[len(shape) % 2]
+    out = pk.dequantize(q, bits=bits, block=block, dtype=dtype, config=config, interpret=_interp(mode))
+    assert_same(out, pk.dequantize_reference(q, bits=bits, block=block, dtype=dtype))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_rounds_half_to_even(mode, bits):
+    """Ties x/scale = k + 1/2 round to even, as jnp.round does."""
+    qmax = {8: 127, 4: 7}[bits]
+    halves = np.arange(-qmax, qmax, dtype=np.float32) + 0.5  # -qmax+0.5 ... qmax-0.5
+    block = 16 if bits == 4 else 256
+    row = np.resize(halves, block)
+    row[0] = qmax  # absmax = qmax -> scale exactly 1
+    x = jnp.asarray(np.stack([row, -row, 3 * row]))  # scale 3: still exact ties
+    q = pk.quantize(x, bits=bits, block=block, interpret=_interp(mode))
+    r = pk.quantize_reference(x, bits=bits, block=block)
+    assert_quantized_same(q, r)
+    codes = q.values if bits == 8 else qz.unpack_int4(q.values)
+    np.testing.assert_array_equal(np.asarray(codes[0, 1:8]), np.round(row[1:8]).astype(np.int8))
+
+
+SPECIAL_BLOCKS = {
+    "nan": [np.nan, 1.0],
+    "inf": [np.inf, -2.0],
+    "-inf": [-np.inf, 3.0],
+    "zeros": [0.0, 0.0],
+    "-zeros": [-0.0, -0.0],
+    "tiny": [1e-38, -3e-39],  # scale underflows into / below float32 subnormals
+    "huge": [3e38, -1e38],  # |x| / block for 1 bit must not overflow
+}
+
+
+def _special_x(block):
+    rng = np.random.default_rng(5)
+    rows = []
+    for a, b in SPECIAL_BLOCKS.values():
+        row = rng.standard_normal(block).astype(np.float32) * np.float32(abs(b) / 10)
+        row[3], row[block - 1] = a, b
+        rows.append(row)
+    rows.append(rng.standard_normal(block).astype(np.float32))  # an ordinary block
+    return jnp.asarray(np.stack(rows))
+
+
+@pytest.mark.parametrize("bits", [8, 4, 1])
+@pytest.mark.parametrize("scale_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_special_blocks(mode, bits, scale_dtype):
+    """Non-finite blocks -> NaN scale; zero / underflowing blocks -> zeros; others untouched."""
+    block = 32
+    x = _special_x(block)
+    interp = _interp(mode)
+    if bits == 1:
+        carry = jnp.zeros(x.shape, jnp.float32)
+        q, c = pk.compress_1bit_ef(x, carry, block=block, scale_dtype=scale_dtype, interpret=interp)
+        assert_onebit_close(mode, x, q, c,
+                            pk.compress_1bit_ef_reference(x, carry, block=block, scale_dtype=scale_dtype),
+                            block, scale_dtype)
+    else:
+        q = pk.quantize(x, bits=bits, block=block, scale_dtype=scale_dtype, interpret=interp)
+        assert_quantized_same(q, pk.quantize_reference(x, bits=bits, block=block, scale_dtype=scale_dtype))
+        out = pk.dequantize(q, bits=bits, block=block, dtype=jnp.float32, interpret=interp)
+        assert_same(out, pk.dequantize_reference(q, bits=bits, block=block, dtype=jnp.float32))
+    s = f32(q.scales)[:, 0]
+    assert np.isnan(s[:3]).all() and np.isfinite(s[3:]).all()
+    assert (s[3:5] == 0).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_empty_input(bits):
+    x = jnp.zeros((0, 64), jnp.float32)
+    q = pk.quantize(x, bits=bits, block=32, interpret=True)
+    assert_quantized_same(q, pk.quantize_reference(x, bits=bits, block=32))
+    assert pk.dequantize(q, bits=bits, block=32, interpret=True).shape == (0, 64)
+
+
+# ---------------------------------------------------------------------------
+# 1-bit with error feedback.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape,block", SHAPES, ids=SHAPE_IDS)
+def test_compress_1bit_ef_matches_reference(mode, dtype, shape, block):
+    scale_dtype = jnp.bfloat16 if dtype == jnp.bfloat16 and block != 8 else jnp.float32
+    g = make_x(shape, block, dtype, seed=3)
+    carry = 0.1 * make_x(shape, block, jnp.float32, seed=4)
+    q, new_carry = pk.compress_1bit_ef(g, carry, block=block, scale_dtype=scale_dtype,
+                                       config=CONFIGS[len(shape) % 2], interpret=_interp(mode))
+    r = pk.compress_1bit_ef_reference(g, carry, block=block, scale_dtype=scale_dtype)
+    x = jnp.asarray(g).astype(jnp.float32) + carry
+    assert_onebit_close(mode, x, q, new_carry, r, block, scale_dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype,scale_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16)], ids=["f32", "bf16"]
+)
+def test_compress_1bit_ef_iterations(mode, dtype, scale_dtype):
+    """Five steps with the carry threaded through: kernel trajectory == reference trajectory.
+
+    Compiled on GPU the scales may differ in the last bits (see module
+    docstring), which would let the two trajectories drift apart; there
+    each step starts the reference from the kernel's carry instead.
+    """
+    shape, block = (2, 3 * 64), 64
+    carry = jnp.zeros(shape, jnp.float32)
+    ref_carry = carry
+    for step in range(5):
+        g = make_x(shape, block, dtype, seed=100 + step)
+        q, carry_next = pk.compress_1bit_ef(g, carry, block=block, scale_dtype=scale_dtype,
+                                            interpret=_interp(mode))
+        start = ref_carry if _interp(mode) else carry
+        r = pk.compress_1bit_ef_reference(g, start, block=block, scale_dtype=scale_dtype)
+        x = jnp.asarray(g).astype(jnp.float32) + carry
+        assert_onebit_close(mode, x, q, carry_next, r, block, scale_dtype)
+        carry, ref_carry = carry_next, r[1]
+    assert np.abs(np.asarray(carry)).max() > 0
+
+
+def test_error_feedback_is_lossless_over_steps():
+    """Sum of decoded updates + final carry == sum of gradients (up to float32 rounding)."""
+    shape, block = (4 * 32,), 32
+    carry = jnp.zeros(shape, jnp.float32)
+    sent = np.zeros(shape, np.float64)
+    total = np.zeros(shape, np.float64)
+    for step in range(4):
+        g = make_x(shape, block, seed=200 + step)
+        q, carry = pk.compress_1bit_ef(g, carry, block=block, interpret=True)
+        sent += f32(qz.dequantize(q, bits=1, block=block, dtype=jnp.float32))
+        total += f32(g)
+    np.testing.assert_allclose(sent + f32(carry), total, rtol=1e-5, atol=1e-6 * np.abs(total).max())
+
+
+# ---------------------------------------------------------------------------
+# dequantize_sum.
+# ---------------------------------------------------------------------------
+
+# (lead, k, m, block, scale_dtype)
+SUM_CASES = [
+    ((), 1, 3 * 32, 32, jnp.float32),
+    ((), 3, 5 * 64, 64, jnp.bfloat16),
+    ((2,), 8, 7 * 8, 8, jnp.float32),
+    ((2, 1), 5, 256, 256, jnp.float32),
+]
+SUM_IDS = ["k1-96-b32", "k3-320-b64-bf16", "2xk8-56-b8", "2x1xk5-256-b256"]
+
+
+def assert_sum_close(mode, out, ref, q, bits, block):
+    if _interp(mode):
+        assert_same(out, ref)
+        return
+    assert out.dtype == jnp.float32 and out.shape == ref.shape
+    parts = f32(qz.dequantize(q, bits=bits, block=block, dtype=jnp.float32)).astype(np.float64)
+    k = parts.shape[-2]
+    bound = k * F32_EPS * np.abs(parts).sum(axis=-2)
+    err = np.abs(np.asarray(out, np.float64) - np.asarray(ref, np.float64))
+    assert np.all(err <= bound), f"max err {err.max()} > bound"
+
+
+@pytest.mark.parametrize("bits", [1, 4, 8])
+@pytest.mark.parametrize("lead,k,m,block,scale_dtype", SUM_CASES, ids=SUM_IDS)
+def test_dequantize_sum_matches_reference(mode, bits, lead, k, m, block, scale_dtype):
+    q = quantized_input((*lead, k, m), block, bits, scale_dtype, seed=20 + bits + k)
+    out = pk.dequantize_sum(q, bits=bits, block=block, config=CONFIGS[k % 2], interpret=_interp(mode))
+    assert_sum_close(mode, out, pk.dequantize_sum_reference(q, bits=bits, block=block), q, bits, block)
+
+
+def test_dequantize_sum_order_is_sequential(mode):
+    """Chunks are added in order from 0.0: (1e8 + -1e8) + 1 == 1; other orders give 0.
+
+    On CPU this also pins down XLA's order for the reference (the kernel
+    then matches it bit for bit, see the module docstring).
+    """
+    block, k = 8, 3
+    codes = np.zeros((k, block), np.int8)
+    codes[0], codes[1], codes[2] = 1, -1, 1
+    scales = np.array([[1e8], [1e8], [1.0]], np.float32)
+    q = Quantized(values=jnp.asarray(codes), scales=jnp.asarray(scales))
+    out = np.asarray(pk.dequantize_sum(q, bits=8, block=block, interpret=_interp(mode)))
+    np.testing.assert_array_equal(out, np.ones(block, np.float32))
+    if _interp(mode):
+        np.testing.assert_array_equal(np.asarray(pk.dequantize_sum_reference(q, bits=8, block=block)), out)
+
+
+# ---------------------------------------------------------------------------
+# Configuration, argument checks, lowering.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(tile_elems=1000),
+        dict(tile_elems=4),
+        dict(tile_elems=True),
+        dict(num_warps=3),
+        dict(num_warps=64),
+        dict(num_stages=0),
+    ],
+)
+def test_kernel_config_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        pk.KernelConfig(**kwargs)
+
+
+def test_kernel_config_is_static_and_frozen():
+    cfg = pk.KernelConfig(tile_elems=1024, num_warps=8)
+    assert hash(cfg) == hash(pk.KernelConfig(tile_elems=1024, num_warps=8))
+    with pytest.raises(AttributeError):
+        cfg.num_warps = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "num_blocks,block,tile_elems,expected",
+    [(30, 64, 8192, 2), (3, 32, 8192, 1), (1 << 20, 256, 8192, 32), (64, 4096, 1024, 1), (48, 8, 64, 8)],
+)
+def test_tile_blocks_divides_and_fits(num_blocks, block, tile_elems, expected):
+    tb = _common.tile_blocks(num_blocks, block, tile_elems)
+    assert tb == expected and num_blocks % tb == 0 and tb & (tb - 1) == 0
+
+
+def test_argument_errors():
+    x = jnp.ones((2, 48), jnp.float32)
+    with pytest.raises(ValueError, match="power of two"):
+        pk.quantize(x, bits=8, block=24, interpret=True)
+    with pytest.raises(ValueError, match="bits"):
+        pk.quantize(x, bits=1, block=16, interpret=True)
+    with pytest.raises(ValueError, match="multiple of block"):
+        pk.quantize(x, bits=8, block=32, interpret=True)
+    with pytest.raises(ValueError, match="floating"):
+        pk.quantize(x.astype(jnp.int32), bits=8, block=16, interpret=True)
+    with pytest.raises(ValueError, match="scale_dtype"):
+        pk.quantize(x, bits=8, block=16, scale_dtype=jnp.float16, interpret=True)
+    with pytest.raises(ValueError, match="carry"):
+        pk.compress_1bit_ef(x, jnp.zeros((2, 48), jnp.bfloat16), block=16, interpret=True)
+    q = qz.quantize(x, bits=4, block=16)
+    with pytest.raises(ValueError, match="q.values"):
+        pk.dequantize(q, bits=8, block=16, interpret=True)
+    with pytest.raises(ValueError, match="chunk axis"):
+        pk.dequantize_sum(qz.quantize(x[0], bits=4, block=16), bits=4, block=16, interpret=True)
+    with pytest.raises(ValueError, match="q.scales"):
+        pk.dequantize_sum(q._replace(scales=q.scales[:, :1]), bits=4, block=16, interpret=True)
+
+
+def _lower_for_gpu(f, *args):
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_kernels_lower_for_gpu():
+    """Every kernel lowers to the Triton GPU backend; runs on CPU (cross-lowering).
+
+    Catches unsupported ops and non-power-of-two shapes without a GPU;
+    compiling the Triton IR and running it still needs one.
+    """
+    S = jax.ShapeDtypeStruct
+    cases = []
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for bits in (8, 4):
+            for block in (8, 256):
+                cases.append((lambda x, b=bits, bl=block: pk.quantize(x, bits=b, block=bl, scale_dtype=jnp.bfloat16),
+                              (S((3, 2 * block), dtype),)))
+        cases.append((lambda g, c: pk.compress_1bit_ef(g, c, block=8), (S((3, 24), dtype), S((3, 24), jnp.float32))))
+    for bits in (8, 4):
+        vdt = jnp.int8 if bits == 8 else jnp.uint8
+        cases.append((lambda v, s, b=bits: pk.dequantize(Quantized(v, s), bits=b, block=256, dtype=jnp.bfloat16),
+                      (S((3, 512 * bits // 8), vdt), S((3, 2), jnp.float32))))
+    for bits in (1, 4, 8):
+        vdt = jnp.int8 if bits == 8 else jnp.uint8
+        cases.append((lambda v, s, b=bits: pk.dequantize_sum(Quantized(v, s), bits=b, block=8),
+                      (S((2, 3, 40 * bits // 8), vdt), S((2, 3, 5), jnp.bfloat16))))
+    for f, args in cases:
+        text = _lower_for_gpu(f, *args)
+        assert "triton" in text
+
+
+# ---------------------------------------------------------------------------
+# Property test (few examples: interpret mode compiles each new shape).
+# ---------------------------------------------------------------------------
+
+if given is not None:
+
+    @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        bits=st.sampled_from([8, 4]),
+        log_block=st.integers(3, 7),
+        nblocks=st.integers(1, 9),
+        lead=st.sampled_from([(), (1,), (3,), (2, 2)]),
+        bf16=st.booleans(),
+        seed=st.integers(0, 2**16),
+    )
+    def test_quantize_roundtrip_property(bits, log_block, nblocks, lead, bf16, seed):
+        block = 2**log_block
+        x = make_x((*lead, nblocks * block), block, jnp.bfloat16 if bf16 else jnp.float32, seed=seed)
+        with jax.default_device(jax.devices("cpu")[0]):
+            q = pk.quantize(x, bits=bits, block=block, interpret=True)
+            assert_quantized_same(q, pk.quantize_reference(x, bits=bits, block=block))
+            assert_same(pk.dequantize(q, bits=bits, block=block, interpret=True),
+                        pk.dequantize_reference(q, bits=bits, block=block, dtype=jnp.float32))
+
+else:  # pragma: no cover
+
+    @pytest.mark.skip(reason="hypothesis is not installed")
+    def test_quantize_roundtrip_property():
+        pass

@@ -1,0 +1,436 @@
+"""``zeropp-launch``: run one command as N local processes of a multi-process job.
+
+Simulates N hosts on one machine: every process gets its own CPU devices and
+joins ``jax.distributed`` through a coordinator on ``127.0.0.1`` (collectives
+over gloo). Example::
+
+  zeropp-launch -n 2 --devices-per-process 4 -- zeropp-train --mesh 2x4
+
+Process ``i`` runs the command with these environment variables (read by
+:func:`zeropp_jax.distributed.initialize`)::
+
+  ZEROPP_COORDINATOR=127.0.0.1:PORT  ZEROPP_NUM_PROCESSES=N  ZEROPP_PROCESS_ID=i
+  JAX_PLATFORMS=cpu  XLA_FLAGS=--xla_force_host_platform_device_count=K
+  PYTHONUNBUFFERED=1
+
+Each output line of process ``i`` is printed with the prefix ``[i] `` (stdout
+to stdout, stderr to stderr). The launch succeeds only if every process exits
+with status 0. As soon as one fails (non-zero exit or killed by a signal) the
+others are stopped -- SIGTERM, then SIGKILL after ``--kill-grace`` seconds --
+so a run whose peer is gone cannot hang in a collective; the launcher then
+names the process that failed and how, and exits non-zero (the failed
+process's exit code, or 128 + signal number). Ctrl-C and SIGTERM stop all
+processes too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import BinaryIO, Sequence
+
+from zeropp_jax import distributed
+
+HOST = "127.0.0.1"
+POLL_S = 0.05
+DEFAULT_KILL_GRACE_S = 10.0
+# Exit status when --timeout expires (as timeout(1) does).
+TIMEOUT_EXIT = 124
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+_LINE_END = re.compile(rb"[\r\n]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zeropp-launch",
+        usage="zeropp-launch -n N [--devices-per-process K] [--timeout S] -- COMMAND [ARGS ...]",
+        description="Run COMMAND as N local processes of one jax.distributed job "
+        "(simulated hosts: CPU devices, gloo collectives, coordinator on "
+        f"{HOST}). Output lines are prefixed with the process index; if any "
+        "process fails, the others are stopped and the launch fails.",
+        epilog="example: zeropp-launch -n 2 --devices-per-process 4 -- "
+        "zeropp-train --mesh 2x4 --preset zeropp --steps 10",
+    )
+    parser.add_argument(
+        "-n", "--num-processes", dest="n", type=_int_at_least(1), required=True,
+        metavar="N", help="number of processes (simulated hosts)",
+    )
+    parser.add_argument(
+        "--devices-per-process", type=_int_at_least(1), default=1, metavar="K",
+        help="simulated CPU devices per process (default: 1); the mesh is "
+        "N x K, e.g. --mesh 2x4 with -n 2 --devices-per-process 4",
+    )
+    parser.add_argument(
+        "--timeout", type=_positive_float, default=None, metavar="S",
+        help="stop all processes and fail (exit 124) after S seconds (default: no limit)",
+    )
+    parser.add_argument(
+        "--kill-grace", type=_non_negative_float, default=DEFAULT_KILL_GRACE_S,
+        metavar="S", help="seconds between SIGTERM and SIGKILL when stopping "
+        f"processes (default: {DEFAULT_KILL_GRACE_S:g})",
+    )
+    parser.add_argument(
+        "--port", type=_int_at_least(1), default=None,
+        help="coordinator port (default: a free one)",
+    )
+    return parser
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Splits ``argv`` at the first ``--``; returns ``(options, command)``."""
+    parser = build_parser()
+    argv = list(argv)
+    if "--" not in argv:
+        _, extra = parser.parse_known_args(argv)  # -h and bad values first
+        hint = f" (got {' '.join(extra)!r} without '--' before it)" if extra else ""
+        parser.error(
+            f"missing the command to run{hint}: put it after '--', e.g. "
+            "zeropp-launch -n 2 --devices-per-process 4 -- zeropp-train --mesh 2x4"
+        )
+    split = argv.index("--")
+    options = parser.parse_args(argv[:split])
+    command = argv[split + 1:]
+    if not command:
+        parser.error("missing the command to run after '--'")
+    return options, command
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port that was free a moment ago (the coordinator binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def process_env(
+    base: dict[str, str], *, coordinator: str, num_processes: int, process_id: int,
+    devices_per_process: int,
+) -> dict[str, str]:
+    """The environment of process ``process_id``."""
+    env = dict(base)
+    # Another launcher's variables would make JAX look for a cluster that is
+    # not there (zeropp's own variables take precedence, but JAX's auto-detect
+    # does not know them).
+    for name in ("SLURM_NTASKS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE"):
+        env.pop(name, None)
+    flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
+    flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+    env.update({
+        distributed.ENV_COORDINATOR: coordinator,
+        distributed.ENV_NUM_PROCESSES: str(num_processes),
+        distributed.ENV_PROCESS_ID: str(process_id),
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": " ".join(flags),
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+def describe_status(returncode: int) -> str:
+    """``exited with code 3`` / ``was killed by signal 9 (SIGKILL)``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "unknown signal"
+        return f"was killed by signal {-returncode} ({name})"
+    return f"exited with code {returncode}"
+
+
+def _exit_status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class _Output:
+    """Copies one child pipe to our stream, prefixing every line.
+
+    A carriage return ends a line too (progress bars redraw in place), and is
+    kept, so a bar still redraws on a terminal.
+    """
+
+    def __init__(self, pipe: BinaryIO, out: BinaryIO, prefix: bytes, lock: threading.Lock):
+        self._pipe, self._out, self._prefix, self._lock = pipe, out, prefix, lock
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        pending = b""
+        read = getattr(self._pipe, "read1", self._pipe.read)
+        try:
+            while chunk := read(65536):
+                pending += chunk
+                pieces, pending = _split_lines(pending)
+                self._write(pieces)
+            if pending:
+                self._write([pending + b"\n"])
+        except (OSError, ValueError):  # pipe closed under us at shutdown
+            pass
+
+    def _write(self, pieces: list[bytes]) -> None:
+        if not pieces:
+            return
+        data = b"".join(p if p in (b"\r", b"\n") else self._prefix + p for p in pieces)
+        with self._lock:
+            try:
+                self._out.write(data)
+                self._out.flush()
+            except (OSError, ValueError):
+                pass
+
+
+def _split_lines(data: bytes) -> tuple[list[bytes], bytes]:
+    """Splits after each ``\\n`` or ``\\r``; returns (complete lines, rest)."""
+    pieces, start = [], 0
+    for match in _LINE_END.finditer(data):
+        pieces.append(data[start:match.end()])
+        start = match.end()
+    return pieces, data[start:]
+
+
+def _set_parent_death_signal() -> None:
+    """Linux: the child gets SIGTERM if the launcher dies (even by SIGKILL)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class _Stop(Exception):
+    """Raised in the main thread when the launcher gets SIGTERM / SIGHUP."""
+
+
+def launch(
+    command: Sequence[str],
+    num_processes: int,
+    *,
+    devices_per_process: int = 1,
+    timeout_s: float | None = None,
+    kill_grace_s: float = DEFAULT_KILL_GRACE_S,
+    port: int | None = None,
+    stdout: BinaryIO | None = None,
+    stderr: BinaryIO | None = None,
+) -> int:
+    """Runs ``command`` as ``num_processes`` local processes; returns an exit status.
+
+    Args:
+      command: program and arguments, the same for every process.
+      num_processes: how many processes (>= 1).
+      devices_per_process: simulated CPU devices in each process.
+      timeout_s: stop everything after this many seconds (status 124).
+      kill_grace_s: seconds from SIGTERM to SIGKILL when stopping processes.
+      port: coordinator port (default: a free one).
+      stdout, stderr: binary streams for the prefixed output (default: ours).
+
+    Returns:
+      0 if every process exited with status 0; otherwise the exit code of the
+      first process seen to fail (128 + N if it was killed by signal N), 124
+      on timeout, 130 on Ctrl-C.
+    """
+    if num_processes < 1:
+        raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+    if devices_per_process < 1:
+        raise ValueError(f"devices_per_process must be >= 1, got {devices_per_process}")
+    if not command:
+        raise ValueError("no command to run")
+    stdout = stdout or sys.stdout.buffer
+    stderr = stderr or sys.stderr.buffer
+    lock = threading.Lock()
+
+    def say(message: str) -> None:
+        with lock:
+            stderr.write(f"zeropp-launch: {message}\n".encode())
+            stderr.flush()
+
+    coordinator = f"{HOST}:{port or free_port()}"
+    procs: list[subprocess.Popen] = []
+    outputs: list[_Output] = []
+    previous = _install_stop_handlers()
+    try:
+        for i in range(num_processes):
+            env = process_env(
+                os.environ, coordinator=coordinator, num_processes=num_processes,
+                process_id=i, devices_per_process=devices_per_process,
+            )
+            try:
+                procs.append(subprocess.Popen(
+                    list(command), env=env, stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    # Own process group: Ctrl-C reaches only the launcher, which
+                    # then stops each child's whole tree.
+                    start_new_session=True,
+                    preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,
+                ))
+            except OSError as e:
+                say(f"cannot start {command[0]!r}: {e}")
+                _stop(procs, kill_grace_s)
+                return 127 if isinstance(e, FileNotFoundError) else 126
+        # Readers start after every fork (preexec_fn and threads do not mix).
+        for i, p in enumerate(procs):
+            prefix = f"[{i}] ".encode()
+            outputs.append(_Output(p.stdout, stdout, prefix, lock))
+            outputs.append(_Output(p.stderr, stderr, prefix, lock))
+        say(
+            f"{num_processes} process(es) x {devices_per_process} CPU device(s), "
+            f"coordinator {coordinator}, pids "
+            + " ".join(f"[{i}]={p.pid}" for i, p in enumerate(procs))
+        )
+        status = _watch(procs, timeout_s, kill_grace_s, say)
+    except (KeyboardInterrupt, _Stop) as e:
+        what = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else "got a stop signal"
+        say(f"{what}; stopping all {len(procs)} process(es)")
+        _stop(procs, kill_grace_s)
+        status = 130
+    finally:
+        _restore_handlers(previous)
+        for p in procs:
+            if p.poll() is None:  # only on an unexpected error in the launcher
+                _signal(p, signal.SIGKILL)
+                p.wait()
+        for out in outputs:
+            out.thread.join(timeout=5)
+        for p in procs:
+            for pipe in (p.stdout, p.stderr):
+                if pipe is not None:
+                    pipe.close()
+    return status
+
+
+def _watch(procs, timeout_s, kill_grace_s, say) -> int:
+    """Waits for all processes; on the first failure stops the rest."""
+    start = time.monotonic()
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            # Killed from outside beats a peer failing because of it.
+            first = min(failed, key=lambda i: (codes[i] >= 0, i))
+            running = [i for i, c in enumerate(codes) if c is None]
+            say(
+                f"process {first} (pid {procs[first].pid}) {describe_status(codes[first])}"
+                + (f"; stopping the other {len(running)} process(es)" if running else "")
+            )
+            _stop(procs, kill_grace_s)
+            others = [
+                f"[{i}] {describe_status(procs[i].returncode)}"
+                + (" (stopped by zeropp-launch)" if i in running else "")
+                for i in range(len(procs)) if i != first
+            ]
+            say(
+                f"FAILED: process {first} {describe_status(codes[first])}"
+                + (f"; others: {', '.join(others)}" if others else "")
+            )
+            return _exit_status(codes[first])
+        if all(c == 0 for c in codes):
+            return 0
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            running = [i for i, c in enumerate(codes) if c is None]
+            say(
+                f"timed out after {timeout_s:g} s; stopping process(es) "
+                + ", ".join(map(str, running))
+            )
+            _stop(procs, kill_grace_s)
+            return TIMEOUT_EXIT
+        time.sleep(POLL_S)
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    """Sends ``sig`` to the child's process group (the child and its children)."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def _stop(procs: Sequence[subprocess.Popen], kill_grace_s: float) -> None:
+    """SIGTERM to every running process, SIGKILL after the grace period."""
+    for p in procs:
+        _signal(p, signal.SIGTERM)
+    deadline = time.monotonic() + kill_grace_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    for p in procs:
+        _signal(p, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+
+
+def _install_stop_handlers():
+    """SIGTERM / SIGHUP to the launcher stop the children like Ctrl-C does."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum, frame):
+        raise _Stop(signum)
+
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
+def _restore_handlers(previous) -> None:
+    for sig, old in previous.items():
+        signal.signal(sig, old)
+
+
+def main(argv: list[str] | None = None) -> int:
+    options, command = parse_args(sys.argv[1:] if argv is None else argv)
+    return launch(
+        command, options.n,
+        devices_per_process=options.devices_per_process,
+        timeout_s=options.timeout,
+        kill_grace_s=options.kill_grace,
+        port=options.port,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
