@@ -49,7 +49,7 @@ def reference_run(loss_fn, params, opt, batches, steps):
     state = opt.init(params)
     losses = []
     for i in range(steps):
-        params, state, loss = step(params, state, jnp.asarray(batches.batch_at(i)))
+        params, state, loss = step(params, state, jax.tree.map(jnp.asarray, batches.batch_at(i)))
         losses.append(float(loss))
     return np.array(losses), jax.device_get(params)
 

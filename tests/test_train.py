@@ -34,35 +34,23 @@ def reference():
     return params, losses, final
 
 
-@pytest.mark.parametrize("shape", [(2, 4), (1, 8), (3, 2), (1, 1)])
-def test_zero3_matches_single_device(reference, shape):
+@pytest.mark.parametrize(
+    "shape,preset,per_layer",
+    [
+        ((2, 4), "zero3", True),
+        ((1, 8), "zero3", True),
+        ((3, 2), "zero3", True),
+        ((1, 1), "zero3", True),
+        ((2, 4), "hpz", True),  # hpZ without quantization is exact too
+        ((2, 4), "zero3", False),  # whole-model gathering, plain params
+    ],
+)
+def test_matches_single_device(reference, shape, preset, per_layer):
     params, ref_losses, ref_final = reference
     trainer = zp.make_trainer(
-        gpt_loss(), optimizer(), params, mesh=mesh_of(*shape),
-        config=zp.ZeroConfig.from_preset("zero3", **FP32), per_layer=True, stacked=("blocks",),
-    )
-    losses, state = zero_run(trainer, params, tiny_batches(), STEPS)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_trees_close(trainer.gather_params(state), ref_final, rtol=1e-5, atol=1e-5)
-
-
-def test_hpz_without_quantization_matches_zero3(reference):
-    params, ref_losses, ref_final = reference
-    trainer = zp.make_trainer(
-        gpt_loss(), optimizer(), params, mesh=mesh_of(2, 4),
-        config=zp.ZeroConfig.from_preset("hpz", **FP32), per_layer=True, stacked=("blocks",),
-    )
-    losses, state = zero_run(trainer, params, tiny_batches(), STEPS)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_trees_close(trainer.gather_params(state), ref_final, rtol=1e-5, atol=1e-5)
-
-
-def test_whole_model_gathering_matches(reference):
-    """The fallback for models that do not mark layers: plain params."""
-    params, ref_losses, ref_final = reference
-    trainer = zp.make_trainer(
-        gpt_loss(per_layer=False), optimizer(), params, mesh=mesh_of(2, 4),
-        config=zp.ZeroConfig(**FP32),
+        gpt_loss(per_layer=per_layer), optimizer(), params, mesh=mesh_of(*shape),
+        config=zp.ZeroConfig.from_preset(preset, **FP32), per_layer=per_layer,
+        stacked=("blocks",) if per_layer else (),
     )
     losses, state = zero_run(trainer, params, tiny_batches(), STEPS)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -143,27 +131,12 @@ def test_unmodified_linen_model_trains_with_whole_model_gathering():
             return {"x": np.asarray(x[sl]), "y": np.asarray(y[sl])}
 
     opt = optax.sgd(0.1, momentum=0.9)
-    ref_losses, ref_final = _reference_dict_batches(loss, params, opt, Batches(), 8)
+    ref_losses, ref_final = reference_run(loss, params, opt, Batches(), 8)
     trainer = zp.make_trainer(loss, opt, params, mesh=mesh_of(2, 4), config=zp.ZeroConfig(**FP32))
     losses, state = zero_run(trainer, params, Batches(), 8)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(trainer.gather_params(state), ref_final, rtol=1e-5, atol=1e-5)
     assert losses[-1] < losses[0]
-
-
-def _reference_dict_batches(loss_fn, params, opt, batches, steps):
-    @jax.jit
-    def step(p, s, b):
-        loss, g = jax.value_and_grad(loss_fn)(p, b)
-        updates, s = opt.update(g, s, p)
-        return optax.apply_updates(p, updates), s, loss
-
-    state = opt.init(params)
-    losses = []
-    for i in range(steps):
-        params, state, loss = step(params, state, batches.batch_at(i))
-        losses.append(float(loss))
-    return np.array(losses), jax.device_get(params)
 
 
 @pytest.mark.parametrize("preset", ["zero3", "zeropp"])

@@ -33,11 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    common.validate_args(parser, args)
-    common.prepare_devices(args)
-    common.init_distributed(args)
+    args = common.parse_and_prepare(build_parser(), argv)
     try:
         result, hlo = report(args)
     except (ValueError, FileNotFoundError) as e:

@@ -152,6 +152,19 @@ def prepare_devices(args: argparse.Namespace) -> None:
         )
 
 
+def parse_and_prepare(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parses and validates the flags, then sets up devices and processes.
+
+    Everything that can be checked without JAX fails here, before any device
+    or compilation work.
+    """
+    args = parser.parse_args(argv)
+    validate_args(parser, args)
+    prepare_devices(args)
+    init_distributed(args)
+    return args
+
+
 def init_distributed(args: argparse.Namespace) -> None:
     """Joins a multi-process run if the flags or the environment describe one."""
     from zeropp_jax import distributed
