@@ -81,7 +81,15 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--layers", type=positive_int, default=4)
     g.add_argument("--d-model", type=positive_int, default=128)
     g.add_argument("--heads", type=positive_int, default=4)
-    g.add_argument("--lr", type=positive_float, default=3e-3)
+    g.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate")
+    g.add_argument(
+        "--lr-schedule", default="cosine", choices=("cosine", "constant"),
+        help="cosine: linear warm-up then cosine decay to lr/10 over --steps",
+    )
+    g.add_argument(
+        "--lr-warmup", type=non_negative_int, default=None,
+        help="learning-rate warm-up steps (default: 10%% of --steps)",
+    )
     g.add_argument(
         "--dtype",
         default="auto",
@@ -234,17 +242,46 @@ def build_trainer(args: argparse.Namespace, mesh, model_cfg, params_or_shapes) -
     config = build_config(args)
     global_batch_size_check(args.batch_size, mesh.size, config.grad_accum)
     loss = functools.partial(gpt.loss_fn, cfg=model_cfg, gather=zp.gather, layer=zp.layer)
-    optimizer = make_optimizer(args.lr)
+    optimizer = make_optimizer(
+        args.lr,
+        schedule=args.lr_schedule,
+        total_steps=getattr(args, "steps", None),
+        warmup=args.lr_warmup,
+    )
     return zp.make_trainer(
         loss, optimizer, params_or_shapes, mesh=mesh, config=config,
         per_layer=True, stacked=("blocks",),
     )
 
 
-def make_optimizer(lr: float):
-    """The default optimizer: global-norm clipping at 1, then Adam."""
+def make_optimizer(
+    lr: float,
+    *,
+    schedule: str = "constant",
+    total_steps: int | None = None,
+    warmup: int | None = None,
+):
+    """The default optimizer: global-norm clipping at 1, then Adam.
+
+    Args:
+      lr: peak learning rate.
+      schedule: ``"constant"``, or ``"cosine"``: linear warm-up over
+        ``warmup`` steps (default 10% of ``total_steps``), then cosine decay
+        to ``lr / 10`` at ``total_steps``. Without ``total_steps`` (e.g. for
+        the communication report) the schedule does not matter and a
+        constant rate is used.
+    """
     import optax
 
+    if schedule == "cosine" and total_steps:
+        if warmup is None:
+            warmup = total_steps // 10
+        warmup = min(warmup, total_steps - 1)
+        lr = optax.warmup_cosine_decay_schedule(
+            0.0, lr, warmup_steps=warmup, decay_steps=total_steps, end_value=lr / 10
+        )
+    elif schedule not in ("cosine", "constant"):
+        raise ValueError(f"unknown learning-rate schedule {schedule!r}; use cosine or constant")
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr))
 
 
