@@ -27,10 +27,14 @@ nevertheless ask for **Triton**, by passing ``pltriton.CompilerParams``
   is deprecated in favour of ``plgpu.kernel``.
 
 So Triton is the only backend on which these plain-``jnp`` kernels lower
-today; when it is removed from JAX, this module (and the kernels' packing
-code) is what changes. NOT VERIFIED HERE: that jax 0.11.x still accepts
-``pltriton.CompilerParams`` (its changelog says Triton is deprecated, not
-removed) and that the Triton IR compiles and runs on the H200;
+today. The Pallas changelog for jax 0.11.0 says: "The Triton backend is
+deprecated and will be removed in a future version of JAX. To keep using
+Pallas on GPU, please migrate to the Mosaic GPU backend." When it is
+removed, this module and the kernels' in-tile reductions and packing are
+what change (``plgpu.kernel`` with explicit ``TILED`` layouts). NOT VERIFIED
+HERE (no GPU in this session): that jax 0.11.x still accepts
+``pltriton.CompilerParams`` on the GPU, and that the Triton IR compiles and
+runs on the H200 with the results the tests expect;
 ``benchmarks/gpu_check.sh`` checks both.
 
 Triton quirks handled here

@@ -39,6 +39,23 @@ _SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # ---------------------------------------------------------------------------
 
 
+def out_struct(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """A ``pallas_call`` output type that varies over the mesh axes ``like`` does.
+
+    Inside ``jax.shard_map`` (with ``check_vma``) Pallas needs every output to
+    say over which manual axes it varies; outside, this is a plain struct. The
+    attribute is ``manual_axis_type`` in JAX 0.10 and ``vma`` in older releases.
+    """
+    aval = jax.typeof(like)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
+    vma = getattr(aval, "vma", None)
+    if vma:
+        return jax.ShapeDtypeStruct(shape, dtype, vma=vma)
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
 def check_bits(bits, allowed) -> int:
     if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or bits not in allowed:
         raise ValueError(f"bits must be one of {tuple(allowed)}, got {bits!r}.")

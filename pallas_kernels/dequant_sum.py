@@ -4,18 +4,28 @@ After the all-to-all of qgZ each device holds ``k`` quantized chunks of the
 same slice of the gradient, one from each sender: ``q.values`` is
 ``(..., k, bytes)`` and ``q.scales`` is ``(..., k, m // block)``. The reduced
 slice is ``sum_c dequantize(chunk_c)`` in float32. The jnp version
-(:func:`dequantize_sum_reference`) may materialise the ``k`` dequantized
-float32 chunks; the kernel reads each chunk's packed bytes and scales once
-and writes only the float32 sum.
+(:func:`dequantize_sum_reference`) leaves XLA to fuse the decoding into the
+sum; the kernel reads each chunk's packed bytes and scales once and writes
+only the float32 sum.
 
-Summation order (the float32 result depends on it): for every element the
-kernel computes ``((0 + d_0) + d_1) + ... + d_{k-1}`` where ``d_c`` is chunk
-``c`` dequantized (``code * scale`` or ``+-scale``), i.e. sequentially in
-chunk order starting from +0.0. XLA on CPU reduces the reference's ``k``
-axis in that same order (checked by the tests, which compare bit for bit on
-CPU). On GPU XLA may reduce the ``k`` axis in a tree and may fuse the
-multiply into an FMA, so there kernel and reference agree to within the
-rounding of a ``k``-term sum, not bit for bit.
+Summation order (the float32 result depends on it): for every element, both
+the kernel and the reference compute
+
+    ((0 + d_0) + d_1) + ... + d_{k-1},   d_c = chunk c dequantized
+
+sequentially in chunk (sender) order, starting from +0.0. The reference is
+``jnp.sum(dequantize(q, dtype=float32), axis=-2)`` with that order written
+out as a chain of adds: ``jnp.sum`` leaves the order to XLA, which picks it
+per shape (on CPU, jax 0.10.2 reduces the chunk axis sequentially for some
+shapes and hands others to a YNNPACK fusion with another order), so with
+``jnp.sum`` no kernel could match it to the last ulp; XLA never reorders an
+explicit chain of float adds. What the compilers may still do is contract
+``acc + code * scale`` into one fused multiply-add (XLA on CPU does, in some
+fusions and not others; Triton does by default): for bits 4 and 8 kernel
+and reference can therefore differ by the rounding of those products, at
+most ``k * eps * sum_c |d_c|`` per element. For bits 1 (``d_c = +-scale``,
+no product) the results are bit-identical everywhere, and so they are for
+bits 4 and 8 whenever the products and partial sums are exact.
 """
 
 from __future__ import annotations
@@ -39,18 +49,25 @@ _BITS = (1, 4, 8)
 
 @functools.partial(jax.jit, static_argnames=("bits", "block"))
 def dequantize_sum_reference(q: Quantized, *, bits: int, block: int) -> jax.Array:
-    """Pure-jnp spec: ``jnp.sum(dequantize(q, dtype=float32), axis=-2)``.
+    """Pure-jnp spec: ``jnp.sum(dequantize(q, dtype=float32), axis=-2)`` in chunk order.
+
+    The sum over the chunk axis is written as ``((0 + d_0) + d_1) + ...``
+    so that its order is defined on every backend (see the module docstring).
 
     Args:
       q: ``Quantized`` with values ``(..., k, m * bits // 8)`` and scales
         ``(..., k, m // block)``: ``k`` chunks of ``m`` elements.
       bits: 1, 4 or 8.
-      block: elements per scale.
+      block: elements per scale (a multiple of 8).
 
     Returns:
       float32 ``(..., m)``.
     """
-    return jnp.sum(_dequantize(q, bits=bits, block=block, dtype=jnp.float32), axis=-2)
+    d = _dequantize(q, bits=bits, block=block, dtype=jnp.float32)  # (..., k, m)
+    acc = jnp.zeros(d.shape[:-2] + d.shape[-1:], jnp.float32)
+    for c in range(d.shape[-2]):
+        acc = acc + d[..., c, :]
+    return acc
 
 
 def dequantize_sum_kernel(values_ref, scales_ref, out_ref, *, bits, k):
@@ -59,7 +76,7 @@ def dequantize_sum_kernel(values_ref, scales_ref, out_ref, *, bits, k):
     def add_chunk(c, acc):
         return acc + _common.decode_tile(values_ref[c], scales_ref[c].astype(jnp.float32), bits)
 
-    # Sequential in chunk order from +0.0, as XLA reduces the reference on CPU.
+    # Sequential in chunk order from +0.0, as the reference.
     out_ref[...] = lax.fori_loop(0, k, add_chunk, jnp.zeros(out_ref.shape, jnp.float32))
 
 
@@ -91,7 +108,8 @@ def dequantize_sum(
       float32 ``(..., m)``.
 
     Example:
-      >>> q = Quantized(values=recv_values, scales=recv_scales)  # (k, m // 8), (k, m // 256)  # doctest: +SKIP
+      >>> # recv_values (k, m // 8) uint8, recv_scales (k, m // 256) float32
+      >>> q = Quantized(values=recv_values, scales=recv_scales)  # doctest: +SKIP
       >>> g_slice = dequantize_sum(q, bits=1, block=256)  # (m,) float32  # doctest: +SKIP
     """
     bits = _common.check_bits(bits, _BITS)
@@ -126,13 +144,13 @@ def dequantize_sum(
     bpb = _common.bytes_per_block(bits, block)
     out = pl.pallas_call(
         functools.partial(dequantize_sum_kernel, bits=bits, k=k),
-        out_shape=jax.ShapeDtypeStruct((rows, nb, block), jnp.float32),
+        out_shape=_common.out_struct((rows, nb, block), jnp.float32, values),
         grid=(rows, nb // tb),
         in_specs=[
-            pl.BlockSpec((None, k, tb, bpb), lambda r, j: (r, 0, j, 0)),
-            pl.BlockSpec((None, k, tb), lambda r, j: (r, 0, j)),
+            pl.BlockSpec((pl.squeezed, k, tb, bpb), lambda r, j: (r, 0, j, 0)),
+            pl.BlockSpec((pl.squeezed, k, tb), lambda r, j: (r, 0, j)),
         ],
-        out_specs=pl.BlockSpec((None, tb, block), lambda r, j: (r, j, 0)),
+        out_specs=pl.BlockSpec((pl.squeezed, tb, block), lambda r, j: (r, j, 0)),
         compiler_params=_backend.compiler_params(config),
         cost_estimate=pl.CostEstimate(
             flops=3 * rows * k * m,

@@ -19,13 +19,18 @@ overflow), rounded to ``scale_dtype``; bit ``j`` of byte ``i`` is
 NaN gets scale NaN, so its new carry is NaN too (the reference's behaviour:
 a non-finite gradient poisons its block until the caller resets the carry).
 
-Summation order of the scale: the kernel sums each tile row with
-``jnp.sum`` over the block; ``block`` is a power of two so ``|x| / block``
-is the exactly rounded ``|x| * 2**-k`` whatever the backend. On CPU
-(interpret mode) XLA sums the kernel's tile rows in the same order as the
-reference's rows, so results are bit-identical; a GPU compiler may
-associate the ``block`` additions differently, which changes the float32
-scale by at most ``2 * (block - 1)`` ulp-relative (all terms are >= 0).
+Summation order of the scale: ``block`` is a power of two, so ``|x| /
+block`` is the exactly rounded ``|x| * 2**-k`` on every backend, but the
+order in which the ``block`` terms are added is the compiler's: the
+reference's ``jnp.sum`` over the block axis is reduced however XLA chooses
+for the whole array (on CPU, jax 0.10.2 uses different orders for different
+shapes, e.g. a YNNPACK fusion for large ones), the kernel's by XLA (interpret
+mode) or Triton for one tile. The float32 scales can therefore differ in the
+last bits - by at most ``2 * (block - 1)`` ulp-relative in theory, as all
+terms are >= 0; a few ulp in practice - and are bit-identical whenever the
+block sums are exact (e.g. small dyadic values). Signs never depend on the
+order, and the new carry is always exactly ``x - (+-scale)`` with the
+kernel's own scale.
 """
 
 from __future__ import annotations
@@ -71,7 +76,9 @@ def compress_1bit_ef_reference(
     return q, x - _dequantize(q, bits=1, block=block, dtype=jnp.float32)
 
 
-def compress_1bit_ef_kernel(g_ref, carry_ref, values_ref, scales_ref, new_carry_ref, *, block, scale_dtype):
+def compress_1bit_ef_kernel(
+    g_ref, carry_ref, values_ref, scales_ref, new_carry_ref, *, block, scale_dtype
+):
     """One tile: ``g``, ``carry`` ``(tb, block)`` -> signs, scales, new carry."""
     x = g_ref[...].astype(jnp.float32) + carry_ref[...]
     bad = jnp.max(jnp.where(jnp.isfinite(x), 0, 1), axis=1, keepdims=True)
@@ -140,9 +147,9 @@ def compress_1bit_ef(
     values, scales, new_carry = pl.pallas_call(
         functools.partial(compress_1bit_ef_kernel, block=block, scale_dtype=scale_dtype),
         out_shape=(
-            jax.ShapeDtypeStruct((nb, block // 8), jnp.uint8),
-            jax.ShapeDtypeStruct((nb,), scale_dtype),
-            jax.ShapeDtypeStruct((nb, block), jnp.float32),
+            _common.out_struct((nb, block // 8), jnp.uint8, g),
+            _common.out_struct((nb,), scale_dtype, g),
+            _common.out_struct((nb, block), jnp.float32, g),
         ),
         grid=(nb // tb,),
         in_specs=[spec, spec],
@@ -155,7 +162,7 @@ def compress_1bit_ef(
         cost_estimate=pl.CostEstimate(
             flops=6 * g.size,
             transcendentals=0,
-            bytes_accessed=g.size * (g.dtype.itemsize + 4 + 4) + nb * (block // 8 + scale_dtype.itemsize),
+            bytes_accessed=g.size * (g.dtype.itemsize + 8) + nb * (block // 8 + scale_dtype.itemsize),
         ),
         interpret=interpret,
         name="compress_1bit_ef",

@@ -127,8 +127,8 @@ def quantize(
     values, scales = pl.pallas_call(
         kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((nb, bpb), value_dtype),
-            jax.ShapeDtypeStruct((nb,), scale_dtype),
+            _common.out_struct((nb, bpb), value_dtype, x),
+            _common.out_struct((nb,), scale_dtype, x),
         ),
         grid=(nb // tb,),
         in_specs=[pl.BlockSpec((tb, block), _common.index_map(2))],
@@ -214,7 +214,7 @@ def dequantize(
     bpb = _common.bytes_per_block(bits, block)
     out = pl.pallas_call(
         functools.partial(dequantize_kernel, bits=bits),
-        out_shape=jax.ShapeDtypeStruct((nb, block), dtype),
+        out_shape=_common.out_struct((nb, block), dtype, values),
         grid=(nb // tb,),
         in_specs=[
             pl.BlockSpec((tb, bpb), _common.index_map(2)),

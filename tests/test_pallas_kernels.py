@@ -1,23 +1,29 @@
 """Pallas kernels (pallas_kernels) against their jnp references.
 
-Every test runs in ``mode``:
+Every test that takes ``mode`` runs in
 
 * ``interpret`` (always): the kernel in Pallas interpret mode on the CPU
-  device. Kernel and reference then run through the same XLA CPU
-  arithmetic, so every output - integer codes, packed bits AND float scales,
-  dequantized values, carries and sums - must be bit-identical
-  (``assert_array_equal``, NaN positions included).
+  device, the reference by XLA on the CPU;
 * ``compiled`` (only with ``PALLAS_KERNELS_COMPILED=1`` and a GPU as the
   default backend, see benchmarks/gpu_check.sh): the kernel compiled for the
-  GPU, against the reference run by XLA on the same GPU. Codes, bits,
-  absmax scales and dequantized values must still be bit-identical; two
-  results are sums whose association order the GPU compilers choose
-  differently (Triton's tree vs XLA's reduction), so there:
-  - 1-bit scales (a sum of ``block`` non-negative terms) may differ by
-    ``2 * (block - 1)`` float32 ulp-relative (plus one bf16 rounding step when
-    stored in bfloat16), and the new carry is checked EXACTLY against the
-    kernel's own scales (``x - (+-scale)``);
-  - ``dequantize_sum`` may differ by ``k * eps * sum_c |d_c|`` per element.
+  GPU, the reference by XLA on the same GPU.
+
+The same assertions hold in both modes:
+
+* bit-identical (``assert_array_equal``, NaN positions included): int8 /
+  int4 codes and their scales (a max and one IEEE division per block), every
+  dequantized value, 1-bit signs, and ``dequantize_sum`` at 1 bit (a chain
+  of adds in a fixed order, no products);
+* bit-identical on inputs whose block sums and products are exact (small
+  dyadic values), where the two results below must not depend on order or
+  fused multiply-adds;
+* otherwise within the rounding that the association order of a sum can
+  change (the compilers choose it, see pallas_kernels/onebit.py and
+  dequant_sum.py): 1-bit scales within ``2 * (block - 1)`` float32 ulp
+  (relative; a sum of ``block`` terms >= 0), plus one bfloat16 rounding step
+  when stored as bfloat16, with the new carry EXACTLY ``x - (+-scale)`` for
+  the kernel's own scales; ``dequantize_sum`` at 4 and 8 bits within
+  ``k * eps * sum_c |d_c|`` (a product rounded or fused into the add).
 
 Inputs are random normals with magnitudes spread over decades, on awkward
 shapes (odd numbers of blocks, lengths that are not multiples of 128 or of
@@ -27,6 +33,7 @@ value in every other block; never all zeros.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -82,26 +89,55 @@ SHAPE_IDS = ["96-b32", "5x56-b8", "2x3x320-b64", "3x256-b256"]
 CONFIGS = [pk.KernelConfig(tile_elems=64, num_warps=1), pk.KernelConfig()]
 
 
-def make_x(shape, block, dtype=jnp.float32, seed=0):
-    """Random (..., n): spread magnitudes, zero blocks, one spike per other block."""
+def make_x(shape, block, dtype=jnp.float32, seed=0, dyadic=False):
+    """Random (..., n): spread magnitudes, zero blocks, one spike per other block.
+
+    ``dyadic``: small integers times a power of two per block (exact in
+    bfloat16), so that sums of up to 256 of them are exact in float32.
+    """
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal(shape).astype(np.float32)
     lead, n = shape[:-1], shape[-1]
+    if dyadic:
+        x = rng.integers(-64, 65, size=shape).astype(np.float32)
+    else:
+        x = rng.standard_normal(shape).astype(np.float32)
     xb = x.reshape(-1, n // block, block)
     rows, nb = xb.shape[:2]
-    xb *= (10.0 ** rng.uniform(-3, 3, size=(rows, nb, 1))).astype(np.float32)
+    if dyadic:
+        xb *= (2.0 ** rng.integers(-12, 13, size=(rows, nb, 1))).astype(np.float32)
+    else:
+        xb *= (10.0 ** rng.uniform(-3, 3, size=(rows, nb, 1))).astype(np.float32)
     flat = xb.reshape(rows * nb, block)
     ids = rng.permutation(rows * nb)
     zero = ids[: max(1, (rows * nb) // 5)] if rows * nb > 1 else ids[:0]
     flat[zero] = 0.0
     for b in ids[len(zero) :: 2]:  # one huge value in every other non-zero block
-        flat[b, rng.integers(block)] = np.float32(rng.choice([-1, 1]) * 1e3 * np.abs(flat[b]).max())
+        big = 8.0 if dyadic else 1e3  # dyadic: 512 * 2**e
+        flat[b, rng.integers(block)] = np.float32(rng.choice([-1, 1]) * big * np.abs(flat[b]).max())
     assert np.any(flat != 0)
     return jnp.asarray(flat.reshape(*lead, n)).astype(dtype)
 
 
 def quantized_input(shape, block, bits, scale_dtype, seed):
     return qz.quantize(make_x(shape, block, seed=seed), bits=bits, block=block, scale_dtype=scale_dtype)
+
+
+def dyadic_quantized(shape, block, bits, scale_dtype, seed):
+    """Random wire values (every code, -8 included) and scales ``j * 2**-6``, j in 1..16.
+
+    Every ``code * scale`` and every partial sum over up to 16 chunks is
+    exact in float32, so order and fused multiply-adds cannot matter.
+    """
+    rng = np.random.default_rng(seed)
+    *lead, n = shape
+    nbytes = n * bits // 8
+    if bits == 8:
+        values = jnp.asarray(rng.integers(-127, 128, size=(*lead, nbytes)).astype(np.int8))
+    else:
+        values = jnp.asarray(rng.integers(0, 256, size=(*lead, nbytes)).astype(np.uint8))
+    scales = rng.integers(1, 17, size=(*lead, n // block)).astype(np.float32) * np.float32(2.0**-6)
+    scales[..., 0] = 0.0  # a zero block
+    return Quantized(values=values, scales=jnp.asarray(scales).astype(scale_dtype))
 
 
 def f32(a):
@@ -113,6 +149,8 @@ def assert_same(actual, desired):
     assert actual.shape == desired.shape and actual.dtype == desired.dtype, (
         f"{actual.dtype}{actual.shape} != {desired.dtype}{desired.shape}"
     )
+    if jnp.issubdtype(actual.dtype, jnp.floating):  # exact up-cast; numpy sees bf16 NaNs there
+        actual, desired = actual.astype(jnp.float32), desired.astype(jnp.float32)
     np.testing.assert_array_equal(np.asarray(actual), np.asarray(desired))
 
 
@@ -121,20 +159,19 @@ def assert_quantized_same(q, r):
     assert_same(q.scales, r.scales)
 
 
-def assert_onebit_close(mode, x, q, carry, r, block, scale_dtype):
-    """1-bit result (q, carry) vs reference r = (q_ref, carry_ref), per ``mode``."""
+def assert_onebit_close(x, q, carry, r, block, scale_dtype):
+    """1-bit result (q, carry) vs reference r = (q_ref, carry_ref): see module docstring."""
     assert_same(q.values, r[0].values)
-    if _interp(mode):
-        assert_same(q.scales, r[0].scales)
-        assert_same(carry, r[1])
-        return
     assert q.scales.dtype == r[0].scales.dtype and carry.dtype == jnp.float32
+    assert q.scales.shape == r[0].scales.shape and carry.shape == r[1].shape
     rtol = 2 * (block - 1) * F32_EPS + (BF16_EPS if scale_dtype == jnp.bfloat16 else 0.0)
     np.testing.assert_allclose(f32(q.scales), f32(r[0].scales), rtol=rtol, atol=0)
-    # The carry must be exactly x - (+-scale) with the kernel's own scales.
-    s = np.repeat(f32(q.scales), block, axis=-1)
-    signs = np.asarray(qz.unpack_bits(q.values))
-    np.testing.assert_array_equal(np.asarray(carry), f32(x) - np.where(signs, s, -s))
+    # The carry must be exactly x - (+-scale) with the kernel's own scales,
+    # computed by XLA on the same device (which may flush subnormals, as the
+    # kernel's arithmetic does there).
+    s = jnp.repeat(jnp.asarray(q.scales).astype(jnp.float32), block, axis=-1)
+    signs = qz.unpack_bits(q.values)
+    assert_same(carry, jax.jit(lambda x, s, b: x - jnp.where(b, s, -s))(x, s, signs))
 
 
 # ---------------------------------------------------------------------------
@@ -213,12 +250,12 @@ def test_special_blocks(mode, bits, scale_dtype):
     if bits == 1:
         carry = jnp.zeros(x.shape, jnp.float32)
         q, c = pk.compress_1bit_ef(x, carry, block=block, scale_dtype=scale_dtype, interpret=interp)
-        assert_onebit_close(mode, x, q, c,
-                            pk.compress_1bit_ef_reference(x, carry, block=block, scale_dtype=scale_dtype),
-                            block, scale_dtype)
+        r = pk.compress_1bit_ef_reference(x, carry, block=block, scale_dtype=scale_dtype)
+        assert_onebit_close(x, q, c, r, block, scale_dtype)
     else:
         q = pk.quantize(x, bits=bits, block=block, scale_dtype=scale_dtype, interpret=interp)
-        assert_quantized_same(q, pk.quantize_reference(x, bits=bits, block=block, scale_dtype=scale_dtype))
+        r = pk.quantize_reference(x, bits=bits, block=block, scale_dtype=scale_dtype)
+        assert_quantized_same(q, r)
         out = pk.dequantize(q, bits=bits, block=block, dtype=jnp.float32, interpret=interp)
         assert_same(out, pk.dequantize_reference(q, bits=bits, block=block, dtype=jnp.float32))
     s = f32(q.scales)[:, 0]
@@ -249,31 +286,47 @@ def test_compress_1bit_ef_matches_reference(mode, dtype, shape, block):
                                        config=CONFIGS[len(shape) % 2], interpret=_interp(mode))
     r = pk.compress_1bit_ef_reference(g, carry, block=block, scale_dtype=scale_dtype)
     x = jnp.asarray(g).astype(jnp.float32) + carry
-    assert_onebit_close(mode, x, q, new_carry, r, block, scale_dtype)
+    assert_onebit_close(x, q, new_carry, r, block, scale_dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("scale_dtype", [jnp.float32, jnp.bfloat16], ids=["sf32", "sbf16"])
+def test_compress_1bit_ef_exact_on_dyadic_inputs(mode, dtype, scale_dtype):
+    """Exact block sums: scales and carries bit-identical too, whatever the order."""
+    shape, block = (2, 5 * 64), 64
+    g = make_x(shape, block, dtype, seed=7, dyadic=True)
+    # Same per-block power of two as g, so x = g + carry (-g/4 or 5g/4, sign
+    # flipped where the mask is set) stays a small integer times 2**e.
+    g32 = g.astype(jnp.float32)
+    mask = jnp.asarray(np.random.default_rng(8).random(shape) < 0.3)
+    carry = jnp.where(mask, -1.25 * g32, 0.25 * g32)
+    q, new_carry = pk.compress_1bit_ef(g, carry, block=block, scale_dtype=scale_dtype,
+                                       config=CONFIGS[0], interpret=_interp(mode))
+    r = pk.compress_1bit_ef_reference(g, carry, block=block, scale_dtype=scale_dtype)
+    assert_quantized_same(q, r[0])
+    assert_same(new_carry, r[1])
 
 
 @pytest.mark.parametrize(
     "dtype,scale_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16)], ids=["f32", "bf16"]
 )
 def test_compress_1bit_ef_iterations(mode, dtype, scale_dtype):
-    """Five steps with the carry threaded through: kernel trajectory == reference trajectory.
+    """Five steps with the carry threaded through the kernel.
 
-    Compiled on GPU the scales may differ in the last bits (see module
-    docstring), which would let the two trajectories drift apart; there
-    each step starts the reference from the kernel's carry instead.
+    Each step is compared with the reference started from the kernel's
+    carry: scales may differ in the last bits (module docstring), which
+    would otherwise let two independent trajectories drift apart.
     """
     shape, block = (2, 3 * 64), 64
     carry = jnp.zeros(shape, jnp.float32)
-    ref_carry = carry
     for step in range(5):
         g = make_x(shape, block, dtype, seed=100 + step)
         q, carry_next = pk.compress_1bit_ef(g, carry, block=block, scale_dtype=scale_dtype,
                                             interpret=_interp(mode))
-        start = ref_carry if _interp(mode) else carry
-        r = pk.compress_1bit_ef_reference(g, start, block=block, scale_dtype=scale_dtype)
+        r = pk.compress_1bit_ef_reference(g, carry, block=block, scale_dtype=scale_dtype)
         x = jnp.asarray(g).astype(jnp.float32) + carry
-        assert_onebit_close(mode, x, q, carry_next, r, block, scale_dtype)
-        carry, ref_carry = carry_next, r[1]
+        assert_onebit_close(x, q, carry_next, r, block, scale_dtype)
+        carry = carry_next
     assert np.abs(np.asarray(carry)).max() > 0
 
 
@@ -305,8 +358,8 @@ SUM_CASES = [
 SUM_IDS = ["k1-96-b32", "k3-320-b64-bf16", "2xk8-56-b8", "2x1xk5-256-b256"]
 
 
-def assert_sum_close(mode, out, ref, q, bits, block):
-    if _interp(mode):
+def assert_sum_close(out, ref, q, bits, block):
+    if bits == 1:  # no products: the fixed order makes it bit-identical
         assert_same(out, ref)
         return
     assert out.dtype == jnp.float32 and out.shape == ref.shape
@@ -322,15 +375,19 @@ def assert_sum_close(mode, out, ref, q, bits, block):
 def test_dequantize_sum_matches_reference(mode, bits, lead, k, m, block, scale_dtype):
     q = quantized_input((*lead, k, m), block, bits, scale_dtype, seed=20 + bits + k)
     out = pk.dequantize_sum(q, bits=bits, block=block, config=CONFIGS[k % 2], interpret=_interp(mode))
-    assert_sum_close(mode, out, pk.dequantize_sum_reference(q, bits=bits, block=block), q, bits, block)
+    assert_sum_close(out, pk.dequantize_sum_reference(q, bits=bits, block=block), q, bits, block)
+
+
+@pytest.mark.parametrize("bits", [1, 4, 8])
+@pytest.mark.parametrize("lead,k,m,block,scale_dtype", SUM_CASES[1:3], ids=SUM_IDS[1:3])
+def test_dequantize_sum_exact_on_dyadic_inputs(mode, bits, lead, k, m, block, scale_dtype):
+    q = dyadic_quantized((*lead, k, m), block, bits, scale_dtype, seed=40 + bits)
+    out = pk.dequantize_sum(q, bits=bits, block=block, config=CONFIGS[0], interpret=_interp(mode))
+    assert_same(out, pk.dequantize_sum_reference(q, bits=bits, block=block))
 
 
 def test_dequantize_sum_order_is_sequential(mode):
-    """Chunks are added in order from 0.0: (1e8 + -1e8) + 1 == 1; other orders give 0.
-
-    On CPU this also pins down XLA's order for the reference (the kernel
-    then matches it bit for bit, see the module docstring).
-    """
+    """Chunks are added in order from 0.0: (1e8 + -1e8) + 1 == 1; other orders give 0."""
     block, k = 8, 3
     codes = np.zeros((k, block), np.int8)
     codes[0], codes[1], codes[2] = 1, -1, 1
@@ -338,8 +395,7 @@ def test_dequantize_sum_order_is_sequential(mode):
     q = Quantized(values=jnp.asarray(codes), scales=jnp.asarray(scales))
     out = np.asarray(pk.dequantize_sum(q, bits=8, block=block, interpret=_interp(mode)))
     np.testing.assert_array_equal(out, np.ones(block, np.float32))
-    if _interp(mode):
-        np.testing.assert_array_equal(np.asarray(pk.dequantize_sum_reference(q, bits=8, block=block)), out)
+    np.testing.assert_array_equal(np.asarray(pk.dequantize_sum_reference(q, bits=8, block=block)), out)
 
 
 # ---------------------------------------------------------------------------
@@ -417,17 +473,20 @@ def test_kernels_lower_for_gpu():
     for dtype in (jnp.float32, jnp.bfloat16):
         for bits in (8, 4):
             for block in (8, 256):
-                cases.append((lambda x, b=bits, bl=block: pk.quantize(x, bits=b, block=bl, scale_dtype=jnp.bfloat16),
-                              (S((3, 2 * block), dtype),)))
-        cases.append((lambda g, c: pk.compress_1bit_ef(g, c, block=8), (S((3, 24), dtype), S((3, 24), jnp.float32))))
+                f = functools.partial(pk.quantize, bits=bits, block=block, scale_dtype=jnp.bfloat16)
+                cases.append((f, (S((3, 2 * block), dtype),)))
+        f = functools.partial(pk.compress_1bit_ef, block=8)
+        cases.append((f, (S((3, 24), dtype), S((3, 24), jnp.float32))))
     for bits in (8, 4):
         vdt = jnp.int8 if bits == 8 else jnp.uint8
-        cases.append((lambda v, s, b=bits: pk.dequantize(Quantized(v, s), bits=b, block=256, dtype=jnp.bfloat16),
-                      (S((3, 512 * bits // 8), vdt), S((3, 2), jnp.float32))))
+        f = functools.partial(pk.dequantize, bits=bits, block=256, dtype=jnp.bfloat16)
+        args = (S((3, 64 * bits), vdt), S((3, 2), jnp.float32))
+        cases.append((lambda v, s, f=f: f(Quantized(v, s)), args))
     for bits in (1, 4, 8):
         vdt = jnp.int8 if bits == 8 else jnp.uint8
-        cases.append((lambda v, s, b=bits: pk.dequantize_sum(Quantized(v, s), bits=b, block=8),
-                      (S((2, 3, 40 * bits // 8), vdt), S((2, 3, 5), jnp.bfloat16))))
+        f = functools.partial(pk.dequantize_sum, bits=bits, block=8)
+        args = (S((2, 3, 5 * bits), vdt), S((2, 3, 5), jnp.bfloat16))
+        cases.append((lambda v, s, f=f: f(Quantized(v, s)), args))
     for f, args in cases:
         text = _lower_for_gpu(f, *args)
         assert "triton" in text
@@ -439,7 +498,7 @@ def test_kernels_lower_for_gpu():
 
 if given is not None:
 
-    @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
     @given(
         bits=st.sampled_from([8, 4]),
         log_block=st.integers(3, 7),

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from zeropp_jax import quantization
+from zeropp_jax import kernels as kernels_lib
 
 Axes = Sequence[str]
 
@@ -106,6 +106,7 @@ def quantized_all_gather(
     block: int,
     scale_dtype: Any,
     out_dtype: Any,
+    kernels: kernels_lib.Kernels = kernels_lib.XLA,
 ) -> jax.Array:
     """All-gather that carries ``bits``-bit codes plus per-block scales.
 
@@ -117,12 +118,13 @@ def quantized_all_gather(
       block: elements per scale.
       scale_dtype: dtype of the scales on the wire.
       out_dtype: dtype of the dequantized result.
+      kernels: the quantization kernels (XLA reference or Pallas).
 
     Returns:
       ``(..., n * axes_size(axes))`` in ``out_dtype``.
     """
     if bits == 0:
         return all_gather(x.astype(out_dtype), axes)
-    q = quantization.quantize(x, bits=bits, block=block, scale_dtype=scale_dtype)
+    q = kernels.quantize(x, bits=bits, block=block, scale_dtype=scale_dtype)
     q = all_gather(q, axes)
-    return quantization.dequantize(q, bits=bits, block=block, dtype=out_dtype)
+    return kernels.dequantize(q, bits=bits, block=block, dtype=out_dtype)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from zeropp_jax import collectives, quantization
+from zeropp_jax.kernels import Kernels
 from zeropp_jax.layout import UnitLayout, unflatten_unit
 
 
@@ -42,6 +43,7 @@ class GatherPlan:
       scale_dtype: dtype of qwZ scales on the wire.
       compute_dtype: dtype of the gathered parameters.
       reduce_dtype: dtype of the gradient reduce-scatter on the wire.
+      kernels: the quantization kernels (XLA reference or Pallas).
     """
 
     gather_axes: tuple[str, ...]
@@ -51,6 +53,7 @@ class GatherPlan:
     scale_dtype: Any
     compute_dtype: Any
     reduce_dtype: Any
+    kernels: Kernels
 
 
 @jax.tree_util.register_pytree_node_class
@@ -86,7 +89,7 @@ def _gather_flat(plan: GatherPlan, source: Any, sink: jax.Array) -> jax.Array:
     del sink  # only carries the gradient
     if isinstance(source, quantization.Quantized):
         gathered = collectives.all_gather(source, plan.gather_axes)
-        return quantization.dequantize(
+        return plan.kernels.dequantize(
             gathered, bits=plan.bits, block=plan.block, dtype=plan.compute_dtype
         )
     return collectives.quantized_all_gather(
@@ -96,6 +99,7 @@ def _gather_flat(plan: GatherPlan, source: Any, sink: jax.Array) -> jax.Array:
         block=plan.block,
         scale_dtype=plan.scale_dtype,
         out_dtype=plan.compute_dtype,
+        kernels=plan.kernels,
     )
 
 

@@ -28,7 +28,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zeropp_jax import collectives, quantization
+from zeropp_jax import collectives
+from zeropp_jax import kernels as kernels_lib
 from zeropp_jax.mesh import NODE
 
 
@@ -55,6 +56,7 @@ def cross_node_reduce(
     scale_dtype: Any,
     reduce_dtype: Any,
     compress: bool,
+    kernels: kernels_lib.Kernels = kernels_lib.XLA,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """Sums node-partial gradients over ``node`` (runs inside shard_map).
 
@@ -68,6 +70,8 @@ def cross_node_reduce(
       reduce_dtype: dtype of the full-precision reduce-scatter.
       compress: compress (``True``) or reduce at full precision (``False``,
         which also flushes the carry into this step's gradient).
+      kernels: the quantization kernels (XLA reference or Pallas; 1-bit
+        compression with error feedback is one fused pass).
 
     Returns:
       ``(reduced, new_carry, transmitted)``: the float32 ``(..., r / nodes)``
@@ -83,14 +87,23 @@ def cross_node_reduce(
         new_carry = None if carry is None else jnp.zeros_like(carry)
         return reduced, new_carry, x
     nodes = jax.lax.axis_size(NODE)
-    chunks = jnp.reshape(x, x.shape[:-1] + (nodes, x.shape[-1] // nodes))
-    q = quantization.quantize(chunks, bits=bits, block=block, scale_dtype=scale_dtype)
-    sent = quantization.dequantize(q, bits=bits, block=block, dtype=jnp.float32)
-    sent = jnp.reshape(sent, x.shape)
+
+    def chunked(y):
+        return jnp.reshape(y, y.shape[:-1] + (nodes, y.shape[-1] // nodes))
+
+    if bits == 1:
+        zeros = jnp.zeros_like(g) if carry is None else carry
+        q, residual = kernels.compress_1bit_ef(
+            chunked(g), chunked(zeros), block=block, scale_dtype=scale_dtype
+        )
+        residual = jnp.reshape(residual, x.shape)
+        sent = x - residual
+    else:
+        q = kernels.quantize(chunked(x), bits=bits, block=block, scale_dtype=scale_dtype)
+        sent = kernels.dequantize(q, bits=bits, block=block, dtype=jnp.float32)
+        sent = jnp.reshape(sent, x.shape)
+        residual = x - sent
     received = collectives.all_to_all_chunks(q, NODE)
-    reduced = jnp.sum(
-        quantization.dequantize(received, bits=bits, block=block, dtype=jnp.float32),
-        axis=-2,
-    )
-    new_carry = None if carry is None else x - sent
+    reduced = kernels.dequantize_sum(received, bits=bits, block=block)
+    new_carry = None if carry is None else residual
     return reduced, new_carry, sent

@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax import collectives, quantization
+from zeropp_jax.kernels import Kernels, select
 from zeropp_jax.config import ZeroConfig
 from zeropp_jax.gather import GatherPlan, Unit, gather
 from zeropp_jax.layout import (
@@ -129,6 +130,12 @@ class Trainer:
         return self.config.resolved_compute_dtype(platform)
 
     @property
+    def kernels(self) -> Kernels:
+        """The quantization kernels this step uses (reported in describe())."""
+        platform = self.mesh.devices.flat[0].platform
+        return select(self.config.implementation, platform)
+
+    @property
     def qgz_active(self) -> bool:
         """qgZ compresses only where something crosses nodes."""
         return self.config.qgz != "off" and self.nodes > 1
@@ -170,6 +177,7 @@ class Trainer:
             scale_dtype=cfg.scale_dtype,
             compute_dtype=self.compute_dtype,
             reduce_dtype=reduce_dtype,
+            kernels=self.kernels,
         )
 
     # ------------------------------------------------------------------ init
@@ -316,11 +324,17 @@ class Trainer:
         carry_specs = self._carry_specs()
         batch_specs = jax.tree.map(lambda _: P(DATA_AXES), batch)
         body = functools.partial(self._local_grads, compress=compress)
+        # JAX's Pallas *interpreter* evaluates kernel bodies with invariant
+        # constants next to varying blocks and fails the varying-axes check
+        # ("Primitive div requires varying manual axes to match"); compiled
+        # kernels and the XLA path keep the check on.
+        check_vma = self.kernels.name != "pallas-interpret"
         grads, carry, metrics = jax.shard_map(
             body,
             mesh=self.mesh,
             in_specs=(param_specs, carry_specs, batch_specs),
             out_specs=(param_specs, carry_specs, P()),
+            check_vma=check_vma,
         )(state.params, state.opt_state.qgz.carry, batch)
         with jax.named_scope("optimizer"):
             updates, inner = self.optimizer.update(
@@ -402,6 +416,7 @@ class Trainer:
                         scale_dtype=cfg.scale_dtype,
                         reduce_dtype=plan.reduce_dtype,
                         compress=compress,
+                        kernels=plan.kernels,
                     )
                 if c is not None:
                     new_carry[u.name] = c[None]
@@ -433,7 +448,7 @@ class Trainer:
         """
         cfg = self.config
         if cfg.qwz_bits:
-            q = quantization.quantize(
+            q = self.kernels.quantize(
                 primary, bits=cfg.qwz_bits, block=cfg.qwz_block, scale_dtype=cfg.scale_dtype
             )
             return collectives.all_gather(q, (NODE,))
@@ -500,6 +515,7 @@ class Trainer:
             "mesh": {"node": self.nodes, "local": self.local},
             "config": self.config.describe(),
             "compute_dtype": jnp.dtype(self.compute_dtype).name,
+            "kernels": self.kernels.name,
             "qgz_active": self.qgz_active,
             "units": len(self.layout.units),
             "per_layer": not self.layout.whole_model,
@@ -578,7 +594,16 @@ def make_trainer(
         per_layer=per_layer,
         stacked=stacked,
     )
-    return Trainer(loss_fn, optimizer, mesh, config, layout)
+    trainer = Trainer(loss_fn, optimizer, mesh, config, layout)
+    if trainer.kernels.name != "xla":
+        for name in ("qwz_block", "qgz_block"):
+            block = getattr(config, name)
+            if block & (block - 1):
+                raise ValueError(
+                    f"the Pallas kernels need power-of-two blocks, but {name}={block}; "
+                    "use a power of two or implementation='xla'"
+                )
+    return trainer
 
 
 def global_batch_size_check(batch_size: int, n_devices: int, grad_accum: int) -> None:

@@ -1,0 +1,367 @@
+"""Bandwidth of the Pallas quantization kernels vs XLA and a device copy (GPU).
+
+What is measured
+----------------
+For each kernel of :mod:`pallas_kernels` (int8 / int4 quantize of float32,
+int8 / int4 dequantize to bfloat16, 1-bit compression with error feedback of
+a float32 gradient, and ``dequantize_sum`` of ``k = 8`` chunks at 1, 4 and 8
+bits), on about ``--elems`` (default 2**28 = 256M) elements:
+
+* ``pallas``: the kernel compiled for the GPU, for each ``KernelConfig`` of
+  the sweep (``--quick``: the default config only); the best is reported;
+* ``xla``: the jitted pure-jnp reference (what XLA fuses it into);
+* ``copy``: a device-to-device copy of a float32 array of the same element
+  count (``jnp.copy`` under jit), measured in the same run.
+
+Blocks are the library's defaults (:mod:`zeropp_jax.config`): 256 for int8 /
+int4 (qwZ and qgZ), 32 for 1 bit (qgZ).
+
+Bandwidth = the fewest bytes the operation must move (each input read once,
+each output written once; the copy counts its read and its write) over the
+median time of ``--repeats`` timed batches of ``--batch`` back-to-back calls
+(after warm-up; ``jax.block_until_ready`` ends each batch, so launches
+queue behind each other and the host's dispatch time is hidden).
+
+Goal per kernel: pallas >= 80% of copy bandwidth, and pallas no slower than
+XLA (pallas time <= 1.02 x XLA time: 2% for run-to-run noise). The script
+prints PASS/FAIL per kernel, one ``JSON`` line with every number, and a
+short table last.
+
+Before timing, each kernel is checked against its reference on the GPU on a
+smaller input with an awkward shape (and zero blocks): codes, bits and
+absmax scales bit-identical; 1-bit scales within the rounding of a
+``block``-term sum (and the carry exactly ``x - (+-scale)``);
+``dequantize_sum`` bit-identical at 1 bit, within the rounding of ``k``
+products (fused multiply-adds) at 4 and 8 bits.
+
+Exits 0 with a message when no GPU is present.
+
+Usage::
+
+  python benchmarks/gpu_kernels.py                 # a few minutes (estimate, not yet run)
+  python benchmarks/gpu_kernels.py --quick --elems 67108864 --json-out out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+
+# The library's default blocks (zeropp_jax.config): qwZ 256, qgZ int4/int8
+# 256, qgZ 1-bit 32. Kept literal so --help works without importing jax.
+BLOCK = 256
+BLOCK_1BIT = 32
+K = 8
+F32_EPS = 2.0**-23
+INTERPRET = False  # --cpu-smoke: run the whole script in interpret mode on CPU
+
+
+def log(message: str) -> None:
+    print(f"[gpu_kernels] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Timing.
+# ---------------------------------------------------------------------------
+
+
+def time_fn(fn, args, *, repeats: int, batch: int, warmup: int = 3) -> float:
+    """Median seconds per call over ``repeats`` batches of ``batch`` queued calls."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(batch):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / batch)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------------------
+# Verification on a smaller input.
+# ---------------------------------------------------------------------------
+
+
+def _make(shape, block, seed):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    xb = x.reshape(-1, block)
+    xb *= (10.0 ** rng.uniform(-3, 3, size=(xb.shape[0], 1))).astype(np.float32)
+    xb[rng.permutation(xb.shape[0])[: max(1, xb.shape[0] // 5)]] = 0.0
+    return x
+
+
+def verify(kind: str, bits: int, block: int) -> tuple[bool, str]:
+    """Kernel vs reference on the GPU, default config, on two shapes.
+
+    ``(3, 35 * block)``: 105 blocks, an odd count, so one block per program;
+    ``(16, 64 * block)``: 1024 blocks, full tiles of several blocks.
+    """
+    results = [_verify_shape(kind, bits, block, r, nb) for r, nb in ((3, 35), (16, 64))]
+    return all(ok for ok, _ in results), "; ".join(d for _, d in results)
+
+
+def _verify_shape(kind: str, bits: int, BLOCK: int, rows: int, nblocks: int) -> tuple[bool, str]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pallas_kernels as pk
+    from zeropp_jax import quantization as qz
+
+    def same(a, b):
+        a, b = jnp.asarray(a), jnp.asarray(b)
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        return a.shape == b.shape and bool(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True))
+
+    shape = (rows, nblocks * BLOCK)
+    x = jnp.asarray(_make(shape, BLOCK, seed=bits + 7))
+    try:
+        if kind == "quantize":
+            q = pk.quantize(x, bits=bits, block=BLOCK, interpret=INTERPRET)
+            r = pk.quantize_reference(x, bits=bits, block=BLOCK)
+            ok = same(q.values, r.values) and same(q.scales, r.scales)
+            return ok, "bit-identical" if ok else "codes/scales differ"
+        if kind == "dequantize":
+            q = qz.quantize(x, bits=bits, block=BLOCK)
+            ok = same(pk.dequantize(q, bits=bits, block=BLOCK, dtype=jnp.bfloat16, interpret=INTERPRET),
+                      pk.dequantize_reference(q, bits=bits, block=BLOCK, dtype=jnp.bfloat16))
+            return ok, "bit-identical" if ok else "values differ"
+        if kind == "onebit":
+            carry = 0.1 * jnp.asarray(_make(shape, BLOCK, seed=99))
+            q, c = pk.compress_1bit_ef(x, carry, block=BLOCK, interpret=INTERPRET)
+            rq, _ = pk.compress_1bit_ef_reference(x, carry, block=BLOCK)
+            s, rs = np.asarray(q.scales), np.asarray(rq.scales)
+            rel = float(np.max(np.abs(s - rs) / np.maximum(rs, 1e-30)))
+            signs = qz.unpack_bits(q.values)
+            srep = jnp.repeat(q.scales, BLOCK, axis=-1)
+            expect = jax.jit(lambda x, s, b: x - jnp.where(b, s, -s))(x + carry, srep, signs)
+            carry_ok = bool(np.array_equal(np.asarray(c), np.asarray(expect)))
+            ok = same(q.values, rq.values) and rel <= 2 * (BLOCK - 1) * F32_EPS and carry_ok
+            bits_eq = "=" if same(q.values, rq.values) else "!="
+            carry_txt = "exact" if carry_ok else "WRONG"
+            return ok, f"bits {bits_eq}, scale rel diff {rel:.1e}, carry {carry_txt}"
+        if kind == "dequantize_sum":
+            chunks = jnp.asarray(_make((K, nblocks * BLOCK), BLOCK, seed=bits + 11))
+            q = qz.quantize(chunks, bits=bits, block=BLOCK)
+            out = pk.dequantize_sum(q, bits=bits, block=BLOCK, interpret=INTERPRET)
+            out = np.asarray(out, np.float64)
+            ref = np.asarray(pk.dequantize_sum_reference(q, bits=bits, block=BLOCK), np.float64)
+            parts = np.asarray(qz.dequantize(q, bits=bits, block=BLOCK, dtype=jnp.float32), np.float64)
+            bound = K * F32_EPS * np.abs(parts).sum(axis=0)
+            err = np.abs(out - ref)
+            exact = bool(np.array_equal(out, ref))
+            ok = exact if bits == 1 else bool(np.all(err <= bound))  # 1 bit: no products
+            ratio = float(np.max(err / np.maximum(bound, 1e-30)))
+            return ok, "bit-identical" if exact else f"max |err|/bound {ratio:.2f}"
+    except Exception as e:  # report and carry on with the other kernels
+        return False, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    raise ValueError(kind)
+
+
+# ---------------------------------------------------------------------------
+# Benchmark cases.
+# ---------------------------------------------------------------------------
+
+
+def pallas(op, **kwargs):
+    """``config -> (lambda *inputs: op(*inputs, **kwargs, config=config))``."""
+    return lambda cfg: (lambda *a: op(*a, **kwargs, config=cfg, interpret=INTERPRET))
+
+
+def cases(n: int):
+    """(name, kind, bits, block, make_inputs, pallas(config) -> fn, xla fn, bytes moved)."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+    from zeropp_jax import quantization as qz
+
+    rows = 64
+    cols = n // rows
+    m = n // K
+    key = jax.random.key(0)
+
+    def x_f32():
+        return (jax.random.normal(key, (rows, cols), jnp.float32),)
+
+    def q_of(bits, shape, block):
+        def make():
+            x = jax.random.normal(key, shape, jnp.float32)
+            q = qz.quantize(x, bits=bits, block=block)
+            return (jax.block_until_ready(q),)
+        return make
+
+    def ef_inputs():
+        g = jax.random.normal(key, (rows, cols), jnp.float32)
+        carry = 0.1 * jax.random.normal(jax.random.key(1), (rows, cols), jnp.float32)
+        return g, carry
+
+    out = []
+    b = BLOCK
+    for bits in (8, 4):
+        out.append((
+            f"quantize int{bits} f32", "quantize", bits, b, x_f32,
+            pallas(pk.quantize, bits=bits, block=b),
+            functools.partial(pk.quantize_reference, bits=bits, block=b),
+            4 * n + n * bits // 8 + 4 * n // b,
+        ))
+    for bits in (8, 4):
+        out.append((
+            f"dequantize int{bits}->bf16", "dequantize", bits, b, q_of(bits, (rows, cols), b),
+            pallas(pk.dequantize, bits=bits, block=b, dtype=jnp.bfloat16),
+            functools.partial(pk.dequantize_reference, bits=bits, block=b, dtype=jnp.bfloat16),
+            n * bits // 8 + 4 * n // b + 2 * n,
+        ))
+    b1 = BLOCK_1BIT
+    out.append((
+        "1-bit EF f32", "onebit", 1, b1, ef_inputs,
+        pallas(pk.compress_1bit_ef, block=b1),
+        functools.partial(pk.compress_1bit_ef_reference, block=b1),
+        8 * n + n // 8 + 4 * n // b1 + 4 * n,
+    ))
+    for bits in (1, 4, 8):
+        bb = b1 if bits == 1 else b
+        out.append((
+            f"dequant_sum {bits}b k={K}", "dequantize_sum", bits, bb, q_of(bits, (K, m), bb),
+            pallas(pk.dequantize_sum, bits=bits, block=bb),
+            functools.partial(pk.dequantize_sum_reference, bits=bits, block=bb),
+            n * bits // 8 + 4 * n // bb + 4 * m,
+        ))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--elems", type=int, default=2**28, help="elements per input (2**28)")
+    parser.add_argument("--repeats", type=int, default=15, help="timed batches (median reported)")
+    parser.add_argument("--batch", type=int, default=10, help="calls per timed batch")
+    parser.add_argument("--quick", action="store_true", help="time the default KernelConfig only")
+    parser.add_argument("--only", default="", help="comma-separated substrings of kernel names to run")
+    parser.add_argument("--json-out", default=None, help="also write the results here")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="exercise this script on CPU in interpret mode (numbers meaningless)")
+    args = parser.parse_args(argv)
+
+    import jax
+
+    global INTERPRET
+    INTERPRET = args.cpu_smoke
+    if jax.default_backend() != "gpu" and not args.cpu_smoke:
+        print(f"No GPU: jax.default_backend() is {jax.default_backend()!r} (devices {jax.devices()}); "
+              "nothing to benchmark. Run this on a machine with a GPU.")
+        return 0
+
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+
+    n = args.elems
+    if n % (64 * BLOCK * K) or n <= 0:
+        parser.error(f"--elems must be a positive multiple of {64 * BLOCK * K}")
+    dev = jax.devices()[0]
+    log(f"jax {jax.__version__}, device {dev.device_kind}, {n} elements")
+
+    configs = [pk.DEFAULT_CONFIG] if args.quick else [
+        pk.KernelConfig(tile_elems=t, num_warps=w) for t in (4096, 8192, 16384) for w in (4, 8)
+    ]
+
+    # The ceiling: a device-to-device copy of n float32, measured in this run.
+    src = jax.random.normal(jax.random.key(2), (n,), jnp.float32)
+    copy = jax.jit(lambda a: jnp.copy(a))
+    t_copy = time_fn(copy, (src,), repeats=args.repeats, batch=args.batch)
+    copy_gbs = 8 * n / t_copy / 1e9
+    log(f"copy: {t_copy * 1e3:.3f} ms, {copy_gbs:.0f} GB/s")
+    del src
+
+    results = []
+    only = [s for s in args.only.split(",") if s]
+    for name, kind, bits, block, make, pallas_for, ref_fn, nbytes in cases(n):
+        if only and not any(s in name for s in only):
+            continue
+        ok, detail = verify(kind, bits, block)
+        log(f"{name}: verify {'ok' if ok else 'FAILED'} ({detail})")
+        inputs = make()
+        row = dict(kernel=name, block=block, bytes=nbytes, verified=ok, verify_detail=detail,
+                   configs=[])
+        try:
+            t_xla = time_fn(jax.jit(ref_fn), inputs, repeats=args.repeats, batch=args.batch)
+        except Exception as e:
+            t_xla = float("nan")
+            log(f"{name}: xla failed: {type(e).__name__}: {e}")
+        row["xla_ms"] = t_xla * 1e3
+        row["xla_gbs"] = nbytes / t_xla / 1e9
+        best = None
+        for cfg in configs:
+            try:
+                t = time_fn(pallas_for(cfg), inputs, repeats=args.repeats, batch=args.batch)
+            except Exception as e:
+                log(f"{name} {cfg}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                row["configs"].append(dict(config=repr(cfg), error=f"{type(e).__name__}: {e}"[:500]))
+                continue
+            row["configs"].append(dict(config=repr(cfg), ms=t * 1e3, gbs=nbytes / t / 1e9))
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        del inputs
+        if best is None:
+            row.update(pallas_ms=float("nan"), pallas_gbs=0.0, best_config=None,
+                       pass_bw=False, pass_xla=False)
+        else:
+            t, cfg = best
+            row.update(
+                pallas_ms=t * 1e3,
+                pallas_gbs=nbytes / t / 1e9,
+                best_config=dict(tile_elems=cfg.tile_elems, num_warps=cfg.num_warps,
+                                 num_stages=cfg.num_stages),
+                pass_bw=nbytes / t >= 0.8 * 8 * n / t_copy,
+                pass_xla=t <= 1.02 * t_xla,
+            )
+        row["pass"] = bool(row["verified"] and row["pass_bw"] and row["pass_xla"])
+        log(f"{name}: pallas {row['pallas_gbs']:.0f} GB/s, xla {row['xla_gbs']:.0f} GB/s")
+        results.append(row)
+
+    summary = dict(
+        jax=jax.__version__, device=dev.device_kind, elems=n, k=K,
+        copy_ms=t_copy * 1e3, copy_gbs=copy_gbs, kernels=results,
+    )
+    print("JSON " + json.dumps(summary))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(summary, f, indent=1)
+
+    lines = [
+        f"{dev.device_kind}, jax {jax.__version__}, {n / 2**20:.0f}M elements; "
+        f"copy {copy_gbs:.0f} GB/s (goal: >= {0.8 * copy_gbs:.0f} GB/s and <= 1.02x XLA time)",
+        f"{'kernel':<24}{'block':>6}{'verify':>7}{'pallas GB/s':>12}{'%copy':>7}"
+        f"{'xla GB/s':>10}{'vs xla':>8}{'tile/warps':>11}{'result':>7}",
+    ]
+    for r in results:
+        cfg = r["best_config"]
+        speed = r["xla_ms"] / r["pallas_ms"] if r["pallas_ms"] == r["pallas_ms"] else float("nan")
+        lines.append(
+            f"{r['kernel']:<24}{r['block']:>6}{'ok' if r['verified'] else 'FAIL':>7}"
+            f"{r['pallas_gbs']:>12.0f}"
+            f"{100 * r['pallas_gbs'] / copy_gbs:>6.0f}%{r['xla_gbs']:>10.0f}{speed:>7.2f}x"
+            f"{(str(cfg['tile_elems']) + '/' + str(cfg['num_warps'])) if cfg else '-':>11}"
+            f"{'PASS' if r['pass'] else 'FAIL':>7}"
+        )
+    print("\n".join(lines), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

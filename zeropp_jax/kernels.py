@@ -1,0 +1,107 @@
+"""Which quantization kernels the step uses: the XLA reference or Pallas.
+
+The four operations on the compression hot path (quantize, dequantize, 1-bit
+compress with fused error feedback, dequantize-and-sum of received chunks)
+exist twice: as plain ``jnp`` in :mod:`zeropp_jax.quantization` (the source of
+truth, fused by XLA) and as Pallas kernels in :mod:`pallas_kernels`.
+:func:`select` picks one set from the config's ``implementation``:
+
+* ``"auto"``: Pallas on GPU, XLA elsewhere;
+* ``"xla"``: the references everywhere;
+* ``"pallas"``: the kernels; on a backend without Pallas GPU lowering they
+  run in Pallas' interpreter (slow, for testing), which the name reports.
+
+The choice is never silent: :attr:`Kernels.name` goes into the trainer's
+description and metrics header.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zeropp_jax import quantization
+from zeropp_jax.quantization import Quantized
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """One implementation of the compression operations (hashable, static).
+
+    Attributes:
+      name: ``"xla"``, ``"pallas"`` or ``"pallas-interpret"``.
+    """
+
+    name: str
+
+    @property
+    def _pallas(self) -> bool:
+        return self.name.startswith("pallas")
+
+    @property
+    def _interpret(self) -> bool:
+        return self.name == "pallas-interpret"
+
+    def quantize(self, x: jax.Array, *, bits: int, block: int, scale_dtype: Any) -> Quantized:
+        """Block-wise ``bits``-bit codes and scales of ``x`` ``(..., n)``."""
+        if self._pallas and bits in (4, 8):
+            import pallas_kernels
+
+            return pallas_kernels.quantize(
+                x, bits=bits, block=block, scale_dtype=scale_dtype, interpret=self._interpret
+            )
+        return quantization.quantize(x, bits=bits, block=block, scale_dtype=scale_dtype)
+
+    def dequantize(self, q: Quantized, *, bits: int, block: int, dtype: Any) -> jax.Array:
+        """Values ``(..., n)`` in ``dtype`` from codes and scales."""
+        if self._pallas and bits in (4, 8):
+            import pallas_kernels
+
+            return pallas_kernels.dequantize(
+                q, bits=bits, block=block, dtype=dtype, interpret=self._interpret
+            )
+        return quantization.dequantize(q, bits=bits, block=block, dtype=dtype)
+
+    def compress_1bit_ef(
+        self, g: jax.Array, carry: jax.Array, *, block: int, scale_dtype: Any
+    ) -> tuple[Quantized, jax.Array]:
+        """``x = g + carry`` -> (1-bit ``Quantized``, new carry ``x - deq``)."""
+        if self._pallas:
+            import pallas_kernels
+
+            return pallas_kernels.compress_1bit_ef(
+                g, carry, block=block, scale_dtype=scale_dtype, interpret=self._interpret
+            )
+        x = g.astype(jnp.float32) + carry
+        q = quantization.quantize(x, bits=1, block=block, scale_dtype=scale_dtype)
+        sent = quantization.dequantize(q, bits=1, block=block, dtype=jnp.float32)
+        return q, x - sent
+
+    def dequantize_sum(self, q: Quantized, *, bits: int, block: int) -> jax.Array:
+        """float32 ``(..., m)``: the ``k`` chunks of ``q`` ``(..., k, ·)`` summed."""
+        if self._pallas:
+            import pallas_kernels
+
+            return pallas_kernels.dequantize_sum(
+                q, bits=bits, block=block, interpret=self._interpret
+            )
+        import pallas_kernels
+
+        return pallas_kernels.dequantize_sum_reference(q, bits=bits, block=block)
+
+
+XLA = Kernels("xla")
+
+
+def select(implementation: str, platform: str) -> Kernels:
+    """The kernels for ``implementation`` on a ``platform`` ("gpu", "cpu", ...)."""
+    if implementation == "xla" or (implementation == "auto" and platform != "gpu"):
+        return XLA
+    if implementation in ("auto", "pallas"):
+        return Kernels("pallas" if platform == "gpu" else "pallas-interpret")
+    raise ValueError(
+        f"implementation must be 'auto', 'xla' or 'pallas', got {implementation!r}"
+    )
