@@ -72,6 +72,10 @@ def make_mesh(
             f"mesh {nodes}x{local} needs {nodes * max(local, 0)} devices but "
             f"{n_dev} are available ({devices[0].platform}); choose NODESxLOCAL "
             f"with NODES*LOCAL == {n_dev}"
+            + (
+                f" ({n_proc} processes x {n_dev // n_proc} devices; with zeropp-launch "
+                f"pass --devices-per-process {local})" if n_proc > 1 and local > 0 else ""
+            )
         )
     if n_proc > 1:
         if nodes != n_proc:

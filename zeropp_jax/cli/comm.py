@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         result, hlo = report(args)
     except (ValueError, FileNotFoundError) as e:
         common.fail(str(e))
+    import jax
+
+    if jax.process_index() != 0:
+        return 0  # every process compiled the same program; one reports it
     if args.dump_hlo:
         with open(args.dump_hlo, "w") as f:
             f.write(hlo)

@@ -152,11 +152,15 @@ def prepare_devices(args: argparse.Namespace) -> None:
     """
     from zeropp_jax.mesh import parse_mesh_shape  # no JAX import
 
+    from zeropp_jax import distributed
+
     nodes, local = parse_mesh_shape(args.mesh or DEFAULT_SIMULATED_MESH)
+    processes = args.num_processes or int(os.environ.get(distributed.ENV_NUM_PROCESSES) or 1)
+    count = local if processes > 1 else nodes * local  # one node per process
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = (
-            f"{flags} --xla_force_host_platform_device_count={nodes * local}".strip()
+            f"{flags} --xla_force_host_platform_device_count={count}".strip()
         )
 
 
@@ -286,5 +290,12 @@ def make_optimizer(
 
 
 def fail(message: str) -> "None":
+    """Prints ``error: message`` and exits with status 2.
+
+    On a multi-process run the process exits at once, so that peers blocked
+    in a collective with it fail fast instead of waiting at the exit barrier.
+    """
+    from zeropp_jax import distributed
+
     print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    distributed.exit_now(2)

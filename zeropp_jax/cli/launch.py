@@ -13,6 +13,9 @@ Process ``i`` runs the command with these environment variables (read by
   JAX_PLATFORMS=cpu  XLA_FLAGS=--xla_force_host_platform_device_count=K
   PYTHONUNBUFFERED=1
 
+(other ``XLA_FLAGS`` are kept). ``K`` is ``--devices-per-process``, by default
+the ``LOCAL`` of a ``--mesh NxLOCAL`` in the command, else 1.
+
 Each output line of process ``i`` is printed with the prefix ``[i] `` (stdout
 to stdout, stderr to stderr). The launch succeeds only if every process exits
 with status 0. As soon as one fails (non-zero exit or killed by a signal) the
@@ -27,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
+import random
 import re
 import signal
 import socket
@@ -37,10 +42,13 @@ import time
 from typing import BinaryIO, Sequence
 
 from zeropp_jax import distributed
+from zeropp_jax.mesh import parse_mesh_shape
 
 HOST = "127.0.0.1"
 POLL_S = 0.05
-DEFAULT_KILL_GRACE_S = 10.0
+# A process in a jax.distributed job takes SIGTERM as a preemption notice and
+# keeps running (JAX's preemption notifier catches it), so SIGKILL follows soon.
+DEFAULT_KILL_GRACE_S = 5.0
 # Exit status when --timeout expires (as timeout(1) does).
 TIMEOUT_EXIT = 124
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
@@ -63,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N", help="number of processes (simulated hosts)",
     )
     parser.add_argument(
-        "--devices-per-process", type=_int_at_least(1), default=1, metavar="K",
-        help="simulated CPU devices per process (default: 1); the mesh is "
-        "N x K, e.g. --mesh 2x4 with -n 2 --devices-per-process 4",
+        "--devices-per-process", type=_int_at_least(1), default=None, metavar="K",
+        help="simulated CPU devices per process; the mesh is N x K (default: "
+        "LOCAL of a '--mesh NxLOCAL' in the command, else 1)",
     )
     parser.add_argument(
         "--timeout", type=_positive_float, default=None, metavar="S",
@@ -136,10 +144,55 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def free_port(host: str = HOST) -> int:
-    """A TCP port that was free a moment ago (the coordinator binds it)."""
+    """A TCP port that is free now, for the coordinator to bind.
+
+    Taken outside the kernel's ephemeral range where possible: the processes
+    need a few seconds to start, and meanwhile an ephemeral port could be
+    handed to another connection (gloo opens many).
+    """
+    low, high = _ephemeral_range()
+    candidates = [p for p in range(20000, 32768) if not low <= p <= high]
+    for port in random.sample(candidates, min(len(candidates), 50)):
+        if _bindable(host, port):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def mesh_local_size(command: Sequence[str], num_processes: int) -> int | None:
+    """``LOCAL`` of a ``--mesh NODESxLOCAL`` in ``command`` whose NODES is ``num_processes``."""
+    for i, arg in enumerate(command):
+        if arg == "--mesh" and i + 1 < len(command):
+            text = command[i + 1]
+        elif arg.startswith("--mesh="):
+            text = arg[len("--mesh="):]
+        else:
+            continue
+        try:
+            nodes, local = parse_mesh_shape(text)
+        except ValueError:
+            return None
+        return local if nodes == num_processes else None
+    return None
 
 
 def process_env(
@@ -209,7 +262,7 @@ class _Output:
     def _write(self, pieces: list[bytes]) -> None:
         if not pieces:
             return
-        data = b"".join(p if p in (b"\r", b"\n") else self._prefix + p for p in pieces)
+        data = b"".join(self._prefix + p for p in pieces)
         with self._lock:
             try:
                 self._out.write(data)
@@ -339,41 +392,60 @@ def launch(
 
 
 def _watch(procs, timeout_s, kill_grace_s, say) -> int:
-    """Waits for all processes; on the first failure stops the rest."""
-    start = time.monotonic()
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            # Killed from outside beats a peer failing because of it.
-            first = min(failed, key=lambda i: (codes[i] >= 0, i))
-            running = [i for i, c in enumerate(codes) if c is None]
-            say(
-                f"process {first} (pid {procs[first].pid}) {describe_status(codes[first])}"
-                + (f"; stopping the other {len(running)} process(es)" if running else "")
-            )
-            _stop(procs, kill_grace_s)
-            others = [
-                f"[{i}] {describe_status(procs[i].returncode)}"
-                + (" (stopped by zeropp-launch)" if i in running else "")
-                for i in range(len(procs)) if i != first
-            ]
-            say(
-                f"FAILED: process {first} {describe_status(codes[first])}"
-                + (f"; others: {', '.join(others)}" if others else "")
-            )
-            return _exit_status(codes[first])
-        if all(c == 0 for c in codes):
-            return 0
-        if timeout_s is not None and time.monotonic() - start > timeout_s:
-            running = [i for i, c in enumerate(codes) if c is None]
-            say(
-                f"timed out after {timeout_s:g} s; stopping process(es) "
-                + ", ".join(map(str, running))
-            )
-            _stop(procs, kill_grace_s)
-            return TIMEOUT_EXIT
-        time.sleep(POLL_S)
+    """Waits for all processes; on the first failure stops the rest.
+
+    One thread per process waits for its exit, so exits are seen in the order
+    they happen: the process that failed first is named, not a peer that
+    failed a moment later because of it.
+    """
+    exits: queue.Queue[int] = queue.Queue()
+
+    def wait(i: int) -> None:
+        procs[i].wait()
+        exits.put(i)
+
+    for i in range(len(procs)):
+        threading.Thread(target=wait, args=(i,), daemon=True).start()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    exited: list[int] = []
+    while len(exited) < len(procs):
+        try:
+            # Short waits keep Ctrl-C and SIGTERM responsive.
+            i = exits.get(timeout=0.5 if deadline is None
+                          else max(min(0.5, deadline - time.monotonic()), 0.0))
+        except queue.Empty:
+            if deadline is not None and time.monotonic() >= deadline:
+                running = [j for j in range(len(procs)) if j not in exited]
+                say(
+                    f"timed out after {timeout_s:g} s; stopping process(es) "
+                    + ", ".join(map(str, running))
+                )
+                _stop(procs, kill_grace_s)
+                return TIMEOUT_EXIT
+            continue
+        exited.append(i)
+        code = procs[i].returncode
+        if code == 0:
+            continue
+        running = [j for j in range(len(procs)) if j not in exited]
+        say(
+            f"process {i} (pid {procs[i].pid}) {describe_status(code)}"
+            + (f"; stopping the other {len(running)} process(es)" if running else "")
+        )
+        _stop(procs, kill_grace_s)
+        stopped = (-signal.SIGTERM, -signal.SIGKILL)
+        others = [
+            f"[{j}] {describe_status(procs[j].returncode)}"
+            + (" (stopped by zeropp-launch)"
+               if j in running and procs[j].returncode in stopped else "")
+            for j in range(len(procs)) if j != i
+        ]
+        say(
+            f"FAILED: process {i} {describe_status(code)}"
+            + (f"; others: {', '.join(others)}" if others else "")
+        )
+        return _exit_status(code)
+    return 0
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:
@@ -393,6 +465,7 @@ def _stop(procs: Sequence[subprocess.Popen], kill_grace_s: float) -> None:
     """SIGTERM to every running process, SIGKILL after the grace period."""
     for p in procs:
         _signal(p, signal.SIGTERM)
+        _signal(p, signal.SIGCONT)  # a stopped process handles SIGTERM only once continued
     deadline = time.monotonic() + kill_grace_s
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(POLL_S)
@@ -423,9 +496,10 @@ def _restore_handlers(previous) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     options, command = parse_args(sys.argv[1:] if argv is None else argv)
+    devices = options.devices_per_process or mesh_local_size(command, options.n) or 1
     return launch(
         command, options.n,
-        devices_per_process=options.devices_per_process,
+        devices_per_process=devices,
         timeout_s=options.timeout,
         kill_grace_s=options.kill_grace,
         port=options.port,
