@@ -3,13 +3,18 @@
 Example::
 
   zeropp-train --mesh 2x4 --preset zeropp --steps 300 --metrics-out m.jsonl
+  # checkpoint every 100 steps; after a stop, the same command with --resume
+  # continues from the newest readable checkpoint (on any mesh):
+  zeropp-train --mesh 2x4 --steps 300 --checkpoint-dir ckpt --save-every 100 --resume
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import sys
 import time
 
@@ -25,13 +30,43 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=common.positive_int, default=300, help="optimizer steps")
     parser.add_argument("--metrics-out", default=None, help="JSON lines file, one line per step")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = parser.add_argument_group("checkpoints (Orbax; see zeropp_jax.checkpoint)")
+    g.add_argument(
+        "--checkpoint-dir", default=None, metavar="DIR",
+        help="save checkpoints (params, optimizer and qgZ state, step) under DIR, "
+        "at the end of training and every --save-every steps",
+    )
+    g.add_argument(
+        "--save-every", type=common.positive_int, default=None, metavar="N",
+        help="also save every N steps (default: only at the end)",
+    )
+    g.add_argument(
+        "--keep", type=common.positive_int, default=3, metavar="K",
+        help="keep the newest K checkpoints (default: 3)",
+    )
+    g.add_argument(
+        "--resume", action="store_true",
+        help="continue from the newest readable checkpoint in --checkpoint-dir "
+        "(any mesh); start from step 0 if there is none",
+    )
     common.add_common_args(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = common.parse_and_prepare(build_parser(), argv)
+    parser = build_parser()
+    _check_checkpoint_args(parser, parser.parse_args(argv))
+    args = common.parse_and_prepare(parser, argv)
     return run(args)
+
+
+def _check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.checkpoint_dir is None:
+        for flag, value in (("--save-every", args.save_every), ("--resume", args.resume)):
+            if value:
+                parser.error(f"{flag} needs --checkpoint-dir")
+    elif os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+        parser.error(f"--checkpoint-dir {args.checkpoint_dir} is a file")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,11 +100,33 @@ def run(args: argparse.Namespace) -> int:
             f"dtype={info['compute_dtype']} tokens={len(tokens):,} vocab={vocab}",
             flush=True,
         )
-    params = gpt.init_params(model_cfg, jax.random.key(args.seed))
-    state = trainer.init(params)
-    del params
+    ckpt, state, saved = _open_checkpoints(args, trainer, is_main)
+    if state is None:
+        params = gpt.init_params(model_cfg, jax.random.key(args.seed))
+        state = trainer.init(params)
+        del params
+    # The data position is the step: batch k is a pure function of (seed, k).
+    first_step = int(state.step)
+    if first_step >= args.steps:
+        if is_main:
+            print(f"zeropp-train: the checkpoint is at step {first_step} >= --steps "
+                  f"{args.steps}; nothing to train", flush=True)
+        if ckpt is not None:
+            ckpt.close()
+        return 0
 
-    metrics_file = open(args.metrics_out, "w") if (args.metrics_out and is_main) else None
+    def checkpoint_extra(last_rms: float) -> dict:
+        return {
+            "model": dataclasses.asdict(model_cfg),
+            "seed": args.seed,
+            "batch_size": args.batch_size,
+            "data": args.data,
+            "preset": args.preset,
+            # The host-side qgZ schedule input of the next step (see below).
+            "qgz_last_rms": last_rms if math.isfinite(last_rms) else None,
+        }
+
+    metrics_file = _open_metrics(args.metrics_out, first_step) if is_main else None
     tokens_per_step = args.batch_size * args.seq_len
     bar = tqdm(
         total=args.steps, disable=args.no_progress or not is_main,
@@ -103,17 +160,36 @@ def run(args: argparse.Namespace) -> int:
 
     # The qgZ schedule is decided here, on the host, from the step number and
     # the last gradient RMS already read back (metrics are read one step late
-    # so the device never waits for the host).
+    # so the device never waits for the host): step k uses the RMS of step
+    # k - 2. A resumed run takes that value from the checkpoint's metadata and,
+    # after its first step, the RMS of step k - 1 from the restored state, as
+    # the uninterrupted run would have.
     last_rms = float("inf")
-    for step in range(args.steps):
-        batch = trainer.shard_batch(_local_rows(batches, step))
-        compress = trainer.compress_at(step, last_rms)
-        state, metrics = trainer.step(state, batch, compress=compress)
+    restored_rms = None
+    if saved is not None:
+        value = saved["extra"].get("qgz_last_rms")
+        last_rms = float("inf") if value is None else float(value)
+        restored_rms = float(state.opt_state.qgz.grad_rms)
+    bar.update(first_step)
+    try:
+        for step in range(first_step, args.steps):
+            batch = trainer.shard_batch(_local_rows(batches, step))
+            compress = trainer.compress_at(step, last_rms)
+            state, metrics = trainer.step(state, batch, compress=compress)
+            if pending is not None:
+                last_rms = record(*pending)
+            elif restored_rms is not None:
+                last_rms, restored_rms = restored_rms, None
+            pending = (step, metrics)
+            done = step + 1
+            periodic = args.save_every and done % args.save_every == 0
+            if ckpt is not None and (periodic or done == args.steps):
+                ckpt.save(done, state, trainer, checkpoint_extra(last_rms))
         if pending is not None:
-            last_rms = record(*pending)
-        pending = (step, metrics)
-    if pending is not None:
-        record(*pending)
+            record(*pending)
+    finally:
+        if ckpt is not None:
+            ckpt.close()  # waits for the last (asynchronous) save
     bar.close()
     elapsed = time.perf_counter() - start
     if metrics_file is not None:
@@ -126,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
             "preset": args.preset,
             "mesh": f"{trainer.nodes}x{trainer.local}",
             "steps": n,
+            "first_step": first_step,
             "first_loss": history[0],
             "final_loss": history[-1],
             "mean_loss_last_10pct": float(np.mean(tail)),
@@ -134,6 +211,70 @@ def run(args: argparse.Namespace) -> int:
         }
         print("summary: " + json.dumps(summary), flush=True)
     return 0
+
+
+def _open_checkpoints(args, trainer, is_main: bool):
+    """``(checkpointer or None, restored state or None, its metadata or None)``."""
+    if args.checkpoint_dir is None:
+        return None, None, None
+    from zeropp_jax.checkpoint import CheckpointError, Checkpointer
+
+    try:
+        ckpt = Checkpointer(args.checkpoint_dir, max_to_keep=args.keep)
+    except (ValueError, OSError) as e:
+        common.fail(f"--checkpoint-dir {args.checkpoint_dir}: {e}")
+    if not ckpt.all_steps():
+        if args.resume and is_main:
+            print(f"zeropp-train: no checkpoint in {args.checkpoint_dir} yet; starting at step 0",
+                  flush=True)
+        return ckpt, None, None
+    if not args.resume:
+        steps = ckpt.all_steps()
+        ckpt.close()
+        common.fail(
+            f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints (steps "
+            f"{steps}); pass --resume to continue from the newest, or use another directory"
+        )
+    try:
+        state, meta = ckpt.restore_with_metadata(trainer)
+    except (CheckpointError, FileNotFoundError) as e:
+        ckpt.close()
+        common.fail(str(e))
+    extra = meta.get("extra", {})
+    changed = [
+        f"--{name.replace('_', '-')} {extra[name]} -> {getattr(args, name)}"
+        for name in ("seed", "batch_size", "data")
+        if name in extra and extra[name] != getattr(args, name)
+    ]
+    if is_main:
+        print(
+            f"zeropp-train: resumed from {ckpt.step_path(meta['step'])} (saved on mesh "
+            f"{meta['mesh']['node']}x{meta['mesh']['local']}, preset "
+            f"{meta['config']['preset']})", flush=True,
+        )
+        if changed:
+            print(f"zeropp-train: warning: the data differ from the checkpoint's run: "
+                  f"{', '.join(changed)}", file=sys.stderr, flush=True)
+    return ckpt, state, meta
+
+
+def _open_metrics(path: str | None, first_step: int):
+    """The metrics file; a resumed run keeps the lines of earlier steps."""
+    if path is None:
+        return None
+    kept = []
+    if first_step > 0 and os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    if line.strip() and json.loads(line)["step"] < first_step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue
+    f = open(path, "w")
+    f.writelines(kept)
+    f.flush()
+    return f
 
 
 def _local_rows(batches, step: int):

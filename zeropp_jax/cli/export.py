@@ -1,0 +1,67 @@
+"""``zeropp-export``: write a checkpoint's parameters as one plain msgpack file.
+
+The layout comes from the checkpoint's metadata: no model code, mesh or
+training flags are needed, and any process count / mesh may have written
+the checkpoint. Example::
+
+  zeropp-export ckpt/ params.msgpack            # the newest readable step
+  zeropp-export ckpt/ params.msgpack --step 300
+
+Load the file without zeropp_jax::
+
+  import flax.serialization
+  params = flax.serialization.msgpack_restore(open("params.msgpack", "rb").read())
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from zeropp_jax.cli import common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zeropp-export",
+        description="Write the full, unpadded parameters of a zeropp_jax checkpoint "
+        "as a msgpack file that flax.serialization.msgpack_restore reads "
+        "(a nested dict of numpy arrays in the parameters' original dtypes).",
+    )
+    parser.add_argument(
+        "directory", metavar="DIR", help="checkpoint directory (--checkpoint-dir of zeropp-train)"
+    )
+    parser.add_argument("out", metavar="OUT", help="output file, e.g. params.msgpack")
+    parser.add_argument(
+        "--step", type=common.non_negative_int, default=None,
+        help="checkpoint step (default: the newest readable one)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not os.path.isdir(args.directory):
+        common.fail(f"checkpoint directory {args.directory} does not exist")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        common.fail(f"output directory {out_dir} does not exist")
+    # Reading a checkpoint needs no accelerator: keep JAX off the GPUs.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from zeropp_jax.checkpoint import CheckpointError, export_params
+
+    try:
+        info = export_params(args.directory, args.out, step=args.step)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        common.fail(str(e))
+    print(
+        f"zeropp-export: step {info['step']} of {os.path.abspath(args.directory)} -> "
+        f"{info['path']} ({info['params']:,} parameters, {info['bytes']:,} bytes)",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
