@@ -23,12 +23,19 @@ a. **communication** per optimizer step, read from the compiled step by
    ``--grad-accum 1`` (batch 16) and ``--grad-accum 4`` (batch 64, so each
    micro-batch is the same 2 sequences per device), with ratios vs ``zero3``;
 b. **convergence**: ``--steps`` optimizer steps of ``zeropp-train`` per
-   variant, each in its own process (same seed, same data), and the mean loss
-   over the last 10% of steps vs ``zero3``;
+   variant, each in its own process (same seed, same data, the CLI's default
+   optimizer and learning-rate schedule, and each preset's own qgZ schedule),
+   and the mean loss over the last 10% of steps vs ``zero3``;
 c. **overhead**: time per step of every variant, all trainers built in THIS
    process on the same 8 simulated devices, compiled and warmed up, then timed
    round-robin (the order rotates each round) with ``jax.block_until_ready``
-   after every step; the median step time vs ``zero3``.
+   after every step; the median step time vs ``zero3``. qgZ variants are timed
+   in their steady state, the compressed step (``compress=True``), whatever
+   warm-up their preset has.
+
+The table lists each variant's resolved config (block sizes, qgZ warm-up) and
+where ``zeropp_jax`` was imported from, with its git commit: the convergence
+runs take minutes each, so run them on a fixed checkout.
 
 It prints a markdown report, PASS/FAIL per target and, on the last line, one
 JSON object with every number. Progress goes to stderr. The exit code is 0
@@ -71,6 +78,10 @@ VARIANTS: dict[str, list[str]] = {
     "qgz-int4": ["--preset", "qgz", "--qgz", "int4"],
 }
 BASELINE = "zero3"
+CONFIG_KEYS = (
+    "qwz_bits", "qwz_block", "hpz", "qgz", "qgz_block", "qgz_error_feedback",
+    "qgz_warmup_steps", "qgz_min_grad_rms",
+)
 ACCUMS = (1, 4)
 MICRO_BATCH = 16  # global sequences per micro-batch (the CLI's default batch)
 
@@ -84,6 +95,27 @@ LIMITS = {
     "qgz_noef_minus_qgz_loss": 0.0,
     "zeropp_time_ratio": 1.25,
 }
+
+
+def code_version() -> dict:
+    """Where ``zeropp_jax`` was imported from, and its git commit if any."""
+    import zeropp_jax
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(zeropp_jax.__file__)))
+    out = {"zeropp_jax": os.path.dirname(os.path.abspath(zeropp_jax.__file__)), "git": None}
+    try:
+        head = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--", "zeropp_jax"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        out["git"] = head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return out
 
 
 def log(message: str) -> None:
@@ -129,7 +161,9 @@ def measure_comm() -> dict:
             t0 = time.perf_counter()
             result, _ = comm.report(_cli_args(parser, name, accum))
             memory = result.get("memory") or {}
+            cfg = result["trainer"]["config"]
             rows[name] = {
+                "config": {k: cfg.get(k) for k in CONFIG_KEYS},
                 "inter_node_bytes": int(result["inter_node_bytes"]),
                 "intra_node_bytes": int(result["intra_node_bytes"]),
                 "argument_bytes": memory.get("argument_bytes"),
@@ -232,11 +266,17 @@ def measure_timing(rounds: int, steps_per_round: int, warmup: int) -> dict:
         del params
         host = [trainer.shard_batch(batches.batch_at(i)) for i in range(n_batches)]
         t0 = time.perf_counter()
+        # The steady-state variant: compressed whenever qgZ is on (a preset's
+        # qgZ warm-up runs the full-precision variant for its first steps).
+        compress = trainer.qgz_active
         for i in range(warmup):  # the first step compiles
-            state, metrics = trainer.step(state, host[i])
+            state, metrics = trainer.step(state, host[i], compress=compress)
             jax.block_until_ready((state, metrics))
         log(f"timing {name}: compiled and warmed up ({time.perf_counter() - t0:.1f}s)")
-        runs[name] = {"trainer": trainer, "state": state, "batches": host[warmup:], "samples": []}
+        runs[name] = {
+            "trainer": trainer, "state": state, "batches": host[warmup:], "samples": [],
+            "compress": compress,
+        }
 
     names = list(VARIANTS)
     for r in range(rounds):
@@ -246,7 +286,9 @@ def measure_timing(rounds: int, steps_per_round: int, warmup: int) -> dict:
             state = run["state"]
             for i in range(steps_per_round):
                 t0 = time.perf_counter()
-                state, metrics = run["trainer"].step(state, run["batches"][i])
+                state, metrics = run["trainer"].step(
+                    state, run["batches"][i], compress=run["compress"]
+                )
                 jax.block_until_ready((state, metrics))
                 run["samples"].append(time.perf_counter() - t0)
             run["state"] = state
@@ -260,10 +302,13 @@ def measure_timing(rounds: int, steps_per_round: int, warmup: int) -> dict:
             "p10_step_s": s[int(0.1 * (len(s) - 1))],
             "p90_step_s": s[int(math.ceil(0.9 * (len(s) - 1)))],
             "samples": len(s),
+            "compressed_variant": bool(run["compress"]),
         }
     base = out[BASELINE]["median_step_s"]
+    base_p10 = out[BASELINE]["p10_step_s"]
     for row in out.values():
         row["ratio_vs_zero3"] = row["median_step_s"] / base
+        row["p10_ratio_vs_zero3"] = row["p10_step_s"] / base_p10
     return out
 
 
@@ -327,9 +372,25 @@ def _x(r) -> str:
 
 
 def format_report(result: dict) -> str:
-    lines = [f"# ZeRO++ presets on the simulated {MESH} mesh (example GPT, {result.get('params', '?'):,} params)", ""]
+    lines = [
+        f"# ZeRO++ presets on the simulated {MESH} mesh (example GPT, {result.get('params', '?'):,} params)",
+        "",
+        f"code: {result['code']['zeropp_jax']} (git {result['code']['git']})",
+        "",
+    ]
     comm = result.get("comm")
     if comm:
+        lines += [
+            "| preset | qwZ bits/block | hpZ | qgZ mode/block | error feedback | qgZ warm-up steps |",
+            "|---|---|---|---|---|---:|",
+        ]
+        for name, row in comm["accum1"]["presets"].items():
+            c = row["config"]
+            lines.append(
+                f"| {name} | {c['qwz_bits']}/{c['qwz_block']} | {c['hpz']} | {c['qgz']}/{c['qgz_block']} "
+                f"| {c['qgz_error_feedback']} | {c['qgz_warmup_steps']} |"
+            )
+        lines.append("")
         for accum in ACCUMS:
             block = comm[f"accum{accum}"]
             lines += [
@@ -348,7 +409,7 @@ def format_report(result: dict) -> str:
     conv = result.get("convergence")
     if conv:
         lines += [
-            f"## Convergence ({result['steps']} steps, seed 0, default data)",
+            f"## Convergence ({result['steps']} steps, seed 0, default data, zeropp-train defaults)",
             "",
             "| preset | first loss | final loss | mean loss last 10% | vs zero3 | compressed steps | train s |",
             "|---|---:|---:|---:|---:|---:|---:|",
@@ -370,13 +431,14 @@ def format_report(result: dict) -> str:
         lines += [
             f"## Time per step (one process, {t['rounds']} rounds x {t['steps_per_round']} steps, round-robin)",
             "",
-            "| preset | median ms/step | p10 | p90 | vs zero3 |",
-            "|---|---:|---:|---:|---:|",
+            "| preset | median ms/step | p10 | p90 | median vs zero3 | p10 vs zero3 |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
         for name, row in timing.items():
             lines.append(
                 f"| {name} | {1e3 * row['median_step_s']:.1f} | {1e3 * row['p10_step_s']:.1f} "
-                f"| {1e3 * row['p90_step_s']:.1f} | {row['ratio_vs_zero3']:.3f} |"
+                f"| {1e3 * row['p90_step_s']:.1f} | {row['ratio_vs_zero3']:.3f} "
+                f"| {row['p10_ratio_vs_zero3']:.3f} |"
             )
         lines.append("")
     lines += ["## Targets", ""]
@@ -406,7 +468,12 @@ def main(argv: list[str] | None = None) -> int:
 
     _ensure_devices()
     started = time.perf_counter()
-    result: dict = {"mesh": MESH, "steps": args.steps, "variants": {k: " ".join(v) for k, v in VARIANTS.items()}}
+    result: dict = {
+        "mesh": MESH,
+        "steps": args.steps,
+        "variants": {k: " ".join(v) for k, v in VARIANTS.items()},
+        "code": code_version(),
+    }
 
     comm = None
     if not args.skip_comm:
