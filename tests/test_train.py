@@ -183,3 +183,35 @@ def test_bad_input_errors():
     bad = dict(params, ln_f={"scale": jnp.ones(7), "bias": jnp.zeros(32)})
     with pytest.raises(ValueError, match="ln_f.*shape"):
         trainer.init(bad)
+
+
+def test_unmodified_nnx_model_trains_with_whole_model_gathering():
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(11, 37, rngs=rngs)
+            self.l2 = nnx.Linear(37, 5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(nnx.gelu(self.l1(x)))
+
+    graphdef, params = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)
+    x = jax.random.normal(jax.random.key(0), (32, 11))
+    y = jax.random.randint(jax.random.key(1), (32,), 0, 5)
+
+    def loss(p, batch):
+        logits = nnx.merge(graphdef, p)(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    class Batches:
+        def batch_at(self, i):
+            return {"x": np.asarray(x), "y": np.asarray(y)}
+
+    opt = optax.adam(1e-2)
+    ref_losses, ref_final = reference_run(loss, params, opt, Batches(), 6)
+    trainer = zp.make_trainer(loss, opt, params, mesh=mesh_of(2, 4), config=zp.ZeroConfig(**FP32))
+    losses, state = zero_run(trainer, params, Batches(), 6)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(trainer.gather_params(state), ref_final, rtol=1e-5, atol=1e-5)
+    assert losses[-1] < losses[0]
