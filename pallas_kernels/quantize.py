@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend, _common
 from pallas_kernels.config import KernelConfig
+from zeropp_jax import quantization
 from zeropp_jax.quantization import Quantized
 from zeropp_jax.quantization import dequantize as dequantize_reference
 from zeropp_jax.quantization import quantize as quantize_reference
@@ -186,26 +187,9 @@ def dequantize(
     bits = _common.check_bits(bits, _BITS)
     block = _common.check_block(block)
     config = _common.get_config(config)
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"dequantize needs a floating output dtype, got {dtype}.")
-    values, scales = jnp.asarray(q.values), jnp.asarray(q.scales)
-    want = jnp.int8 if bits == 8 else jnp.uint8
-    if values.dtype != want:
-        raise ValueError(
-            f"for bits={bits}, q.values must be {jnp.dtype(want)}, got {values.dtype}; "
-            "were bits passed the same as to quantize?"
-        )
-    if values.ndim < 1:
-        raise ValueError("q.values must have at least one axis, got a scalar.")
+    values, scales, dtype = quantization.check_quantized(q, bits=bits, block=block, dtype=dtype)
     n = values.shape[-1] * 8 // bits
-    _common.check_n(n, block, "the dequantized array")
     lead = values.shape[:-1]
-    if scales.shape != (*lead, n // block) or not jnp.issubdtype(scales.dtype, jnp.floating):
-        raise ValueError(
-            f"q.scales must be floating {(*lead, n // block)} for values {values.shape}, "
-            f"bits={bits}, block={block}; got {scales.dtype} {scales.shape}."
-        )
     nb = _common.num_blocks((*lead, n), block)
     if nb == 0:
         return dequantize_reference(q, bits=bits, block=block, dtype=dtype)

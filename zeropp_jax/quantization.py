@@ -53,7 +53,7 @@ Special values:
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -326,6 +326,40 @@ def quantize(
     return Quantized(values=values, scales=scale)
 
 
+def check_quantized(q: Quantized, *, bits: int, block: int, dtype: Any):
+    """Validates a payload for dequantization (shared with the Pallas kernel).
+
+    Returns:
+      ``(values, scales, dtype)`` as arrays and a ``jnp.dtype``.
+
+    Raises:
+      ValueError: naming what does not match ``bits``, ``block`` or ``dtype``.
+    """
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dequantize needs a floating output dtype, got {dtype}.")
+    values, scales = jnp.asarray(q.values), jnp.asarray(q.scales)
+    want = jnp.int8 if bits == 8 else jnp.uint8
+    if values.dtype != want:
+        raise ValueError(
+            f"for bits={bits}, q.values must be {jnp.dtype(want)}, got {values.dtype}; "
+            "were bits passed the same as to quantize?"
+        )
+    if values.ndim < 1:
+        raise ValueError("q.values must have at least one axis, got a scalar.")
+    if not jnp.issubdtype(scales.dtype, jnp.floating):
+        raise ValueError(f"q.scales must be floating, got {scales.dtype}.")
+    n = values.shape[-1] * (8 // bits)
+    _check_n(n, block, what="the dequantized array")
+    lead = values.shape[:-1]
+    if scales.shape != (*lead, n // block):
+        raise ValueError(
+            f"q.scales has shape {scales.shape} but values {values.shape} with bits={bits}, "
+            f"block={block} need {(*lead, n // block)}; were bits and block the same as in quantize?"
+        )
+    return values, scales, dtype
+
+
 @functools.partial(jax.jit, static_argnames=("bits", "block", "dtype"))
 def dequantize(q: Quantized, *, bits: int, block: int, dtype) -> jax.Array:
     """Inverse of :func:`quantize`.
@@ -349,28 +383,9 @@ def dequantize(q: Quantized, *, bits: int, block: int, dtype) -> jax.Array:
     """
     bits = _check_bits(bits)
     block = _check_block(block)
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"dequantize needs a floating output dtype, got {dtype}.")
-    values, scales = jnp.asarray(q.values), jnp.asarray(q.scales)
-    want = jnp.int8 if bits == 8 else jnp.uint8
-    if values.dtype != want:
-        raise ValueError(
-            f"for bits={bits}, q.values must be {jnp.dtype(want)}, got {values.dtype}; "
-            "were bits passed the same as to quantize?"
-        )
-    if values.ndim < 1:
-        raise ValueError("q.values must have at least one axis, got a scalar.")
-    if not jnp.issubdtype(scales.dtype, jnp.floating):
-        raise ValueError(f"q.scales must be floating, got {scales.dtype}.")
+    values, scales, dtype = check_quantized(q, bits=bits, block=block, dtype=dtype)
     n = values.shape[-1] * (8 // bits)
-    _check_n(n, block, what="the dequantized array")
     lead = values.shape[:-1]
-    if scales.shape != (*lead, n // block):
-        raise ValueError(
-            f"q.scales has shape {scales.shape} but values {values.shape} with bits={bits}, "
-            f"block={block} need {(*lead, n // block)}; were bits and block the same as in quantize?"
-        )
 
     s = scales.astype(jnp.float32)[..., None]  # (..., nb, 1)
     if bits == 1:
