@@ -486,6 +486,10 @@ def _install_stop_handlers():
     previous = {}
     for sig in (signal.SIGTERM, signal.SIGHUP):
         previous[sig] = signal.signal(sig, handler)
+    # Ctrl-C raises KeyboardInterrupt even when the launcher was started with
+    # SIGINT ignored (as a background job of a non-interactive shell, where
+    # Python leaves it ignored): stopping every process is its job.
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     return previous
 
 
