@@ -340,7 +340,8 @@ def launch(
     coordinator = f"{HOST}:{port or free_port()}"
     procs: list[subprocess.Popen] = []
     outputs: list[_Output] = []
-    previous = _install_stop_handlers()
+    received: list[int] = []
+    previous = _install_stop_handlers(received)
     try:
         for i in range(num_processes):
             env = process_env(
@@ -370,7 +371,7 @@ def launch(
             f"coordinator {coordinator}, pids "
             + " ".join(f"[{i}]={p.pid}" for i, p in enumerate(procs))
         )
-        status = _watch(procs, timeout_s, kill_grace_s, say)
+        status = _watch(procs, timeout_s, kill_grace_s, say, received)
     except (KeyboardInterrupt, _Stop) as e:
         what = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else "got a stop signal"
         say(f"{what}; stopping all {len(procs)} process(es)")
@@ -391,7 +392,7 @@ def launch(
     return status
 
 
-def _watch(procs, timeout_s, kill_grace_s, say) -> int:
+def _watch(procs, timeout_s, kill_grace_s, say, received=()) -> int:
     """Waits for all processes; on the first failure stops the rest.
 
     One thread per process waits for its exit, so exits are seen in the order
@@ -414,6 +415,8 @@ def _watch(procs, timeout_s, kill_grace_s, say) -> int:
             i = exits.get(timeout=0.5 if deadline is None
                           else max(min(0.5, deadline - time.monotonic()), 0.0))
         except queue.Empty:
+            if received:
+                raise _stop_exception(received[0])
             if deadline is not None and time.monotonic() >= deadline:
                 running = [j for j in range(len(procs)) if j not in exited]
                 say(
@@ -475,22 +478,31 @@ def _stop(procs: Sequence[subprocess.Popen], kill_grace_s: float) -> None:
         p.wait()
 
 
-def _install_stop_handlers():
-    """SIGTERM / SIGHUP to the launcher stop the children like Ctrl-C does."""
+def _install_stop_handlers(received: list):
+    """Ctrl-C, SIGTERM and SIGHUP to the launcher stop the children.
+
+    The handler raises in the main thread and also records the signal in
+    ``received``, which :func:`_watch` checks between waits: an exception
+    raised while Python runs a garbage-collection callback (JAX registers
+    one) is printed and swallowed, so raising alone can lose the signal.
+    SIGINT is handled explicitly even when the launcher was started with it
+    ignored (a background job of a non-interactive shell).
+    """
     if threading.current_thread() is not threading.main_thread():
         return {}
 
     def handler(signum, frame):
-        raise _Stop(signum)
+        received.append(signum)
+        raise _stop_exception(signum)
 
     previous = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         previous[sig] = signal.signal(sig, handler)
-    # Ctrl-C raises KeyboardInterrupt even when the launcher was started with
-    # SIGINT ignored (as a background job of a non-interactive shell, where
-    # Python leaves it ignored): stopping every process is its job.
-    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     return previous
+
+
+def _stop_exception(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else _Stop(signum)
 
 
 def _restore_handlers(previous) -> None:
