@@ -29,8 +29,8 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.config import DEFAULT_CONFIG, KernelConfig
+from zeropp_jax.quantization import check_scale_dtype  # noqa: F401  (one check for both paths)
 
-_SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 
@@ -75,16 +75,6 @@ def check_block(block) -> int:
             "(zeropp_jax.quantization) for other block sizes."
         )
     return int(block)
-
-
-def check_scale_dtype(scale_dtype) -> jnp.dtype:
-    try:
-        dt = jnp.dtype(scale_dtype)
-    except TypeError as e:
-        raise ValueError(f"scale_dtype must be float32 or bfloat16, got {scale_dtype!r}.") from e
-    if dt not in _SCALE_DTYPES:
-        raise ValueError(f"scale_dtype must be float32 or bfloat16, got {dt}.")
-    return dt
 
 
 def check_float_input(x: jax.Array, what: str) -> None:

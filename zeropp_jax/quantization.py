@@ -114,7 +114,8 @@ def _check_block(block) -> int:
     return int(block)
 
 
-def _check_scale_dtype(scale_dtype) -> jnp.dtype:
+def check_scale_dtype(scale_dtype) -> jnp.dtype:
+    """The scale dtype as a ``jnp.dtype``: float32 or bfloat16, else ValueError."""
     try:
         dt = jnp.dtype(scale_dtype)
     except TypeError as e:
@@ -286,7 +287,7 @@ def quantize(
     """
     bits = _check_bits(bits)
     block = _check_block(block)
-    scale_dtype = _check_scale_dtype(scale_dtype)
+    scale_dtype = check_scale_dtype(scale_dtype)
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(
@@ -420,7 +421,7 @@ def wire_bytes(n: int, *, bits: int, block: int, scale_dtype=jnp.float32) -> int
     """
     bits = _check_bits(bits)
     block = _check_block(block)
-    scale_dtype = _check_scale_dtype(scale_dtype)
+    scale_dtype = check_scale_dtype(scale_dtype)
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
         raise ValueError(f"n must be a non-negative int, got {n!r}.")
     _check_n(int(n), block, what="the array")
