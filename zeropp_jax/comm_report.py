@@ -490,6 +490,15 @@ def parse_replica_groups(spec: str, *, num_devices: int) -> list[list[int]]:
     raise ValueError(f"Unrecognized replica_groups format: {spec[:120]!r}")
 
 
+_OP_NAME_RE = re.compile(r'\bop_name="((?:[^"\\]|\\.)*)"')
+
+
+def _op_name(inst: _Instruction) -> str:
+    """``metadata={op_name="..."}`` of an instruction, or ``""``."""
+    m = _OP_NAME_RE.search(inst.attrs)
+    return m.group(1) if m else ""
+
+
 def _attr_value(inst: _Instruction, key: str) -> str | None:
     """Raw text after ``key=`` (outside quoted strings), or None."""
     m = re.search(rf"\b{key}=", inst.attrs_clean)
@@ -533,6 +542,10 @@ class Collective:
         replica_groups: the groups (or source-target pairs) as logical device ids.
         inter_node_bytes_by_node: per step, for each node.
         intra_node_bytes_by_device: per step, for each device.
+        op_name: the JAX op path from the instruction's metadata (``""`` when
+            absent), e.g. ``jit(step)/shard_map/cross_node_embed/quantized_scales/all_to_all``;
+            :mod:`zeropp_jax.collectives` names the codes and scales of a
+            quantized payload (``quantized_codes`` / ``quantized_scales``).
     """
 
     kind: str
@@ -552,6 +565,7 @@ class Collective:
     replica_groups: tuple[tuple[int, ...], ...]
     inter_node_bytes_by_node: tuple[int, ...]
     intra_node_bytes_by_device: tuple[int, ...]
+    op_name: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -865,6 +879,7 @@ def _make_collective(inst: _Instruction, comp: _Computation, ctx: _Context,
         replica_groups=tuple(tuple(x) for x in groups),
         inter_node_bytes_by_node=inter_step,
         intra_node_bytes_by_device=intra_step,
+        op_name=_op_name(inst),
     )
 
 

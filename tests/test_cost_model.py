@@ -1,0 +1,173 @@
+"""Cost model (zeropp_jax.cost_model) and ``zeropp-simulate``."""
+
+import json
+
+import numpy as np
+import pytest
+
+from tests._util import mesh_of
+from zeropp_jax import cost_model as cm
+from zeropp_jax.cli import simulate
+from zeropp_jax.comm_report import Collective
+
+MESH = (2, 4)
+
+
+def coll(kind, groups, operand, result, count=1, dtype="f32", op_name=""):
+    return Collective(
+        kind=kind, dtype=dtype, operand_bytes=operand, result_bytes=result,
+        group_size=max(len(g) for g in groups), num_groups=len(groups), axis="?",
+        count=count, inter_node_bytes_per_node=0, intra_node_bytes_per_device=0,
+        computation="c", name="x", trip_count_known=True, in_conditional=False,
+        replica_groups=tuple(tuple(g) for g in groups), inter_node_bytes_by_node=(0, 0),
+        intra_node_bytes_by_device=(0,) * 8, op_name=op_name,
+    )
+
+
+ALL = [list(range(8))]
+BY_NODE = [[0, 4], [1, 5], [2, 6], [3, 7]]  # device i sits on node i // 4
+BY_LOCAL = [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("kind,groups,operand,result,inter,intra", [
+    # all-gather of 8 x 100 B over everything: 4 remote chunks enter each node
+    # once; each device receives 700 B in all, 100 B of it (its node's 400 B /
+    # 4 devices) straight from the network, 600 B over NVLink.
+    ("all-gather", ALL, 100, 800, 400, 600),
+    ("all-gather", BY_NODE, 100, 200, 400, 0),  # 4 groups x 1 remote chunk
+    ("all-gather", BY_LOCAL, 100, 400, 0, 300),
+    # reduce-scatter mirrors the all-gather
+    ("reduce-scatter", ALL, 800, 100, 400, 600),
+    ("reduce-scatter", BY_NODE, 200, 100, 400, 0),
+    ("reduce-scatter", BY_LOCAL, 400, 100, 0, 300),
+    # all-reduce = reduce-scatter + all-gather
+    ("all-reduce", ALL, 800, 800, 800, 1200),
+    # all-to-all cannot be merged: 4 devices x 4 remote peers x I/8
+    ("all-to-all", ALL, 800, 800, 1600, 300),
+    ("all-to-all", BY_NODE, 200, 200, 400, 0),
+])
+def test_link_bytes_hierarchical(kind, groups, operand, result, inter, intra):
+    c = coll(kind, groups, operand, result, count=3)
+    got_inter, got_intra = cm.link_bytes(c, MESH)
+    assert got_inter == pytest.approx(3 * inter)
+    assert got_intra == pytest.approx(3 * intra)
+
+
+def test_link_bytes_permute():
+    c = coll("collective-permute", [[0, 4], [4, 0], [1, 2]], 50, 50)
+    assert cm.link_bytes(c, MESH) == (50, 50)
+
+
+@pytest.fixture(scope="module")
+def profiles():
+    return {
+        "zero3": cm.profile_preset("zero3"),
+        "zeropp": cm.profile_preset("zeropp"),
+        "zeropp-int4": cm.profile_preset("zeropp", qgz="int4"),
+        "zeropp-4x2": cm.profile_preset("zeropp", mesh=mesh_of(4, 2)),
+    }
+
+
+TARGET = cm.V100_CLUSTER
+WORK = cm.Workload(params=18e9, tokens_per_gpu=1024)
+
+
+def test_profile_roles_from_the_compiled_program(profiles):
+    roles = {c.role for c in profiles["zeropp"].collectives}
+    assert {"codes", "scales", "float"} <= roles
+    assert {c.role for c in profiles["zero3"].collectives} == {"float", "metric"}
+    for c in profiles["zeropp"].collectives:
+        if c.role == "codes":
+            assert c.dtype in ("s8", "u8")
+
+
+def test_scaled_bytes_match_the_analytic_volumes(profiles):
+    """ZeRO-3 moves 3 x bf16 model per step into each node; ZeRO++ (int4 qgZ)
+    moves the int8 refresh plus int4 gradients (scales included)."""
+    P, N, L = WORK.params, TARGET.nodes, TARGET.gpus_per_node
+    inter, intra = profiles["zero3"].bytes_at(TARGET, WORK)
+    assert inter == pytest.approx(3 * 2 * P * (N - 1) / N, rel=0.02)
+    assert intra == pytest.approx(3 * 2 * P * (L - 1) / L, rel=0.02)
+    inter, _ = profiles["zeropp-int4"].bytes_at(TARGET, WORK)
+    int8, int4 = 1 + 4 / 256, 0.5 + 4 / 256  # bytes per value with fp32 scales per 256
+    assert inter == pytest.approx((int8 + int4) * P * (N - 1) / N, rel=0.02)
+    inter, _ = profiles["zeropp"].bytes_at(TARGET, WORK)
+    one_bit = (1 + 32 / 32) / 8  # sign + fp32 scale per 32
+    assert inter == pytest.approx((int8 + one_bit) * P * (N - 1) / N, rel=0.02)
+
+
+def test_scaling_does_not_depend_on_the_profiled_mesh(profiles):
+    a = profiles["zeropp"].bytes_at(TARGET, WORK)
+    b = profiles["zeropp-4x2"].bytes_at(TARGET, WORK)
+    np.testing.assert_allclose(a, b, rtol=0.02)
+
+
+def test_float_bytes_rescale_only_full_precision_payloads(profiles):
+    wide = cm.Workload(params=18e9, tokens_per_gpu=1024, float_bytes=4)
+    z3 = [p.bytes_at(TARGET, w)[0] for p in [profiles["zero3"]] for w in (WORK, wide)]
+    assert z3[1] == pytest.approx(2 * z3[0])
+    zp = [profiles["zeropp"].bytes_at(TARGET, w)[0] for w in (WORK, wide)]
+    assert zp[1] == pytest.approx(zp[0])  # everything zeropp sends across nodes is quantized
+
+
+def test_prediction_arithmetic(profiles):
+    p = cm.predict(profiles["zero3"], TARGET, WORK)
+    assert p.compute_s == pytest.approx(8 * 18e9 * 1024 / (125e12 * 0.4))
+    assert p.inter_node_s == pytest.approx(p.inter_node_bytes / (100e9 / 8))
+    assert p.step_s_serial == pytest.approx(p.compute_s + p.inter_node_s + p.intra_node_s)
+    assert p.step_s_overlap == pytest.approx(max(p.compute_s, p.inter_node_s, p.intra_node_s))
+    assert p.tokens_per_s_serial == pytest.approx(1024 * 384 / p.step_s_serial)
+    # more bandwidth never makes a step slower; compression never either
+    fast = cm.predict(profiles["zero3"], TARGET.replace(inter_node_gbits_per_s=800), WORK)
+    assert fast.step_s_serial < p.step_s_serial
+    assert cm.predict(profiles["zeropp"], TARGET, WORK).step_s_serial < p.step_s_serial
+
+
+def test_published_zeropp_ratios_within_25_percent(profiles):
+    rows = cm.compare_published(profiles["zero3"], profiles["zeropp-int4"])
+    assert len(rows) == len(cm.PUBLISHED) * len(cm.PUBLISHED_MODEL_SIZES)
+    for r in rows:
+        assert abs(r["serial_error"]) <= cm.PUBLISHED_TOLERANCE, r
+    # full overlap would hide all communication at 400 Gb/s: no speed-up,
+    # where the paper measured 1.24-1.36x
+    assert any(abs(r["overlap_error"]) > 0.2 for r in rows)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: cm.Cluster(48, 8, 150, 100, 125, efficiency=1.5), "efficiency must be in"),
+    (lambda: cm.Cluster(0, 8, 150, 100, 125), "nodes must be a positive integer"),
+    (lambda: cm.Cluster(48, 8, 150, float("nan"), 125), "inter_node_gbits_per_s"),
+    (lambda: cm.Workload(params=0, tokens_per_gpu=1024), "params must be a positive"),
+    (lambda: cm.Workload(params=1e9, tokens_per_gpu=1024, float_bytes=3), "float_bytes"),
+    (lambda: cm.profile_preset("zero3", mesh=mesh_of(1, 8)), "at least 2 nodes"),
+])
+def test_bad_input(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_profile_json_round_trip(profiles):
+    p = profiles["zeropp"]
+    q = cm.CommProfile.from_json(json.loads(json.dumps(p.to_json())))
+    assert q == p
+
+
+def test_simulate_cli(capsys):
+    assert simulate.main(["--published", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert all(abs(r["serial_error"]) <= out["tolerance"] for r in out["published"])
+    assert simulate.main(["--preset", "zeropp", "--params", "1.3B", "--sweep-gbps", "100,400"]) == 0
+    text = capsys.readouterr().out
+    assert "zeropp" in text and "speed-up" in text
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--params", "lots"], "model size"),
+    (["--sweep-gbps", "100,-4"], "positive bandwidths"),
+    (["--efficiency", "2"], "efficiency must be in"),
+])
+def test_simulate_cli_bad_flags(argv, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        simulate.main(argv)
+    assert e.value.code == 2
+    assert match in capsys.readouterr().err

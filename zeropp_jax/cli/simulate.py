@@ -1,0 +1,241 @@
+"""``zeropp-simulate``: predicted time per step and throughput on a cluster.
+
+Compiles the example GPT's train step for a preset (and for ``zero3``, the
+baseline) on the simulated mesh, exactly as ``zeropp-comm`` does, and scales
+each collective's bytes to the target model size and cluster with
+:mod:`zeropp_jax.cost_model`. Nothing trains.
+
+Examples::
+
+  zeropp-simulate --preset zeropp --params 18B --inter-node-gbps 100
+  zeropp-simulate --preset zeropp --qgz int4 --sweep-gbps 50,100,200,400,800
+  zeropp-simulate --published          # vs the ZeRO++ paper's measurements
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from zeropp_jax.cli import common
+
+_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def model_size(text: str) -> float:
+    """``18B``, ``1.3b``, ``350M``, ``2e9`` -> parameters."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([kmbgt]?)\s*", text.lower())
+    if not m or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a model size such as 18B, 350M or 1.3e9, got {text!r}")
+    return float(m.group(1)) * _SUFFIX[m.group(2)]
+
+
+def gbps_list(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected positive bandwidths in Gb/s separated by commas, e.g. 100,400, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from zeropp_jax.cost_model import V100_CLUSTER
+
+    parser = argparse.ArgumentParser(
+        prog="zeropp-simulate",
+        description="Predict time per step and throughput of a ZeRO++ preset on a GPU "
+        "cluster from the compiled step's communication (see zeropp_jax.cost_model).",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument(
+        "--published", action="store_true",
+        help="compare with the ZeRO++ paper's measured speed-ups (zero3 vs zeropp with "
+        "int4 qgZ, as DeepSpeed runs it); ignores --preset and the cluster flags",
+    )
+    parser.add_argument(
+        "--sweep-gbps", type=gbps_list, default=None, metavar="LIST",
+        help="also predict at each inter-node bandwidth (Gb/s per node), e.g. 50,100,400",
+    )
+    g = parser.add_argument_group("cluster (default: the ZeRO++ paper's 48 x 8 V100)")
+    g.add_argument("--nodes", type=common.positive_int, default=V100_CLUSTER.nodes)
+    g.add_argument("--gpus-per-node", type=common.positive_int, default=V100_CLUSTER.gpus_per_node)
+    g.add_argument("--inter-node-gbps", type=common.positive_float,
+                   default=V100_CLUSTER.inter_node_gbits_per_s,
+                   help="inter-node bandwidth per node, Gb/s (all NICs together)")
+    g.add_argument("--intra-node-gbs", type=common.positive_float,
+                   default=V100_CLUSTER.intra_node_gbytes_per_s,
+                   help="intra-node (NVLink) bandwidth per GPU, GB/s")
+    g.add_argument("--peak-tflops", type=common.positive_float, default=V100_CLUSTER.peak_tflops,
+                   help="dense 16-bit peak per GPU, TFLOP/s")
+    g.add_argument("--efficiency", type=common.positive_float, default=V100_CLUSTER.efficiency,
+                   help="fraction of peak the model's math reaches, in (0, 1]")
+    g = parser.add_argument_group("workload")
+    g.add_argument("--params", type=model_size, default=18e9, help="model size, e.g. 18B")
+    g.add_argument("--tokens-per-gpu", type=common.positive_int, default=1024,
+                   help="tokens per GPU per optimizer step")
+    g.add_argument("--float-bytes", type=int, choices=(2, 4), default=2,
+                   help="bytes per full-precision value on the wire (2: bf16)")
+    common.add_common_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = common.parse_and_prepare(parser, argv)
+    if args.efficiency > 1:
+        parser.error(f"--efficiency must be in (0, 1], got {args.efficiency}")
+    try:
+        result = simulate(args)
+    except ValueError as e:
+        common.fail(str(e))
+    import jax
+
+    if jax.process_index() != 0:
+        return 0
+    print(json.dumps(result, indent=2) if args.json else format_result(result))
+    return 0
+
+
+def simulate(args: argparse.Namespace) -> dict:
+    """Profiles the steps and returns every prediction as plain data."""
+    from zeropp_jax import cost_model as cm
+    from zeropp_jax import data
+
+    mesh = common.build_mesh(args)
+    model = common.build_model(args, data.VOCAB_SIZE_BYTES)
+    step = {"mesh": mesh, "model": model, "batch_size": args.batch_size}
+
+    def profile(config, label: str):
+        return cm.profile_config(config, label=label, **step)
+
+    baseline = profile(preset_config(args, "zero3"), "zero3")
+    out: dict = {"profile_mesh": list(baseline.mesh_shape), "profile_params": baseline.params}
+    if args.published:
+        zeropp = profile(preset_config(args, "zeropp", qgz="int4"), "zeropp --qgz int4")
+        rows = cm.compare_published(baseline, zeropp)
+        out["published"] = rows
+        out["tolerance"] = cm.PUBLISHED_TOLERANCE
+        out["cluster"] = _asdict(cm.V100_CLUSTER)
+        return out
+
+    cluster = cm.Cluster(
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+        intra_node_gbytes_per_s=args.intra_node_gbs,
+        inter_node_gbits_per_s=args.inter_node_gbps,
+        peak_tflops=args.peak_tflops, efficiency=args.efficiency,
+    )
+    work = cm.Workload(params=args.params, tokens_per_gpu=args.tokens_per_gpu,
+                       float_bytes=args.float_bytes)
+    target = profile(common.build_config(args), _label(args))
+    out["cluster"] = _asdict(cluster)
+    out["workload"] = _asdict(work)
+    out["predictions"] = [_asdict(cm.predict(p, cluster, work)) for p in (baseline, target)]
+    if args.sweep_gbps:
+        sweep = []
+        for gbps in args.sweep_gbps:
+            c = cluster.replace(inter_node_gbits_per_s=gbps)
+            a, b = cm.predict(target, c, work), cm.predict(baseline, c, work)
+            sweep.append({
+                "inter_node_gbps": gbps,
+                "zero3_tokens_per_s": b.tokens_per_s_serial,
+                "tokens_per_s": a.tokens_per_s_serial,
+                "speedup_serial": b.step_s_serial / a.step_s_serial,
+                "speedup_overlap": b.step_s_overlap / a.step_s_overlap,
+            })
+        out["sweep"] = sweep
+    return out
+
+
+def preset_config(args: argparse.Namespace, preset: str, **overrides):
+    """A reference preset's config: the command line's ZeRO++ flags apply only to
+    the preset under study, never to the baselines; dtype and accumulation do."""
+    from zeropp_jax.config import ZeroConfig
+
+    return ZeroConfig.from_preset(
+        preset, compute_dtype=None if args.dtype == "auto" else args.dtype,
+        grad_accum=args.grad_accum, **overrides,
+    )
+
+
+def _label(args: argparse.Namespace) -> str:
+    flags = [f"--qgz {args.qgz}" if args.qgz else "",
+             f"--qwz-bits {args.qwz_bits}" if args.qwz_bits is not None else "",
+             {True: "--hpz", False: "--no-hpz", None: ""}[args.hpz]]
+    return " ".join([args.preset] + [f for f in flags if f])
+
+
+def _asdict(x) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(x)
+
+
+def format_result(result: dict) -> str:
+    mesh = "x".join(map(str, result["profile_mesh"]))
+    head = (f"profiles: the example GPT's compiled step ({result['profile_params']:,} params, "
+            f"mesh {mesh}), bytes scaled to the target")
+    if "published" in result:
+        c = result["cluster"]
+        lines = [
+            head,
+            f"cluster: {c['nodes']} nodes x {c['gpus_per_node']} V100, NVLink "
+            f"{c['intra_node_gbytes_per_s']:g} GB/s/GPU, peak {c['peak_tflops']:g} TFLOP/s x "
+            f"{c['efficiency']:g}; ZeRO++ = zeropp --qgz int4 (DeepSpeed's qgZ is int4)",
+            "",
+            f"{'setting':<36} {'model':>6} {'published':>10} {'predicted':>10} "
+            f"{'error':>7} {'overlap':>8}  within ±{result['tolerance']:.0%}",
+        ]
+        for r in result["published"]:
+            pub = (f"{r['published']:.2f}" if r["low"] == r["high"]
+                   else f"{r['low']:.2f}-{r['high']:.2f}")
+            ok = "yes" if abs(r["serial_error"]) <= result["tolerance"] else "NO"
+            lines.append(
+                f"{r['point']:<36} {r['params'] / 1e9:>5.0f}B {pub:>10} {r['serial']:>9.2f}x "
+                f"{r['serial_error']:>+7.1%} {r['overlap']:>7.2f}x  {ok}")
+        lines.append("")
+        lines.append("predicted = ZeRO-3 step time / ZeRO++ step time without compute/"
+                     "communication overlap; 'overlap' assumes perfect overlap.")
+        return "\n".join(lines)
+
+    c, w = result["cluster"], result["workload"]
+    lines = [
+        head,
+        f"cluster: {c['nodes']} nodes x {c['gpus_per_node']} GPUs, inter-node "
+        f"{c['inter_node_gbits_per_s']:g} Gb/s/node, intra-node {c['intra_node_gbytes_per_s']:g} "
+        f"GB/s/GPU, peak {c['peak_tflops']:g} TFLOP/s x {c['efficiency']:g}",
+        f"workload: {w['params'] / 1e9:g}B params, {w['tokens_per_gpu']:g} tokens/GPU/step, "
+        f"{w['float_bytes']}-byte float payloads",
+        "",
+        f"{'preset':<22} {'inter GB/node':>13} {'intra GB/GPU':>12} {'compute s':>9} "
+        f"{'inter s':>8} {'intra s':>8} {'step s':>8} {'overlap s':>9} {'TFLOP/s/GPU':>11} "
+        f"{'vs zero3':>8}",
+    ]
+    base = result["predictions"][0]
+    for p in result["predictions"]:
+        lines.append(
+            f"{p['label']:<22} {p['inter_node_bytes'] / 1e9:>13.1f} "
+            f"{p['intra_node_bytes'] / 1e9:>12.1f} {p['compute_s']:>9.2f} "
+            f"{p['inter_node_s']:>8.2f} {p['intra_node_s']:>8.2f} {p['step_s_serial']:>8.2f} "
+            f"{p['step_s_overlap']:>9.2f} {p['tflops_per_gpu_serial']:>11.1f} "
+            f"{base['step_s_serial'] / p['step_s_serial']:>7.2f}x")
+    if "sweep" in result:
+        lines += ["", f"{'inter-node Gb/s':>15} {'zero3 tok/s':>12} {'tok/s':>12} "
+                  f"{'speed-up':>9} {'overlap':>8}"]
+        for s in result["sweep"]:
+            lines.append(
+                f"{s['inter_node_gbps']:>15g} {s['zero3_tokens_per_s']:>12,.0f} "
+                f"{s['tokens_per_s']:>12,.0f} {s['speedup_serial']:>8.2f}x "
+                f"{s['speedup_overlap']:>7.2f}x")
+    lines.append("")
+    lines.append("step s: no compute/communication overlap; overlap s: perfect overlap.")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
