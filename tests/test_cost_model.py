@@ -171,3 +171,18 @@ def test_simulate_cli_bad_flags(argv, match, capsys):
         simulate.main(argv)
     assert e.value.code == 2
     assert match in capsys.readouterr().err
+
+
+def test_readme_simulate_commands_parse():
+    import pathlib
+    import re
+    import shlex
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("(`zeropp-simulate`)"):readme.index("## Experiments")]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("\\\n", " ")
+    commands = [shlex.split(line.split("#")[0]) for line in block.splitlines() if line.strip()]
+    assert len(commands) == 2
+    for argv in commands:
+        assert argv[0] == "zeropp-simulate"
+        simulate.build_parser().parse_args(argv[1:])

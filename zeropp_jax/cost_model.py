@@ -72,9 +72,10 @@ __all__ = [
 GBIT = 1e9 / 8  # bytes per second in one Gb/s
 GBYTE = 1e9
 TERA = 1e12
-# Collectives of at most this many bytes per device carry step metrics (the
-# loss, the gradient norm: a few scalars), whose size does not grow with the
-# model; they are counted as compiled, never scaled.
+# All-reduces of at most this many bytes per device carry step metrics (the
+# loss, the gradient norm: a few scalars; ZeRO never all-reduces parameters
+# or gradients), whose size does not grow with the model; they are counted as
+# compiled, never scaled.
 METRIC_BYTES = 64
 # Forward (2), backward (4) and the forward recomputed by `layer` (2) FLOPs
 # per parameter per token.
@@ -181,12 +182,12 @@ class Workload:
 
 
 def _role(c: Collective) -> str:
-    if max(c.operand_bytes, c.result_bytes) <= METRIC_BYTES:
-        return "metric"
     if f"/{SCALES_SCOPE}/" in c.op_name:
         return "scales"
     if f"/{CODES_SCOPE}/" in c.op_name:
         return "codes"
+    if c.kind == "all-reduce" and max(c.operand_bytes, c.result_bytes) <= METRIC_BYTES:
+        return "metric"
     if c.dtype in ("f32", "bf16", "f16", "f64"):
         return "float"
     return "other"

@@ -290,8 +290,24 @@ class Trainer:
                 )
         if any(not isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
             batch = self.shard_batch(batch)
+        if self._one_step_in_flight:
+            jax.block_until_ready(state)
         with jax.set_mesh(self.mesh):
             return self._step_variants[bool(compress)](state, batch)
+
+    @functools.cached_property
+    def _one_step_in_flight(self) -> bool:
+        """Whether :meth:`step` waits for its input state before dispatching.
+
+        XLA:CPU runs every simulated device's part of a step on one shared
+        thread pool; with many steps queued by asynchronous dispatch, devices
+        of different steps take the pool's threads and a collective's
+        rendezvous never completes (a reproducible abort after 40 s, "Expected
+        8 threads to join the rendezvous"). So on the CPU backend with several
+        devices, a step starts only after the previous one finished. On
+        GPUs nothing waits.
+        """
+        return self.mesh.size > 1 and self.mesh.devices.flat[0].platform == "cpu"
 
     @functools.cached_property
     def _step_variants(self) -> dict[bool, Callable]:
