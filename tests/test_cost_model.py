@@ -62,6 +62,9 @@ def test_link_bytes_permute():
 def profiles():
     return {
         "zero3": cm.profile_preset("zero3"),
+        "qwz": cm.profile_preset("qwz"),
+        "hpz": cm.profile_preset("hpz"),
+        "qgz": cm.profile_preset("qgz"),
         "zeropp": cm.profile_preset("zeropp"),
         "zeropp-int4": cm.profile_preset("zeropp", qgz="int4"),
         "zeropp-4x2": cm.profile_preset("zeropp", mesh=mesh_of(4, 2)),
@@ -131,6 +134,23 @@ def test_published_zeropp_ratios_within_25_percent(profiles):
     # full overlap would hide all communication at 400 Gb/s: no speed-up,
     # where the paper measured 1.24-1.36x
     assert any(abs(r["overlap_error"]) > 0.2 for r in rows)
+
+
+def test_predictions_for_every_preset(profiles):
+    """What the model predicts for this project's presets (printed with -s):
+    each compression helps, all three together most, and less so as the
+    inter-node link gets faster."""
+    speedups = {}
+    for gbps in (100, 400):
+        cluster = TARGET.replace(inter_node_gbits_per_s=gbps)
+        base = cm.predict(profiles["zero3"], cluster, WORK).step_s_serial
+        for name in ("qwz", "hpz", "qgz", "zeropp", "zeropp-int4"):
+            speedups[name, gbps] = base / cm.predict(profiles[name], cluster, WORK).step_s_serial
+    print({f"{k[0]}@{k[1]}": round(v, 2) for k, v in speedups.items()})
+    for name in ("qwz", "hpz", "qgz", "zeropp", "zeropp-int4"):
+        assert speedups[name, 100] > speedups[name, 400] > 1.0
+    for gbps in (100, 400):
+        assert speedups["zeropp", gbps] == max(v for k, v in speedups.items() if k[1] == gbps)
 
 
 @pytest.mark.parametrize("make,match", [
