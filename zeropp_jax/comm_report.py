@@ -53,6 +53,7 @@ __all__ = [
     "MemoryStats",
     "SummaryRow",
     "comm_report",
+    "dtype_bytes",
     "parse_collectives",
     "parse_replica_groups",
 ]
@@ -79,7 +80,7 @@ _FIXED_DTYPE_BYTES = {
 }
 
 
-def _dtype_bytes(dtype: str) -> Fraction:
+def dtype_bytes(dtype: str) -> Fraction:
     """Bytes per element of an HLO element type (``f8e4m3fn`` -> 1, ``f4e2m1fn`` -> 1/2)."""
     if dtype in _FIXED_DTYPE_BYTES:
         return _FIXED_DTYPE_BYTES[dtype]
@@ -169,7 +170,7 @@ def _leaves(shape: _Shape) -> list[_Array]:
 
 def _shape_bytes(shape: _Shape) -> Fraction:
     return sum(
-        (_dtype_bytes(a.dtype) * int(np.prod(a.dims, dtype=np.int64)) for a in _leaves(shape)),
+        (dtype_bytes(a.dtype) * int(np.prod(a.dims, dtype=np.int64)) for a in _leaves(shape)),
         Fraction(0),
     )
 

@@ -13,17 +13,22 @@ cluster, adds the model's FLOPs, and predicts the time per optimizer step:
 
 Byte accounting (per collective, per step):
 
-* Links are counted *hierarchically*, as NCCL's rings and trees over a
-  node-contiguous ring move data: each distinct remote byte enters a node
-  once and is forwarded inside it over NVLink. For a collective whose group
-  has ``m`` members on a node, ``k`` nodes and ``size`` members in all, with
-  per-device operand ``I`` and result ``O``: all-gather brings
-  ``(size - m) * O / size`` into the node and ``O * (size-1)/size`` minus this
-  device's share of that over NVLink; reduce-scatter the mirror image
-  (``(k - 1) * m * I / size``); all-reduce both; all-to-all cannot be merged
-  (``m * (size - m) * I / size``). (``zeropp-comm``'s per-node figure counts
-  every device's transfer separately — a flat implementation — which for
-  groups spanning ``local`` and ``node`` is ``local``-times larger.)
+* Links are counted *hierarchically*, as a two-level algorithm moves data
+  (exchange across nodes, then forward over NVLink; ZeRO++'s own design and
+  NCCL's tree/CollNet/PXN paths): each distinct remote byte enters a node
+  once. For a collective whose group has ``m`` members on a node, ``k``
+  nodes and ``size`` members in all, with per-device operand ``I`` and result
+  ``O``: all-gather brings ``(size - m) * O / size`` into the node, and each
+  device takes ``(size-1)/size`` of ``O`` minus its share of the node's
+  remote bytes over NVLink; reduce-scatter needs ``(k - 1) * m * I / size``
+  (remote partial sums of the node's chunks); all-reduce both; all-to-all
+  cannot be merged (``m * (size - m) * I / size``). This is the least a
+  node must receive. A flat ring over all ``N * L`` GPUs brings
+  ``(NL - 1)/(NL)`` of the payload into every node instead of
+  ``(N - 1)/N``: the same at the paper's 48 nodes (2% apart), up to twice as
+  much on 2 nodes. ``zeropp-comm``'s per-node figure counts every device's
+  transfer separately (a flat implementation): ``local`` times the
+  hierarchical volume for groups spanning ``node`` and ``local``.
 * Full-precision payloads are counted at ``Workload.float_bytes`` per element
   (2: bf16 on the wire). The profile is compiled on CPU, where XLA carries
   float collectives as f32 whatever the compute dtype; quantized codes and
@@ -50,7 +55,7 @@ import math
 from typing import Any, Sequence
 
 from zeropp_jax.collectives import CODES_SCOPE, SCALES_SCOPE
-from zeropp_jax.comm_report import Collective, CommReport, _dtype_bytes
+from zeropp_jax.comm_report import Collective, CommReport, dtype_bytes
 
 __all__ = [
     "Cluster",
@@ -181,6 +186,15 @@ class Workload:
 # ----------------------------------------------------------------------------
 
 
+def _check_profile_mesh(mesh_shape: tuple[int, int]) -> None:
+    nodes, local = mesh_shape
+    if nodes < 2:
+        raise ValueError(
+            f"a profile needs a mesh with at least 2 nodes (to see what crosses nodes), got "
+            f"{nodes}x{local}; on a one-node machine compile it on simulated CPU devices "
+            f"(JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8, mesh 2x4)")
+
+
 def _role(c: Collective) -> str:
     if f"/{SCALES_SCOPE}/" in c.op_name:
         return "scales"
@@ -235,15 +249,14 @@ def link_bytes(c: Collective, mesh_shape: tuple[int, int]) -> tuple[float, float
                            "all-reduce": rs_in + (size - m) * I / size,
                            "all-to-all": a2a_in}[c.kind]
                 inter[n] += node_in
+                # Per device over NVLink: everything it needs (or must hand
+                # on) except its share of what the node's link carries.
+                own_share = (size - m) / (size * m)
+                dev = {"all-gather": O * ((size - 1) / size - own_share),
+                       "reduce-scatter": I * ((size - 1) / size - own_share),
+                       "all-reduce": 2 * I * ((size - 1) / size - own_share),
+                       "all-to-all": (m - 1) * I / size}[c.kind]
                 for d in members:
-                    if c.kind == "all-gather":
-                        dev = O * (size - 1) / size - ag_in / m
-                    elif c.kind == "reduce-scatter":
-                        dev = I * (size - 1) / size - rs_in / m
-                    elif c.kind == "all-reduce":
-                        dev = 2 * I * (size - 1) / size - (rs_in + (size - m) * I / size) / m
-                    else:
-                        dev = (m - 1) * I / size
                     intra[d] += dev
     return max(inter) * c.count, max(intra) * c.count
 
@@ -254,7 +267,8 @@ class CollectiveCost:
 
     ``role`` is ``"codes"``, ``"scales"`` (of a quantized payload),
     ``"float"`` (full precision: rescaled to ``Workload.float_bytes``),
-    ``"metric"`` (a few scalars, not scaled with the model) or ``"other"``; ``element_bytes`` the compiled element width.
+    ``"metric"`` (a few scalars, not scaled with the model) or ``"other"``;
+    ``element_bytes`` the compiled element width.
     """
 
     kind: str
@@ -285,11 +299,7 @@ class CommProfile:
     collectives: tuple[CollectiveCost, ...]
 
     def __post_init__(self):
-        nodes, local = self.mesh_shape
-        if nodes < 2:
-            raise ValueError(
-                f"a profile needs a mesh with at least 2 nodes (to see what crosses nodes), "
-                f"got {nodes}x{local}")
+        _check_profile_mesh(self.mesh_shape)
         _positive_int("CommProfile.params", self.params)
 
     def bytes_at(self, cluster: Cluster, workload: Workload) -> tuple[float, float]:
@@ -336,7 +346,7 @@ def profile_report(report: CommReport, *, params: int, label: str = "") -> CommP
     costs = []
     for c in report.collectives:
         inter, intra = link_bytes(c, report.mesh_shape)
-        widths = {_dtype_bytes(t) for t in c.dtype.split("+")}
+        widths = {dtype_bytes(t) for t in c.dtype.split("+")}
         costs.append(CollectiveCost(
             kind=c.kind, axis=c.axis, role=_role(c), dtype=c.dtype,
             element_bytes=float(max(widths)), inter_bytes_per_node=inter,
@@ -383,10 +393,7 @@ def profile_config(
     loss = functools.partial(gpt.loss_fn, cfg=model, gather=zp.gather, layer=zp.layer)
     trainer = zp.make_trainer(loss, optax.adam(1e-3), shapes, mesh=mesh, config=config,
                               per_layer=True, stacked=("blocks",))
-    if trainer.nodes < 2:
-        raise ValueError(
-            f"a profile needs a mesh with at least 2 nodes (to see what crosses nodes), "
-            f"got {trainer.nodes}x{trainer.local}")
+    _check_profile_mesh((trainer.nodes, trainer.local))
     state = trainer.abstract_state(shapes)
     batch = jax.ShapeDtypeStruct((batch_size, model.seq_len + 1), jax.numpy.int32,
                                  sharding=trainer.batch_sharding)
@@ -440,12 +447,6 @@ class Prediction:
     tflops_per_gpu_serial: float
     tflops_per_gpu_overlap: float
 
-    def step_s(self, overlap: bool) -> float:
-        return self.step_s_overlap if overlap else self.step_s_serial
-
-    def tokens_per_s(self, overlap: bool) -> float:
-        return self.tokens_per_s_overlap if overlap else self.tokens_per_s_serial
-
 
 def predict(profile: CommProfile, cluster: Cluster, workload: Workload) -> Prediction:
     """Time per step and throughput of ``profile``'s step on ``cluster``.
@@ -453,6 +454,11 @@ def predict(profile: CommProfile, cluster: Cluster, workload: Workload) -> Predi
     Returns:
       A :class:`Prediction`; throughput is tokens per second over the whole
       cluster, TFLOP/s per GPU counts model FLOPs (``flops_per_token``).
+
+    Example:
+      >>> zeropp = profile_preset("zeropp", qgz="int4")   # 8 devices (CPU ok)
+      >>> p = predict(zeropp, V100_CLUSTER, Workload(params=18e9, tokens_per_gpu=1024))
+      >>> p.step_s_serial, p.tokens_per_s_serial
     """
     inter, intra = profile.bytes_at(cluster, workload)
     compute = workload.flops_per_gpu / (cluster.peak_tflops * TERA * cluster.efficiency)
@@ -499,7 +505,10 @@ class PublishedPoint:
 
 
 # DeepSpeed's ZeRO++ results (arXiv 2306.10209 and the DeepSpeed blog),
-# 18B and 138B models on 48 nodes x 8 V100.
+# 18B and 138B models on 48 nodes x 8 V100, as summarised in
+# ../shared/reference/anchors.md: at 100 Gb/s "up to 2.2x, about 2x on
+# average" (we compare with the average); at 400 Gb/s +28-36% with 1k tokens
+# per GPU and +24-29% with 2k; ZeRO++ at 200 Gb/s matched ZeRO-3 at 800 Gb/s.
 PUBLISHED = (
     PublishedPoint("100 Gb/s, 1k tokens/GPU", 100, 100, 1024, 2.0, 2.0),
     PublishedPoint("400 Gb/s, 1k tokens/GPU", 400, 400, 1024, 1.28, 1.36),

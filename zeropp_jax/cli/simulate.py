@@ -85,11 +85,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Flags that --published does not use (it compares fixed settings).
+_NOT_WITH_PUBLISHED = (
+    "sweep_gbps", "nodes", "gpus_per_node", "inter_node_gbps", "intra_node_gbs",
+    "peak_tflops", "efficiency", "params", "tokens_per_gpu", "float_bytes", "preset",
+    "qwz_bits", "qwz_block", "hpz", "qgz", "qgz_error_feedback", "qgz_block", "qgz_warmup",
+    "qgz_min_grad_rms",
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = common.parse_and_prepare(parser, argv)
     if args.efficiency > 1:
         parser.error(f"--efficiency must be in (0, 1], got {args.efficiency}")
+    if args.published:
+        given = [n for n in _NOT_WITH_PUBLISHED if getattr(args, n) != parser.get_default(n)]
+        if given:
+            flags = ", ".join("--" + n.replace("_", "-") for n in given)
+            parser.error(
+                f"--published compares the paper's fixed settings (zero3 vs zeropp --qgz int4 "
+                f"on 48x8 V100); drop {flags}, or leave out --published to simulate them")
     try:
         result = simulate(args)
     except ValueError as e:
@@ -107,7 +123,20 @@ def simulate(args: argparse.Namespace) -> dict:
     from zeropp_jax import cost_model as cm
     from zeropp_jax import data
 
+    from zeropp_jax.train import global_batch_size_check
+
+    # Everything that can be wrong in the flags fails before compiling.
+    cluster = cm.Cluster(
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+        intra_node_gbytes_per_s=args.intra_node_gbs,
+        inter_node_gbits_per_s=args.inter_node_gbps,
+        peak_tflops=args.peak_tflops, efficiency=args.efficiency,
+    )
+    work = cm.Workload(params=args.params, tokens_per_gpu=args.tokens_per_gpu,
+                       float_bytes=args.float_bytes)
+    target_config = common.build_config(args)
     mesh = common.build_mesh(args)
+    global_batch_size_check(args.batch_size, mesh.size, args.grad_accum)
     model = common.build_model(args, data.VOCAB_SIZE_BYTES)
     step = {"mesh": mesh, "model": model, "batch_size": args.batch_size}
 
@@ -124,15 +153,7 @@ def simulate(args: argparse.Namespace) -> dict:
         out["cluster"] = _asdict(cm.V100_CLUSTER)
         return out
 
-    cluster = cm.Cluster(
-        nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-        intra_node_gbytes_per_s=args.intra_node_gbs,
-        inter_node_gbits_per_s=args.inter_node_gbps,
-        peak_tflops=args.peak_tflops, efficiency=args.efficiency,
-    )
-    work = cm.Workload(params=args.params, tokens_per_gpu=args.tokens_per_gpu,
-                       float_bytes=args.float_bytes)
-    target = profile(common.build_config(args), _label(args))
+    target = profile(target_config, _label(args))
     out["cluster"] = _asdict(cluster)
     out["workload"] = _asdict(work)
     out["predictions"] = [_asdict(cm.predict(p, cluster, work)) for p in (baseline, target)]
