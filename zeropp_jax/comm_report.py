@@ -784,6 +784,22 @@ def _result_shape(inst: _Instruction, done: _Instruction | None) -> _Shape:
     return inst.shape
 
 
+def add_permute_bytes(pairs, operand_bytes, local: int, inter: list, intra: list) -> None:
+    """Adds one collective-permute execution's received bytes, in place.
+
+    Each ``(source, target)`` pair moves the whole operand: into ``target``'s
+    node (``inter[node]``) when the source sits on another node, otherwise
+    into the target device over intra-node links (``intra[device]``).
+    """
+    for src, dst in pairs:
+        if src == dst:
+            continue
+        if src // local != dst // local:
+            inter[dst // local] += operand_bytes
+        else:
+            intra[dst] += operand_bytes
+
+
 def _axis(groups: list[list[int]], local: int) -> str:
     moving = [g for g in groups if len(set(g)) > 1]
     if not moving:
@@ -838,12 +854,7 @@ def _make_collective(inst: _Instruction, comp: _Computation, ctx: _Context,
     inter = [Fraction(0)] * nodes
     intra = [Fraction(0)] * num_devices
     if kind == "collective-permute":
-        for src, dst in groups:
-            if src != dst:
-                if src // local != dst // local:
-                    inter[dst // local] += in_b
-                else:
-                    intra[dst] += in_b
+        add_permute_bytes(groups, in_b, local, inter, intra)
     else:
         for group in groups:
             size = len(group)

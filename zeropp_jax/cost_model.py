@@ -55,7 +55,7 @@ import math
 from typing import Any, Sequence
 
 from zeropp_jax.collectives import CODES_SCOPE, SCALES_SCOPE
-from zeropp_jax.comm_report import Collective, CommReport, dtype_bytes
+from zeropp_jax.comm_report import Collective, CommReport, add_permute_bytes, dtype_bytes
 
 __all__ = [
     "Cluster",
@@ -223,14 +223,8 @@ def link_bytes(c: Collective, mesh_shape: tuple[int, int]) -> tuple[float, float
     inter = [0.0] * nodes
     intra = [0.0] * (nodes * local)
     I, O = float(c.operand_bytes), float(c.result_bytes)
-    if c.kind == "collective-permute":
-        for src, dst in c.replica_groups:
-            if src == dst:
-                continue
-            if src // local != dst // local:
-                inter[dst // local] += I
-            else:
-                intra[dst] += I
+    if c.kind == "collective-permute":  # one source per byte: no merging possible
+        add_permute_bytes(c.replica_groups, I, local, inter, intra)
     else:
         for group in c.replica_groups:
             size = len(group)

@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--published", action="store_true",
         help="compare with the ZeRO++ paper's measured speed-ups (zero3 vs zeropp with "
-        "int4 qgZ, as DeepSpeed runs it); ignores --preset and the cluster flags",
+        "int4 qgZ, as DeepSpeed runs it, on its 48x8 V100 testbed); the preset, "
+        "cluster and workload flags are refused with it",
     )
     parser.add_argument(
         "--sweep-gbps", type=gbps_list, default=None, metavar="LIST",
