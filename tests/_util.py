@@ -103,9 +103,7 @@ def compile_step(loss, shapes, *, config=None, per_layer=True, stacked=(), batch
         config=config or zp.ZeroConfig(compute_dtype="float32"),
         per_layer=per_layer, stacked=stacked,
     )
-    state = trainer.abstract_state(shapes)
-    batch = jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=trainer.batch_sharding)
-    compiled = trainer.lower(state, batch).compile()
+    compiled = trainer.compile_from_shapes(shapes, batch)
     return trainer, compiled, comm_report(compiled, mesh_shape=MESH)
 
 

@@ -388,10 +388,8 @@ def profile_config(
     trainer = zp.make_trainer(loss, optax.adam(1e-3), shapes, mesh=mesh, config=config,
                               per_layer=True, stacked=("blocks",))
     _check_profile_mesh((trainer.nodes, trainer.local))
-    state = trainer.abstract_state(shapes)
-    batch = jax.ShapeDtypeStruct((batch_size, model.seq_len + 1), jax.numpy.int32,
-                                 sharding=trainer.batch_sharding)
-    compiled = trainer.lower(state, batch, compress=compress).compile()
+    batch = jax.ShapeDtypeStruct((batch_size, model.seq_len + 1), jax.numpy.int32)
+    compiled = trainer.compile_from_shapes(shapes, batch, compress=compress)
     report = comm_report(compiled, mesh_shape=(trainer.nodes, trainer.local))
     # Scale by the padded size: the compiled collectives move the padding too,
     # which vanishes (relative to the model) at the target's size.

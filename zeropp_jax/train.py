@@ -330,6 +330,25 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             return self._step_variants[bool(compress)].lower(state, batch)
 
+    def compile_from_shapes(self, params_shapes: Any, batch: Any, *, compress: bool | None = None):
+        """Compiles the step from shapes alone: nothing is allocated or run.
+
+        Args:
+          params_shapes: the full parameters' shapes and dtypes (e.g.
+            ``jax.eval_shape`` of an init function).
+          batch: the global batch's shapes and dtypes (a pytree of anything
+            with ``.shape`` and ``.dtype``); placed like :meth:`shard_batch`.
+          compress: the qgZ variant, as in :meth:`lower`.
+
+        Returns:
+          The compiled step (``.as_text()`` for the HLO, ``.memory_analysis()``).
+        """
+        state = self.abstract_state(params_shapes)
+        batch = jax.tree.map(
+            lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=self.batch_sharding), batch
+        )
+        return self.lower(state, batch, compress=compress).compile()
+
     def abstract_state(self, params_shapes: Any) -> TrainState:
         """The state's shapes, dtypes and shardings, computed without data."""
         with jax.set_mesh(self.mesh):

@@ -67,10 +67,7 @@ def report(args: argparse.Namespace) -> tuple[dict, str]:
     model_cfg = common.build_model(args, vocab)
     shapes = jax.eval_shape(lambda k: gpt.init_params(model_cfg, k), jax.random.key(args.seed))
     trainer = common.build_trainer(args, mesh, model_cfg, shapes)
-    state = trainer.abstract_state(shapes)
-    batch = jax.ShapeDtypeStruct(
-        (args.batch_size, args.seq_len + 1), jax.numpy.int32, sharding=trainer.batch_sharding
-    )
+    batch = jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jax.numpy.int32)
     variants = {"compressed": True, "full_precision": False} if trainer.qgz_active else {"step": False}
     out = {
         "trainer": trainer.describe(),
@@ -83,7 +80,7 @@ def report(args: argparse.Namespace) -> tuple[dict, str]:
     }
     main_hlo = ""
     for name, compress in variants.items():
-        compiled = trainer.lower(state, batch, compress=compress).compile()
+        compiled = trainer.compile_from_shapes(shapes, batch, compress=compress)
         hlo = compiled.as_text()
         main_hlo = main_hlo or hlo
         rep = comm_report(compiled, mesh_shape=(trainer.nodes, trainer.local))
