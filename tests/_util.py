@@ -77,6 +77,15 @@ def assert_trees_close(a, b, rtol, atol=0.0):
     )
 
 
+# Console scripts as `python -m` arguments, and the tiny GPT's CLI flags.
+TRAIN = ("-m", "zeropp_jax.cli.train")
+COMM = ("-m", "zeropp_jax.cli.comm")
+TINY_ARGS = (
+    "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16",
+    "--batch-size", "8", "--dtype", "fp32",
+)
+
+
 def run_cli(*args, env_devices=None, timeout=600):
     """Runs a console script module in a fresh process; returns CompletedProcess."""
     env = dict(os.environ)

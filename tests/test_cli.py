@@ -16,14 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from _util import read_jsonl, run_cli
+from _util import COMM, TINY_ARGS, TRAIN, read_jsonl, run_cli
 
-TRAIN = ("-m", "zeropp_jax.cli.train")
-COMM = ("-m", "zeropp_jax.cli.comm")
-TINY_ARGS = (
-    "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16",
-    "--batch-size", "8", "--dtype", "fp32",
-)
 EQUIVALENCE_STEPS = 20
 DEFAULT_MODEL_STEPS = 60
 # Argument checks need no compilation; a few seconds of interpreter and JAX

@@ -28,16 +28,11 @@ import time
 import numpy as np
 import pytest
 
+from _util import COMM, TINY_ARGS, TRAIN
 from zeropp_jax import distributed
 from zeropp_jax.cli.launch import _Output
 
 LAUNCH = ("-m", "zeropp_jax.cli.launch")
-TRAIN = ("-m", "zeropp_jax.cli.train")
-COMM = ("-m", "zeropp_jax.cli.comm")
-TINY_ARGS = (
-    "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16",
-    "--batch-size", "8", "--dtype", "fp32",
-)
 STEPS = 10
 # zeropp's qgZ warms up at full precision; compress from step 4 on, so both
 # compiled step variants run (and switch) in the multi-process run.

@@ -7,10 +7,9 @@ figures go to a temporary folder, never over the committed ones.
 import os
 import pathlib
 
+import nbclient
+import nbformat
 import pytest
-
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 # notebook -> figures it must write
