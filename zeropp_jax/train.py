@@ -299,13 +299,13 @@ class Trainer:
     def _one_step_in_flight(self) -> bool:
         """Whether :meth:`step` waits for its input state before dispatching.
 
-        XLA:CPU runs every simulated device's part of a step on one shared
-        thread pool; with many steps queued by asynchronous dispatch, devices
-        of different steps take the pool's threads and a collective's
-        rendezvous never completes (a reproducible abort after 40 s, "Expected
-        8 threads to join the rendezvous"). So on the CPU backend with several
-        devices, a step starts only after the previous one finished. On
-        GPUs nothing waits.
+        With hundreds of steps queued by asynchronous dispatch and no result
+        read back, XLA:CPU aborted in a collective's rendezvous ("Expected 8
+        threads to join the rendezvous", after 40 s; the stuck threads sit in
+        its thunk executor on the shared Eigen pool), reproducibly on the
+        simulated 2x4 mesh (``tests/test_train.py``). So on the CPU backend
+        with several devices a step starts only after the previous one
+        finished. On GPUs nothing waits.
         """
         return self.mesh.size > 1 and self.mesh.devices.flat[0].platform == "cpu"
 
