@@ -792,12 +792,22 @@ def add_permute_bytes(pairs, operand_bytes, local: int, inter: list, intra: list
     into the target device over intra-node links (``intra[device]``).
     """
     for src, dst in pairs:
-        if src == dst:
-            continue
-        if src // local != dst // local:
-            inter[dst // local] += operand_bytes
-        else:
-            intra[dst] += operand_bytes
+        _add_transfer(src, dst, operand_bytes, local, inter, intra)
+
+
+def _add_transfer(src: int, dst: int, nbytes, local: int, inter: list, intra: list) -> None:
+    """Credits ``nbytes`` moved from device ``src`` to device ``dst``, in place.
+
+    Into ``dst``'s node (``inter[node]``) when ``src`` sits on another node,
+    otherwise to ``dst`` over intra-node links (``intra[dst]``); nothing when
+    ``src == dst``. Devices are numbered node-major, ``local`` per node.
+    """
+    if src == dst:
+        return
+    if src // local != dst // local:
+        inter[dst // local] += nbytes
+    else:
+        intra[dst] += nbytes
 
 
 def _axis(groups: list[list[int]], local: int) -> str:
@@ -864,12 +874,7 @@ def _make_collective(inst: _Instruction, comp: _Computation, ctx: _Context,
                         "all-reduce": 2 * in_b / size}.get(kind, in_b / size)
             for d in group:
                 for peer in group:
-                    if peer == d:
-                        continue
-                    if peer // local != d // local:
-                        inter[d // local] += per_peer
-                    else:
-                        intra[d] += per_peer
+                    _add_transfer(peer, d, per_peer, local, inter, intra)
     inter_step = tuple(round(b * ctx.count) for b in inter)
     intra_step = tuple(round(b * ctx.count) for b in intra)
     moving = any(len(set(x)) > 1 for x in groups)
