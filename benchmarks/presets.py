@@ -13,6 +13,9 @@ name           flags
 ``zeropp``     ``--preset zeropp`` (all three)
 ``qgz-noef``   ``--preset qgz --no-qgz-error-feedback``
 ``qgz-int4``   ``--preset qgz --qgz int4``
+``zeropp-dither`` ``--preset zeropp --qgz-code dither --no-qgz-error-feedback
+              --scale-dtype bfloat16`` (the unbiased 1-bit code, block 16:
+              2 bits per value, the bytes of the default 1-bit code)
 =============  ==========================================================
 
 and measures
@@ -76,11 +79,15 @@ VARIANTS: dict[str, list[str]] = {
     "zeropp": ["--preset", "zeropp"],
     "qgz-noef": ["--preset", "qgz", "--no-qgz-error-feedback"],
     "qgz-int4": ["--preset", "qgz", "--qgz", "int4"],
+    "zeropp-dither": [
+        "--preset", "zeropp", "--qgz-code", "dither", "--no-qgz-error-feedback",
+        "--scale-dtype", "bfloat16",
+    ],
 }
 BASELINE = "zero3"
 CONFIG_KEYS = (
-    "qwz_bits", "qwz_block", "hpz", "qgz", "qgz_block", "qgz_error_feedback",
-    "qgz_warmup_steps", "qgz_min_grad_rms",
+    "qwz_bits", "qwz_block", "hpz", "qgz", "qgz_code", "qgz_block", "qgz_error_feedback",
+    "qgz_warmup_steps", "qgz_min_grad_rms", "scale_dtype",
 )
 ACCUMS = (1, 4)
 MICRO_BATCH = 16  # global sequences per micro-batch (the CLI's default batch)
@@ -92,6 +99,7 @@ LIMITS = {
     "zeropp_loss_rel_diff": 0.01,
     "qwz_loss_rel_diff": 0.005,
     "hpz_loss_rel_diff": 0.005,
+    "zeropp_dither_loss_rel_diff": 0.01,
     "qgz_noef_minus_qgz_loss": 0.0,
     "zeropp_time_ratio": 1.25,
 }
@@ -333,8 +341,8 @@ def check_targets(comm: dict | None, conv: dict | None, timing: dict | None) -> 
             return None
         return conv.get(preset, {}).get("rel_diff_vs_zero3")
 
-    for preset in ("zeropp", "qwz", "hpz"):
-        name = f"{preset}_loss_rel_diff"
+    for preset in ("zeropp", "qwz", "hpz", "zeropp-dither"):
+        name = f"{preset.replace('-', '_')}_loss_rel_diff"
         v = rel(preset)
         add(name, v, None if v is None else abs(v) <= LIMITS[name])
 
@@ -357,6 +365,7 @@ TARGET_TEXT = {
     "zeropp_loss_rel_diff": "zeropp last-10% loss within 1% of zero3",
     "qwz_loss_rel_diff": "qwz last-10% loss within 0.5% of zero3",
     "hpz_loss_rel_diff": "hpz last-10% loss within 0.5% of zero3",
+    "zeropp_dither_loss_rel_diff": "zeropp-dither last-10% loss within 1% of zero3 (not an issue-3 target)",
     "qgz_noef_minus_qgz_loss": "qgz-noef last-10% loss > qgz (error feedback helps)",
     "zeropp_time_ratio": "zeropp time/step <= 1.25x zero3",
 }

@@ -10,6 +10,9 @@ the kernel tests compare against. The wire format and its numerics are
   :func:`dequantize_reference` (= :mod:`zeropp_jax.quantization`'s).
 * :func:`compress_1bit_ef` (``onebit.py``): ``g + carry`` -> 1-bit signs,
   per-block mean-|x| scales and the new error-feedback carry, in one pass.
+* :func:`quantize_dithered` (``dither.py``): unbiased 1-bit codes with
+  subtractive dither (block absmax scales), in one pass. Reference:
+  :func:`quantize_dithered_reference` (= :mod:`zeropp_jax.dither`'s).
 * :func:`dequantize_sum` (``dequant_sum.py``): dequantize ``k`` received
   chunks (1, 4 or 8 bits) and sum them in float32, in one pass (qgZ).
 
@@ -24,6 +27,8 @@ from pallas_kernels.config import DEFAULT_CONFIG
 from pallas_kernels.config import KernelConfig
 from pallas_kernels.dequant_sum import dequantize_sum
 from pallas_kernels.dequant_sum import dequantize_sum_reference
+from pallas_kernels.dither import quantize_dithered
+from pallas_kernels.dither import quantize_dithered_reference
 from pallas_kernels.onebit import compress_1bit_ef
 from pallas_kernels.onebit import compress_1bit_ef_reference
 from pallas_kernels.quantize import dequantize
@@ -42,4 +47,6 @@ __all__ = [
     "compress_1bit_ef_reference",
     "dequantize_sum",
     "dequantize_sum_reference",
+    "quantize_dithered",
+    "quantize_dithered_reference",
 ]

@@ -18,7 +18,10 @@ def test_selection_is_explicit():
     assert select("xla", "gpu").name == "xla"
 
 
-@pytest.mark.parametrize("overrides", [{}, {"qgz": "int4", "qwz_bits": 4}])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"qgz": "int4", "qwz_bits": 4}, {"qgz_code": "dither", "qgz_error_feedback": False}],
+)
 def test_pallas_step_matches_xla_step(overrides):
     params = gpt.init_params(TINY, jax.random.key(0))
     losses = {}

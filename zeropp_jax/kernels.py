@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zeropp_jax import quantization
+from zeropp_jax import dither, quantization
 from zeropp_jax.quantization import Quantized
 
 
@@ -79,6 +79,18 @@ class Kernels:
         q = quantization.quantize(x, bits=1, block=block, scale_dtype=scale_dtype)
         sent = quantization.dequantize(q, bits=1, block=block, dtype=jnp.float32)
         return q, x - sent
+
+    def quantize_dithered(
+        self, x: jax.Array, xi: jax.Array, *, block: int, scale_dtype: Any
+    ) -> Quantized:
+        """Unbiased 1-bit codes of ``x`` with dither ``xi`` (:mod:`zeropp_jax.dither`)."""
+        if self._pallas:
+            import pallas_kernels
+
+            return pallas_kernels.quantize_dithered(
+                x, xi, block=block, scale_dtype=scale_dtype, interpret=self._interpret
+            )
+        return dither.quantize_dithered(x, xi, block=block, scale_dtype=scale_dtype)
 
     def dequantize_sum(self, q: Quantized, *, bits: int, block: int) -> jax.Array:
         """float32 ``(..., m)``: the ``k`` chunks of ``q`` ``(..., k, ·)`` summed."""

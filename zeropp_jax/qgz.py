@@ -15,6 +15,11 @@ and keeps this device's ``1/(nodes*local)`` chunk:
   carry is ``x - dequantize(quantize(x))``: what compression lost is added to
   the next step's gradient, so nothing is lost, only deferred.
 
+With ``code="dither"`` the 1-bit codes are unbiased instead
+(:mod:`zeropp_jax.dither`: block absmax scale, subtractive dither that each
+receiver regenerates from ``key`` and the sender's node index); they are used
+without error feedback.
+
 The carry is optimizer state (:class:`QgzState`), stored per unit as a float32
 ``(nodes, [L,] padded)`` array, sharded ``P("node", [None,] "local")``:
 row ``n`` is node ``n``'s carry, and device ``(n, l)`` holds the part that
@@ -29,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from zeropp_jax import collectives
+from zeropp_jax import dither
 from zeropp_jax import kernels as kernels_lib
 from zeropp_jax.mesh import NODE
 
@@ -57,6 +63,8 @@ def cross_node_reduce(
     reduce_dtype: Any,
     compress: bool,
     kernels: kernels_lib.Kernels = kernels_lib.XLA,
+    code: str = "sign",
+    key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """Sums node-partial gradients over ``node`` (runs inside shard_map).
 
@@ -72,6 +80,11 @@ def cross_node_reduce(
         which also flushes the carry into this step's gradient).
       kernels: the quantization kernels (XLA reference or Pallas; 1-bit
         compression with error feedback is one fused pass).
+      code: 1-bit code, ``"sign"`` (scaled sign, mean|x| per block) or
+        ``"dither"`` (unbiased, :mod:`zeropp_jax.dither`; needs ``key`` and
+        ``carry=None``).
+      key: uint32 scalar naming this step, unit and ``local`` index, the same
+        on the devices that exchange chunks (only for ``code="dither"``).
 
     Returns:
       ``(reduced, new_carry, transmitted)``: the float32 ``(..., r / nodes)``
@@ -91,6 +104,31 @@ def cross_node_reduce(
     def chunked(y):
         return jnp.reshape(y, y.shape[:-1] + (nodes, y.shape[-1] // nodes))
 
+    if bits == 1 and code == "dither":
+        if carry is not None or key is None:
+            raise ValueError(
+                "the dithered 1-bit code needs a key and runs without error feedback "
+                f"(got key={'set' if key is not None else None}, carry "
+                f"{'set' if carry is not None else None})."
+            )
+        xc = chunked(x)
+        sender = jax.lax.axis_index(NODE)
+        xi = dither.uniform_noise(dither.stream_key(key, sender), _counters(xc.shape))
+        q = kernels.quantize_dithered(xc, xi, block=block, scale_dtype=scale_dtype)
+        sent = jnp.reshape(dither.dequantize_dithered(q, xi, block=block), x.shape)
+        received = collectives.all_to_all_chunks(q, NODE)
+        # Chunk k of `received` is sender k's chunk `me` of its (..., nodes, c).
+        me = jax.lax.axis_index(NODE)
+        senders = jnp.arange(nodes, dtype=jnp.uint32)
+        keys = jnp.reshape(dither.stream_key(key, senders), (1,) * (xc.ndim - 2) + (nodes, 1))
+        xi_in = dither.uniform_noise(keys, _counters(xc.shape, row=me))
+        values = dither.dequantize_dithered(received, xi_in, block=block)
+        reduced = values[..., 0, :]
+        for k in range(1, nodes):  # fixed order, like dequantize_sum
+            reduced = reduced + values[..., k, :]
+        return reduced, None, sent
+    if code != "sign":
+        raise ValueError(f"code must be 'sign' or 'dither' (1-bit only), got {code!r}.")
     if bits == 1:
         zeros = jnp.zeros_like(g) if carry is None else carry
         q, residual = kernels.compress_1bit_ef(
@@ -107,3 +145,22 @@ def cross_node_reduce(
     reduced = kernels.dequantize_sum(received, bits=bits, block=block)
     new_carry = None if carry is None else residual
     return reduced, new_carry, sent
+
+
+def _counters(shape: tuple[int, ...], row: jax.Array | None = None) -> jax.Array:
+    """uint32 element indices of a sender's ``(..., nodes, c)`` array.
+
+    With ``row=None``: the row-major index of every element of ``shape``.
+    With ``row=r``: an array of ``shape`` whose ``[..., k, j]`` is the index
+    of ``[..., r, j]`` (what receiver ``r`` got from every sender ``k``).
+    """
+    *lead, nodes, c = shape
+    lead_index = jnp.zeros((), jnp.uint32)
+    for axis, size in enumerate(lead):
+        lead_index = lead_index * size + jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+    if row is None:
+        row_index = jax.lax.broadcasted_iota(jnp.uint32, shape, len(lead))
+    else:
+        row_index = jnp.broadcast_to(jnp.asarray(row).astype(jnp.uint32), shape)
+    col = jax.lax.broadcasted_iota(jnp.uint32, shape, len(lead) + 1)
+    return (lead_index * nodes + row_index) * c + col

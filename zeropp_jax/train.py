@@ -40,7 +40,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeropp_jax import collectives, quantization
+from zeropp_jax import collectives, dither, quantization
 from zeropp_jax.kernels import Kernels, select
 from zeropp_jax.config import ZeroConfig
 from zeropp_jax.gather import GatherPlan, Unit, gather
@@ -367,10 +367,10 @@ class Trainer:
         grads, carry, metrics = jax.shard_map(
             body,
             mesh=self.mesh,
-            in_specs=(param_specs, carry_specs, batch_specs),
+            in_specs=(param_specs, carry_specs, batch_specs, P()),
             out_specs=(param_specs, carry_specs, P()),
             check_vma=check_vma,
-        )(state.params, state.opt_state.qgz.carry, batch)
+        )(state.params, state.opt_state.qgz.carry, batch, state.step)
         with jax.named_scope("optimizer"):
             updates, inner = self.optimizer.update(
                 grads, state.opt_state.inner, state.params
@@ -380,13 +380,17 @@ class Trainer:
         new_state = TrainState(state.step + 1, params, ZeroOptState(inner, qgz))
         return new_state, metrics
 
-    def _local_grads(self, params: dict, carry: dict, batch: Any, *, compress: bool):
+    def _local_grads(
+        self, params: dict, carry: dict, batch: Any, step: jax.Array, *, compress: bool
+    ):
         """Per-device body of the step (inside shard_map).
 
         Args:
           params: name -> float32 ``([L,] padded / D)`` primary shard.
           carry: name -> float32 ``(1, [L,] padded / local)`` or empty.
           batch: pytree of ``(B / D, ...)`` arrays.
+          step: int32 scalar optimizer step (replicated; it names the dither
+            noise of ``qgz_code="dither"``).
 
         Returns:
           ``(grads, carry, metrics)`` with grads shaped like ``params``.
@@ -438,10 +442,12 @@ class Trainer:
         acc, losses = jax.lax.scan(micro_step, sinks0, micro_batches)
 
         grads, new_carry = {}, {}
-        for u in self.layout.units:
+        local_index = jax.lax.axis_index(LOCAL)
+        for unit_index, u in enumerate(self.layout.units):
             g = acc[u.name]
             if cfg.hierarchical_grads:
                 c = carry[u.name][0] if u.name in carry else None
+                key = dither.stream_key(step, unit_index, local_index)
                 with jax.named_scope(f"cross_node_{u.name}"):
                     g, c, _ = cross_node_reduce(
                         g,
@@ -452,6 +458,8 @@ class Trainer:
                         reduce_dtype=plan.reduce_dtype,
                         compress=compress,
                         kernels=plan.kernels,
+                        code=cfg.qgz_code,
+                        key=key,
                     )
                 if c is not None:
                     new_carry[u.name] = c[None]

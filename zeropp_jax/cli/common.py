@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from zeropp_jax.config import PRESETS, QGZ_MODES
+from zeropp_jax.config import PRESETS, QGZ_CODES, QGZ_MODES
 
 DEFAULT_SIMULATED_MESH = "2x4"
 
@@ -106,6 +106,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--qgz-error-feedback", action=argparse.BooleanOptionalAction, default=None
     )
+    g.add_argument(
+        "--qgz-code", default=None, choices=QGZ_CODES,
+        help="1-bit code: sign (scaled sign, for error feedback) or dither "
+        "(unbiased; needs --no-qgz-error-feedback)",
+    )
     g.add_argument("--qgz-block", type=positive_int, default=None)
     g.add_argument(
         "--qgz-warmup", type=non_negative_int, default=None,
@@ -114,6 +119,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--qgz-min-grad-rms", type=non_negative_float, default=None,
         help="compress only while the gradient RMS is at least this (0: always)",
+    )
+    g.add_argument(
+        "--scale-dtype", default=None, choices=("float32", "bfloat16"),
+        help="dtype of the per-block quantization scales on the wire (qwZ and qgZ)",
     )
     g.add_argument(
         "--implementation", default=None, choices=("auto", "xla", "pallas"),
@@ -213,10 +222,12 @@ def build_config(args: argparse.Namespace):
         hpz=args.hpz,
         qgz=args.qgz,
         qgz_error_feedback=args.qgz_error_feedback,
+        qgz_code=args.qgz_code,
         qgz_block=args.qgz_block,
         qgz_warmup_steps=args.qgz_warmup,
         qgz_min_grad_rms=args.qgz_min_grad_rms,
         grad_accum=args.grad_accum,
+        scale_dtype=args.scale_dtype,
         implementation=args.implementation,
     )
 

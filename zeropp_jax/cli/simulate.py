@@ -91,7 +91,7 @@ _NOT_WITH_PUBLISHED = (
     "sweep_gbps", "nodes", "gpus_per_node", "inter_node_gbps", "intra_node_gbs",
     "peak_tflops", "efficiency", "params", "tokens_per_gpu", "float_bytes", "preset",
     "qwz_bits", "qwz_block", "hpz", "qgz", "qgz_error_feedback", "qgz_block", "qgz_warmup",
-    "qgz_min_grad_rms",
+    "qgz_min_grad_rms", "qgz_code", "scale_dtype",
 )
 
 

@@ -1,0 +1,104 @@
+"""Unbiased 1-bit codes with subtractive dither, in one pass (qgZ ``dither``).
+
+The code is :mod:`zeropp_jax.dither`'s: per block ``s = max|x|`` (rounded up
+to ``scale_dtype``), bit ``x + s * xi >= 0``, packed eight per byte. The
+reference (:func:`quantize_dithered_reference`) is that module's
+:func:`~zeropp_jax.dither.quantize_dithered`; the kernel reads ``x`` and the
+dither ``xi`` once and writes the packed bits and scales once. A block
+maximum is exact in any order, so scales and bits are bit-identical to the
+reference on every backend.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _backend, _common
+from pallas_kernels.config import KernelConfig
+from zeropp_jax.dither import quantize_dithered as quantize_dithered_reference
+from zeropp_jax.quantization import Quantized
+
+__all__ = ["quantize_dithered", "quantize_dithered_kernel", "quantize_dithered_reference"]
+
+
+def quantize_dithered_kernel(x_ref, xi_ref, values_ref, scales_ref, *, scale_dtype):
+    """One tile: ``x``, ``xi`` ``(tb, block)`` -> packed bits, scales."""
+    x = x_ref[...].astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(x), axis=1, keepdims=True)  # (tb, 1); NaN/inf propagate
+    scale = absmax.astype(scale_dtype)
+    scale = jnp.where(scale.astype(jnp.float32) < absmax, jnp.nextafter(scale, jnp.inf), scale)
+    scale = jnp.where(jnp.isfinite(absmax), scale, jnp.nan).astype(scale_dtype)
+    s = scale.astype(jnp.float32)
+    bits = x + s * xi_ref[...] >= 0
+    values_ref[...] = _common.pack_codes(bits.astype(jnp.int32), 1)
+    scales_ref[...] = scale.reshape(scale.shape[0])
+
+
+@functools.partial(jax.jit, static_argnames=("block", "scale_dtype", "config", "interpret"))
+def quantize_dithered(
+    x: jax.typing.ArrayLike,
+    xi: jax.typing.ArrayLike,
+    *,
+    block: int,
+    scale_dtype=jnp.float32,
+    config: KernelConfig | None = None,
+    interpret: bool = False,
+) -> Quantized:
+    """Unbiased 1-bit codes of ``x`` (Pallas kernel; same results as the reference).
+
+    Args:
+      x: floating ``(..., n)`` (float32, bfloat16, float16); ``n % block == 0``.
+      xi: float32 dither of ``x``'s shape (:func:`zeropp_jax.dither.uniform_noise`).
+      block: elements per scale; a power of two >= 8.
+      scale_dtype: float32 (default) or bfloat16.
+      config: tile sizes and launch parameters; ``None`` for the default.
+      interpret: run in Pallas interpret mode instead of compiling for GPU.
+
+    Returns:
+      ``Quantized``: uint8 ``(..., n // 8)`` packed bits and ``scale_dtype``
+      ``(..., n // block)`` block absmax.
+    """
+    block = _common.check_block(block)
+    scale_dtype = _common.check_scale_dtype(scale_dtype)
+    config = _common.get_config(config)
+    x, xi = jnp.asarray(x), jnp.asarray(xi)
+    _common.check_float_input(x, "x")
+    if xi.dtype != jnp.float32 or xi.shape != x.shape:
+        raise ValueError(
+            f"xi must be float32 with x's shape {x.shape} (from zeropp_jax.dither.uniform_noise), "
+            f"got {xi.dtype} {xi.shape}."
+        )
+    lead, n = x.shape[:-1], x.shape[-1]
+    _common.check_n(n, block, "x")
+    nb = _common.num_blocks(x.shape, block)
+    if nb == 0:
+        return quantize_dithered_reference(x, xi, block=block, scale_dtype=scale_dtype)
+
+    tb = _common.tile_blocks(nb, block, config.tile_elems)
+    spec = pl.BlockSpec((tb, block), _common.index_map(2))
+    values, scales = pl.pallas_call(
+        functools.partial(quantize_dithered_kernel, scale_dtype=scale_dtype),
+        out_shape=(
+            _common.out_struct((nb, block // 8), jnp.uint8, x),
+            _common.out_struct((nb,), scale_dtype, x),
+        ),
+        grid=(nb // tb,),
+        in_specs=[spec, spec],
+        out_specs=(
+            pl.BlockSpec((tb, block // 8), _common.index_map(2)),
+            pl.BlockSpec((tb,), _common.index_map(1)),
+        ),
+        compiler_params=_backend.compiler_params(config),
+        cost_estimate=pl.CostEstimate(
+            flops=4 * x.size,
+            transcendentals=0,
+            bytes_accessed=x.size * (x.dtype.itemsize + 4) + nb * (block // 8 + scale_dtype.itemsize),
+        ),
+        interpret=interpret,
+        name="quantize_dithered",
+    )(x.reshape(nb, block), xi.reshape(nb, block))
+    return Quantized(values=values.reshape(*lead, n // 8), scales=scales.reshape(*lead, n // block))
