@@ -4,8 +4,8 @@ What is measured
 ----------------
 For each kernel of :mod:`pallas_kernels` (int8 / int4 quantize of float32,
 int8 / int4 dequantize to bfloat16, 1-bit compression with error feedback of
-a float32 gradient, and ``dequantize_sum`` of ``k = 8`` chunks at 1, 4 and 8
-bits), on about ``--elems`` (default 2**28 = 256M) elements:
+a float32 gradient, the dithered 1-bit code at block 16, and
+``dequantize_sum`` of ``k = 8`` chunks at 1, 4 and 8 bits), on about ``--elems`` (default 2**28 = 256M) elements:
 
 * ``pallas``: the kernel compiled for the GPU, for each ``KernelConfig`` of
   the sweep (``--quick``: the default config only); the best is reported;
@@ -153,6 +153,15 @@ def _verify_shape(kind: str, bits: int, BLOCK: int, rows: int, nblocks: int) -> 
             bits_eq = "=" if same(q.values, rq.values) else "!="
             carry_txt = "exact" if carry_ok else "WRONG"
             return ok, f"bits {bits_eq}, scale rel diff {rel:.1e}, carry {carry_txt}"
+        if kind == "dither":
+            from zeropp_jax import dither
+
+            counter = jnp.arange(x.size, dtype=jnp.uint32).reshape(shape)
+            xi = dither.uniform_noise(dither.stream_key(1), counter)
+            q = pk.quantize_dithered(x, xi, block=BLOCK, interpret=INTERPRET)
+            r = pk.quantize_dithered_reference(x, xi, block=BLOCK)
+            ok = same(q.values, r.values) and same(q.scales, r.scales)
+            return ok, "bit-identical" if ok else "bits/scales differ"
         if kind == "dequantize_sum":
             chunks = jnp.asarray(_make((K, nblocks * BLOCK), BLOCK, seed=bits + 11))
             q = qz.quantize(chunks, bits=bits, block=BLOCK)
@@ -231,6 +240,19 @@ def cases(n: int):
         pallas(pk.compress_1bit_ef, block=b1),
         functools.partial(pk.compress_1bit_ef_reference, block=b1),
         8 * n + n // 8 + 4 * n // b1 + 4 * n,
+    ))
+    def dither_inputs():
+        from zeropp_jax import dither
+
+        x = x_f32()[0]
+        counter = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
+        return x, dither.uniform_noise(dither.stream_key(1), counter)
+
+    out.append((
+        "1-bit dither f32", "dither", 1, 16, dither_inputs,
+        pallas(pk.quantize_dithered, block=16),
+        functools.partial(pk.quantize_dithered_reference, block=16),
+        8 * n + n // 8 + 4 * n // 16,
     ))
     for bits in (1, 4, 8):
         bb = b1 if bits == 1 else b

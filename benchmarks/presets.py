@@ -3,20 +3,20 @@
 Runs on the simulated ``2x4`` CPU mesh (2 nodes x 4 devices) with the example
 byte-level GPT at its CLI defaults, for the variants
 
-=============  ==========================================================
-name           flags
-=============  ==========================================================
-``zero3``      ``--preset zero3``
-``qwz``        ``--preset qwz`` (int8 parameter gathers)
-``hpz``        ``--preset hpz`` (secondary partition inside the node)
-``qgz``        ``--preset qgz`` (1-bit cross-node gradients, error feedback)
-``zeropp``     ``--preset zeropp`` (all three)
-``qgz-noef``   ``--preset qgz --no-qgz-error-feedback``
-``qgz-int4``   ``--preset qgz --qgz int4``
-``zeropp-dither`` ``--preset zeropp --qgz-code dither --no-qgz-error-feedback
-              --scale-dtype bfloat16`` (the unbiased 1-bit code, block 16:
-              2 bits per value, the bytes of the default 1-bit code)
-=============  ==========================================================
+=================  ======================================================
+name               flags
+=================  ======================================================
+``zero3``          ``--preset zero3``
+``qwz``            ``--preset qwz`` (int8 parameter gathers)
+``hpz``            ``--preset hpz`` (secondary partition inside the node)
+``qgz``            ``--preset qgz`` (1-bit gradients, error feedback)
+``zeropp``         ``--preset zeropp`` (all three)
+``qgz-noef``       ``--preset qgz --no-qgz-error-feedback``
+``qgz-int4``       ``--preset qgz --qgz int4``
+``zeropp-dither``  ``--preset zeropp --qgz-code dither
+                   --no-qgz-error-feedback`` (the unbiased 1-bit code,
+                   block 16, float32 scales: 3 bits per value)
+=================  ======================================================
 
 and measures
 
@@ -81,7 +81,6 @@ VARIANTS: dict[str, list[str]] = {
     "qgz-int4": ["--preset", "qgz", "--qgz", "int4"],
     "zeropp-dither": [
         "--preset", "zeropp", "--qgz-code", "dither", "--no-qgz-error-feedback",
-        "--scale-dtype", "bfloat16",
     ],
 }
 BASELINE = "zero3"

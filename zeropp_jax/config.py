@@ -71,9 +71,10 @@ DEFAULT_QGZ_BLOCK = 256
 DEFAULT_QGZ_BLOCK_1BIT = 32
 # The dithered (unbiased) 1-bit code's noise is uniform on +-max|x| of its
 # block, so smaller blocks cut it: on the example GPT (zeropp, no error
-# feedback, 400 steps) the loss gap to zero3 is +1.15% at block 32 and +0.27%
-# at 16. 16 costs 3 bits per value with float32 scales, 2 with bfloat16
-# scales (scale_dtype), the same bytes as the sign code's block 32 in float32.
+# feedback, 400 steps, benchmarks/RESULTS.md) the loss gap to zero3 is +1.15%
+# at block 32 and +0.27% to +0.91% (four noise streams, mean +0.54%) at 16.
+# Block 16 costs 3 bits per value with float32 scales; bfloat16 scales
+# (2 bits per value) measured +1.5% and +1.9%.
 DEFAULT_QGZ_BLOCK_DITHER = 16
 
 _DTYPES = {

@@ -1,9 +1,12 @@
 """Which quantization kernels the step uses: the XLA reference or Pallas.
 
-The four operations on the compression hot path (quantize, dequantize, 1-bit
-compress with fused error feedback, dequantize-and-sum of received chunks)
-exist twice: as plain ``jnp`` in :mod:`zeropp_jax.quantization` (the source of
-truth, fused by XLA) and as Pallas kernels in :mod:`pallas_kernels`.
+The five operations on the compression hot path (quantize, dequantize, 1-bit
+compress with fused error feedback, the dithered 1-bit code, dequantize-and-sum
+of received chunks) exist twice: as plain ``jnp`` in
+:mod:`zeropp_jax.quantization` and :mod:`zeropp_jax.dither` (the source of
+truth, fused by XLA) and as Pallas kernels in :mod:`pallas_kernels`. The
+receive side of the dithered code (regenerate each sender's dither, decode,
+sum) is ``jnp`` in both sets: it is one elementwise fusion for XLA.
 :func:`select` picks one set from the config's ``implementation``:
 
 * ``"auto"``: Pallas on GPU, XLA elsewhere;
