@@ -394,8 +394,9 @@ def format_report(result: dict) -> str:
         ]
         for name, row in comm["accum1"]["presets"].items():
             c = row["config"]
+            mode = c["qgz"] + ("-dither" if c.get("qgz_code") == "dither" else "")
             lines.append(
-                f"| {name} | {c['qwz_bits']}/{c['qwz_block']} | {c['hpz']} | {c['qgz']}/{c['qgz_block']} "
+                f"| {name} | {c['qwz_bits']}/{c['qwz_block']} | {c['hpz']} | {mode}/{c['qgz_block']} "
                 f"| {c['qgz_error_feedback']} | {c['qgz_warmup_steps']} |"
             )
         lines.append("")

@@ -5,8 +5,13 @@ to ``scale_dtype``), bit ``x + s * xi >= 0``, packed eight per byte. The
 reference (:func:`quantize_dithered_reference`) is that module's
 :func:`~zeropp_jax.dither.quantize_dithered`; the kernel reads ``x`` and the
 dither ``xi`` once and writes the packed bits and scales once. A block
-maximum is exact in any order, so scales and bits are bit-identical to the
-reference on every backend.
+maximum is exact in any order, so scales are bit-identical to the reference
+on every backend, and so are the bits unless a compiler contracts
+``x + s * xi`` into a fused multiply-add and the sum lies within one rounding
+of zero (the bit is then either, and the receiver decodes what was sent).
+The scale is computed by the reference's own
+:func:`~zeropp_jax.dither.block_scales`: a block holding NaN or inf gets
+scale NaN, found with ``isfinite``, not by relying on the max.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend, _common
 from pallas_kernels.config import KernelConfig
+from zeropp_jax.dither import block_scales
 from zeropp_jax.dither import quantize_dithered as quantize_dithered_reference
 from zeropp_jax.quantization import Quantized
 
@@ -28,10 +34,7 @@ __all__ = ["quantize_dithered", "quantize_dithered_kernel", "quantize_dithered_r
 def quantize_dithered_kernel(x_ref, xi_ref, values_ref, scales_ref, *, scale_dtype):
     """One tile: ``x``, ``xi`` ``(tb, block)`` -> packed bits, scales."""
     x = x_ref[...].astype(jnp.float32)
-    absmax = jnp.max(jnp.abs(x), axis=1, keepdims=True)  # (tb, 1); NaN/inf propagate
-    scale = absmax.astype(scale_dtype)
-    scale = jnp.where(scale.astype(jnp.float32) < absmax, jnp.nextafter(scale, jnp.inf), scale)
-    scale = jnp.where(jnp.isfinite(absmax), scale, jnp.nan).astype(scale_dtype)
+    scale = block_scales(x, scale_dtype)  # (tb, 1), the reference's own function
     s = scale.astype(jnp.float32)
     bits = x + s * xi_ref[...] >= 0
     values_ref[...] = _common.pack_codes(bits.astype(jnp.int32), 1)

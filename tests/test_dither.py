@@ -110,6 +110,7 @@ def test_exchange_regenerates_each_senders_dither():
     mesh = mesh_of(2, 4)
     width = 2 * 32 * 3
     grads = _x((8, 2, width), seed=3)  # (devices, L, r)
+    grads = grads.at[:, 1, : width // 2].set(grads[:, 0, : width // 2])  # equal rows, per layer
 
     def run(g, step):
         key = dither.stream_key(step, 0, jax.lax.axis_index("local"))
@@ -135,6 +136,9 @@ def test_exchange_regenerates_each_senders_dither():
     s = np.abs(grads).reshape(8, 2, -1, 32).max(-1, keepdims=True)
     assert (np.abs(sent - grads).reshape(s.shape[:-1] + (32,)) <= s * (1 + 1e-6)).all()
     assert not np.allclose(sent, grads)
+    # layers draw their own noise: equal inputs in two stacked layers, unequal codes
+    half = width // 2  # chunk 0 (for node 0) of both layers holds equal values
+    assert not np.allclose(sent[:, 0, :half], sent[:, 1, :half])
     # another step draws other noise
     assert not np.allclose(np.asarray(reduced8), reduced)
 

@@ -182,8 +182,9 @@ class ZeroConfig:
             if self.qgz_error_feedback:
                 raise ValueError(
                     "qgz_code='dither' runs without error feedback: its error is as large as "
-                    "the block scale and feeding it back makes the carry grow (measured 10x "
-                    "the gradient); set qgz_error_feedback=False (--no-qgz-error-feedback), "
+                    "the block scale and feeding it back makes the carry grow (10x the "
+                    "gradient in benchmarks/RESULTS.md); set qgz_error_feedback=False "
+                    "(--no-qgz-error-feedback), "
                     "or use qgz_code='sign' with error feedback"
                 )
         if self.qgz_block is None:

@@ -4,7 +4,8 @@ The default 1-bit code (:mod:`zeropp_jax.quantization`, ``bits=1``) is a
 scaled sign, ``mean|x| * sign(x)`` per block: the L2-best single scale, but
 biased (a block's large values arrive shrunk, its small ones inflated), which
 is why it is paired with error feedback. This module's code is **unbiased**
-at the same wire cost, one bit per value plus one scale per block::
+with the same wire format, one bit per value plus one scale per block (so the
+same bytes at the same block size)::
 
     s     = max|x| over the block            (stored as float32 or bfloat16)
     bit   = x + s * xi >= 0                  (sender)
@@ -19,8 +20,9 @@ larger than the scaled sign's error, but white and unbiased; on the example
 GPT with Adam it trains within 1% of full precision without error feedback
 (benchmarks/RESULTS.md), where the scaled sign with error feedback does not.
 Error feedback cannot be combined with it: the fed-back error is as large as
-the scale, which grows with the carry (measured: the carry reaches 10x the
-gradient); :class:`zeropp_jax.ZeroConfig` refuses that combination.
+the scale, which grows with the carry (in a simulator of qgZ the carry
+reached 10x the gradient, benchmarks/RESULTS.md); :class:`zeropp_jax.ZeroConfig`
+refuses that combination.
 
 Both functions work on the last axis of ``(..., n)`` arrays, ``n`` a multiple
 of ``block``, ``block`` a multiple of 8; bits are packed as in
@@ -40,7 +42,10 @@ import numpy as np
 from zeropp_jax import quantization
 from zeropp_jax.quantization import Quantized
 
-__all__ = ["mix32", "stream_key", "uniform_noise", "quantize_dithered", "dequantize_dithered"]
+__all__ = [
+    "mix32", "stream_key", "uniform_noise", "block_scales", "quantize_dithered",
+    "dequantize_dithered",
+]
 
 # lowbias32 (C. Wellons, "Hash function prospector"): a 32-bit integer
 # finalizer whose output bits each flip with probability ~1/2 for any input
@@ -91,13 +96,24 @@ def uniform_noise(key: jax.Array, counter: jax.Array) -> jax.Array:
     return (2 * u + 1 - (1 << _NOISE_BITS)).astype(jnp.float32) * np.float32(2.0**-_NOISE_BITS)
 
 
-def _scales(xb: jax.Array, scale_dtype) -> jax.Array:
-    """Block absmax ``(..., nb)`` in ``scale_dtype``, rounded up; NaN if non-finite."""
-    absmax = jnp.max(jnp.abs(xb), axis=-1)
-    scale = absmax.astype(scale_dtype)
-    # Round up, so |x| <= s holds for the scale the receiver sees.
-    scale = jnp.where(scale.astype(jnp.float32) < absmax, jnp.nextafter(scale, jnp.inf), scale)
-    return jnp.where(jnp.isfinite(absmax), scale, jnp.nan).astype(scale_dtype)
+def block_scales(xb: jax.Array, scale_dtype) -> jax.Array:
+    """Scales of float32 blocks ``(..., block)``: ``(..., 1)`` in ``scale_dtype``.
+
+    The block's max|x|, rounded *up* to ``scale_dtype`` so that ``|x| <= s``
+    holds for the scale the receiver sees, or NaN if the block holds inf or
+    NaN. Plain ``jnp`` that the Pallas kernel calls too: non-finite values
+    are found with ``isfinite`` (GPU max reductions may drop NaN), and the
+    bfloat16 round-up is integer arithmetic on the float32 bits (Triton has
+    no bfloat16 ``nextafter``): adding ``0xFFFF`` and clearing the low 16 bits
+    is the ceiling on bfloat16's grid for a finite value >= 0.
+    """
+    bad = jnp.max(jnp.where(jnp.isfinite(xb), 0, 1), axis=-1, keepdims=True)
+    absmax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    if jnp.dtype(scale_dtype) == jnp.dtype(jnp.bfloat16):
+        bits = jax.lax.bitcast_convert_type(absmax, jnp.uint32)
+        bits = (bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000)
+        absmax = jax.lax.bitcast_convert_type(bits, jnp.float32)  # exact in bfloat16
+    return jnp.where(bad == 0, absmax, jnp.nan).astype(scale_dtype)
 
 
 def _check(x, xi, block):
@@ -134,10 +150,10 @@ def quantize_dithered(
     scale_dtype = quantization.check_scale_dtype(scale_dtype)
     lead, n = x.shape[:-1], x.shape[-1]
     xb = x.astype(jnp.float32).reshape(*lead, n // block, block)
-    scale = _scales(xb, scale_dtype)
-    s = scale.astype(jnp.float32)[..., None]
-    bits = xb + s * xi.reshape(xb.shape) >= 0
-    return Quantized(values=quantization.pack_bits(bits).reshape(*lead, n // 8), scales=scale)
+    scale = block_scales(xb, scale_dtype)  # (..., nb, 1)
+    bits = xb + scale.astype(jnp.float32) * xi.reshape(xb.shape) >= 0
+    values = quantization.pack_bits(bits).reshape(*lead, n // 8)
+    return Quantized(values=values, scales=scale[..., 0])
 
 
 @functools.partial(jax.jit, static_argnames=("block", "dtype"))

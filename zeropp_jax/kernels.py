@@ -6,7 +6,10 @@ of received chunks) exist twice: as plain ``jnp`` in
 :mod:`zeropp_jax.quantization` and :mod:`zeropp_jax.dither` (the source of
 truth, fused by XLA) and as Pallas kernels in :mod:`pallas_kernels`. The
 receive side of the dithered code (regenerate each sender's dither, decode,
-sum) is ``jnp`` in both sets: it is one elementwise fusion for XLA.
+sum) is ``jnp`` in both sets: it is one elementwise fusion for XLA. The
+Pallas sender kernel takes the dither as an input array, so on that path the
+noise is written and read once (8 bytes per element) where XLA fuses the hash
+into the quantization.
 :func:`select` picks one set from the config's ``implementation``:
 
 * ``"auto"``: Pallas on GPU, XLA elsewhere;

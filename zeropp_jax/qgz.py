@@ -150,6 +150,11 @@ def cross_node_reduce(
 def _counters(shape: tuple[int, ...], row: jax.Array | None = None) -> jax.Array:
     """uint32 element indices of a sender's ``(..., nodes, c)`` array.
 
+    Indices wrap modulo 2**32 past 4G elements per device and unit (about a
+    34B-parameter stacked unit on 8 devices per node): both ends wrap alike,
+    so the exchange stays exact and unbiased, but noise values then repeat
+    across parameters of that unit within a step.
+
     With ``row=None``: the row-major index of every element of ``shape``.
     With ``row=r``: an array of ``shape`` whose ``[..., k, j]`` is the index
     of ``[..., r, j]`` (what receiver ``r`` got from every sender ``k``).

@@ -188,7 +188,9 @@ def preset_config(args: argparse.Namespace, preset: str, **overrides):
 def _label(args: argparse.Namespace) -> str:
     flags = [f"--qgz {args.qgz}" if args.qgz else "",
              f"--qwz-bits {args.qwz_bits}" if args.qwz_bits is not None else "",
-             {True: "--hpz", False: "--no-hpz", None: ""}[args.hpz]]
+             {True: "--hpz", False: "--no-hpz", None: ""}[args.hpz],
+             f"--qgz-code {args.qgz_code}" if args.qgz_code else "",
+             f"--scale-dtype {args.scale_dtype}" if args.scale_dtype else ""]
     return " ".join([args.preset] + [f for f in flags if f])
 
 
