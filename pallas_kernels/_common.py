@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
 
 from pallas_kernels.config import DEFAULT_CONFIG, KernelConfig
 from zeropp_jax.quantization import check_scale_dtype  # noqa: F401  (one check for both paths)
@@ -130,6 +131,31 @@ def bytes_per_block(bits: int, block: int) -> int:
 def index_map(ndim: int):
     """``i -> (i, 0, ..., 0)``: tile ``i`` of an array of ``ndim`` axes."""
     return lambda i: (i,) + (0,) * (ndim - 1)
+
+
+def quantized_outputs(nb: int, tb: int, bits: int, block: int, scale_dtype, like: jax.Array):
+    """``(out_shape, out_specs)`` of a kernel that writes a ``Quantized``.
+
+    Wire values ``(nb, block * bits // 8)`` (int8 for bits 8, else uint8) and
+    scales ``(nb,)``, ``tb`` blocks per program, varying like ``like``.
+    Kernels with more outputs append theirs to both tuples.
+    """
+    bpb = bytes_per_block(bits, block)
+    value_dtype = jnp.int8 if bits == 8 else jnp.uint8
+    out_shape = (out_struct((nb, bpb), value_dtype, like), out_struct((nb,), scale_dtype, like))
+    out_specs = (pl.BlockSpec((tb, bpb), index_map(2)), pl.BlockSpec((tb,), index_map(1)))
+    return out_shape, out_specs
+
+
+def as_quantized(values: jax.Array, scales: jax.Array, shape: tuple[int, ...], bits: int,
+                 block: int):
+    """The kernel's ``(nb, ·)`` values and ``(nb,)`` scales as a ``Quantized`` of ``shape``."""
+    from zeropp_jax.quantization import Quantized
+
+    lead, n = shape[:-1], shape[-1]
+    return Quantized(
+        values=values.reshape(*lead, n * bits // 8), scales=scales.reshape(*lead, n // block)
+    )
 
 
 # ---------------------------------------------------------------------------

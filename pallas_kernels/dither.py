@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend, _common
 from pallas_kernels.config import KernelConfig
-from zeropp_jax.dither import block_scales
+from zeropp_jax.dither import block_scales, check_dither_input
 from zeropp_jax.dither import quantize_dithered as quantize_dithered_reference
 from zeropp_jax.quantization import Quantized
 
@@ -68,33 +68,21 @@ def quantize_dithered(
     block = _common.check_block(block)
     scale_dtype = _common.check_scale_dtype(scale_dtype)
     config = _common.get_config(config)
-    x, xi = jnp.asarray(x), jnp.asarray(xi)
-    _common.check_float_input(x, "x")
-    if xi.dtype != jnp.float32 or xi.shape != x.shape:
-        raise ValueError(
-            f"xi must be float32 with x's shape {x.shape} (from zeropp_jax.dither.uniform_noise), "
-            f"got {xi.dtype} {xi.shape}."
-        )
-    lead, n = x.shape[:-1], x.shape[-1]
-    _common.check_n(n, block, "x")
+    x, xi = check_dither_input(x, xi)
+    _common.check_n(x.shape[-1], block, "x")
     nb = _common.num_blocks(x.shape, block)
     if nb == 0:
         return quantize_dithered_reference(x, xi, block=block, scale_dtype=scale_dtype)
 
     tb = _common.tile_blocks(nb, block, config.tile_elems)
     spec = pl.BlockSpec((tb, block), _common.index_map(2))
+    out_shape, out_specs = _common.quantized_outputs(nb, tb, 1, block, scale_dtype, x)
     values, scales = pl.pallas_call(
         functools.partial(quantize_dithered_kernel, scale_dtype=scale_dtype),
-        out_shape=(
-            _common.out_struct((nb, block // 8), jnp.uint8, x),
-            _common.out_struct((nb,), scale_dtype, x),
-        ),
+        out_shape=out_shape,
         grid=(nb // tb,),
         in_specs=[spec, spec],
-        out_specs=(
-            pl.BlockSpec((tb, block // 8), _common.index_map(2)),
-            pl.BlockSpec((tb,), _common.index_map(1)),
-        ),
+        out_specs=out_specs,
         compiler_params=_backend.compiler_params(config),
         cost_estimate=pl.CostEstimate(
             flops=4 * x.size,
@@ -104,4 +92,4 @@ def quantize_dithered(
         interpret=interpret,
         name="quantize_dithered",
     )(x.reshape(nb, block), xi.reshape(nb, block))
-    return Quantized(values=values.reshape(*lead, n // 8), scales=scales.reshape(*lead, n // block))
+    return _common.as_quantized(values, scales, x.shape, 1, block)

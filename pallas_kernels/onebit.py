@@ -136,28 +136,20 @@ def compress_1bit_ef(
             f"carry must be float32 with the gradient's shape {g.shape}, got {carry.dtype} "
             f"{carry.shape}; start from jnp.zeros(g.shape, jnp.float32)."
         )
-    lead, n = g.shape[:-1], g.shape[-1]
-    _common.check_n(n, block, "g")
+    _common.check_n(g.shape[-1], block, "g")
     nb = _common.num_blocks(g.shape, block)
     if nb == 0:
         return compress_1bit_ef_reference(g, carry, block=block, scale_dtype=scale_dtype)
 
     tb = _common.tile_blocks(nb, block, config.tile_elems)
     spec = pl.BlockSpec((tb, block), _common.index_map(2))
+    out_shape, out_specs = _common.quantized_outputs(nb, tb, 1, block, scale_dtype, g)
     values, scales, new_carry = pl.pallas_call(
         functools.partial(compress_1bit_ef_kernel, block=block, scale_dtype=scale_dtype),
-        out_shape=(
-            _common.out_struct((nb, block // 8), jnp.uint8, g),
-            _common.out_struct((nb,), scale_dtype, g),
-            _common.out_struct((nb, block), jnp.float32, g),
-        ),
+        out_shape=(*out_shape, _common.out_struct((nb, block), jnp.float32, g)),
         grid=(nb // tb,),
         in_specs=[spec, spec],
-        out_specs=(
-            pl.BlockSpec((tb, block // 8), _common.index_map(2)),
-            pl.BlockSpec((tb,), _common.index_map(1)),
-            spec,
-        ),
+        out_specs=(*out_specs, spec),
         compiler_params=_backend.compiler_params(config),
         cost_estimate=pl.CostEstimate(
             flops=6 * g.size,
@@ -167,5 +159,4 @@ def compress_1bit_ef(
         interpret=interpret,
         name="compress_1bit_ef",
     )(g.reshape(nb, block), carry.reshape(nb, block))
-    q = Quantized(values=values.reshape(*lead, n // 8), scales=scales.reshape(*lead, n // block))
-    return q, new_carry.reshape(g.shape)
+    return _common.as_quantized(values, scales, g.shape, 1, block), new_carry.reshape(g.shape)

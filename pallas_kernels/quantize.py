@@ -113,30 +113,23 @@ def quantize(
     config = _common.get_config(config)
     x = jnp.asarray(x)
     _common.check_float_input(x, "x")
-    lead, n = x.shape[:-1], x.shape[-1]
-    _common.check_n(n, block, "x")
+    _common.check_n(x.shape[-1], block, "x")
     nb = _common.num_blocks(x.shape, block)
     if nb == 0:
         return quantize_reference(x, bits=bits, block=block, scale_dtype=scale_dtype)
 
     tb = _common.tile_blocks(nb, block, config.tile_elems)
     bpb = _common.bytes_per_block(bits, block)
-    value_dtype = jnp.int8 if bits == 8 else jnp.uint8
     kernel = functools.partial(
         quantize_kernel, bits=bits, scale_dtype=scale_dtype, interpret=interpret
     )
+    out_shape, out_specs = _common.quantized_outputs(nb, tb, bits, block, scale_dtype, x)
     values, scales = pl.pallas_call(
         kernel,
-        out_shape=(
-            _common.out_struct((nb, bpb), value_dtype, x),
-            _common.out_struct((nb,), scale_dtype, x),
-        ),
+        out_shape=out_shape,
         grid=(nb // tb,),
         in_specs=[pl.BlockSpec((tb, block), _common.index_map(2))],
-        out_specs=(
-            pl.BlockSpec((tb, bpb), _common.index_map(2)),
-            pl.BlockSpec((tb,), _common.index_map(1)),
-        ),
+        out_specs=out_specs,
         compiler_params=_backend.compiler_params(config),
         cost_estimate=pl.CostEstimate(
             flops=8 * x.size,
@@ -146,9 +139,7 @@ def quantize(
         interpret=interpret,
         name=f"quantize_int{bits}",
     )(x.reshape(nb, block))  # free: blocks are contiguous
-    return Quantized(
-        values=values.reshape(*lead, n * bits // 8), scales=scales.reshape(*lead, n // block)
-    )
+    return _common.as_quantized(values, scales, x.shape, bits, block)
 
 
 def dequantize_kernel(values_ref, scales_ref, out_ref, *, bits):

@@ -43,7 +43,8 @@ from zeropp_jax import quantization
 from zeropp_jax.quantization import Quantized
 
 __all__ = [
-    "mix32", "stream_key", "uniform_noise", "block_scales", "quantize_dithered",
+    "mix32", "stream_key", "uniform_noise", "block_scales", "check_dither_input",
+    "quantize_dithered",
     "dequantize_dithered",
 ]
 
@@ -116,7 +117,11 @@ def block_scales(xb: jax.Array, scale_dtype) -> jax.Array:
     return jnp.where(bad == 0, absmax, jnp.nan).astype(scale_dtype)
 
 
-def _check(x, xi, block):
+def check_dither_input(x, xi):
+    """``(x, xi)`` as arrays: ``x`` floating ``(..., n)``, ``xi`` float32 of its shape.
+
+    Shared by the reference and the Pallas kernel; raises ValueError otherwise.
+    """
     x, xi = jnp.asarray(x), jnp.asarray(xi)
     if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim < 1:
         raise ValueError(f"x must be a floating array (..., n), got {x.dtype} {x.shape}.")
@@ -125,9 +130,7 @@ def _check(x, xi, block):
             f"xi must be float32 with x's shape {x.shape} (from uniform_noise), "
             f"got {xi.dtype} {xi.shape}."
         )
-    block = quantization._check_block(block)
-    quantization._check_n(x.shape[-1], block)
-    return x, xi, block
+    return x, xi
 
 
 @functools.partial(jax.jit, static_argnames=("block", "scale_dtype"))
@@ -146,7 +149,9 @@ def quantize_dithered(
       ``Quantized``: uint8 ``(..., n // 8)`` packed bits, ``scale_dtype``
       ``(..., n // block)`` block absmax.
     """
-    x, xi, block = _check(x, xi, block)
+    x, xi = check_dither_input(x, xi)
+    block = quantization._check_block(block)
+    quantization._check_n(x.shape[-1], block)
     scale_dtype = quantization.check_scale_dtype(scale_dtype)
     lead, n = x.shape[:-1], x.shape[-1]
     xb = x.astype(jnp.float32).reshape(*lead, n // block, block)

@@ -112,13 +112,12 @@ def cross_node_reduce(
                 f"{'set' if carry is not None else None})."
             )
         xc = chunked(x)
-        sender = jax.lax.axis_index(NODE)
-        xi = dither.uniform_noise(dither.stream_key(key, sender), _counters(xc.shape))
+        me = jax.lax.axis_index(NODE)  # this device sends as `me` and receives chunk `me`
+        xi = dither.uniform_noise(dither.stream_key(key, me), _counters(xc.shape))
         q = kernels.quantize_dithered(xc, xi, block=block, scale_dtype=scale_dtype)
         sent = jnp.reshape(dither.dequantize_dithered(q, xi, block=block), x.shape)
         received = collectives.all_to_all_chunks(q, NODE)
         # Chunk k of `received` is sender k's chunk `me` of its (..., nodes, c).
-        me = jax.lax.axis_index(NODE)
         senders = jnp.arange(nodes, dtype=jnp.uint32)
         keys = jnp.reshape(dither.stream_key(key, senders), (1,) * (xc.ndim - 2) + (nodes, 1))
         xi_in = dither.uniform_noise(keys, _counters(xc.shape, row=me))
