@@ -43,6 +43,9 @@ def test_noise_is_uniform_symmetric_and_keyed():
     assert hist.min() > 0.9 * n / 16 and hist.max() < 1.1 * n / 16
     assert abs(np.corrcoef(a, b)[0, 1]) < 5 / np.sqrt(n)  # another key: another stream
     assert abs(np.corrcoef(a[:-1], a[1:])[0, 1]) < 5 / np.sqrt(n)  # neighbours unrelated
+    # Python ints (seeds) are taken modulo 2**32, also negative and large ones
+    assert int(dither.stream_key(-1, 4)) == int(dither.stream_key(2**32 - 1, 4))
+    assert int(dither.stream_key(2**40 + 5)) == int(dither.stream_key(5))
 
 
 @pytest.mark.parametrize(
@@ -172,3 +175,11 @@ def test_dithered_zeropp_sends_the_same_bytes_and_trains():
     np.testing.assert_allclose(losses, z3, rtol=0.15)
     assert losses[-1] < losses[0] - 1.0
     assert not np.allclose(losses, z3, rtol=1e-7)
+
+    # the seed names the noise stream: another seed, other noise, same first loss
+    other, _ = zero_run(*_train("zeropp", 4, qgz_code="dither", qgz_error_feedback=False,
+                                qgz_warmup_steps=0, qgz_seed=-7), tiny_batches(), 4)
+    assert other[0] == losses[0]
+    assert not np.allclose(other[1:], losses[1:4], rtol=1e-7)
+    with pytest.raises(ValueError, match="qgz_seed must be an integer"):
+        zp.ZeroConfig.from_preset("zeropp", qgz_seed=1.5)

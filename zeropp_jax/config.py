@@ -72,7 +72,8 @@ DEFAULT_QGZ_BLOCK_1BIT = 32
 # The dithered (unbiased) 1-bit code's noise is uniform on +-max|x| of its
 # block, so smaller blocks cut it: on the example GPT (zeropp, no error
 # feedback, 400 steps, benchmarks/RESULTS.md) the loss gap to zero3 is +1.15%
-# at block 32 and +0.27% to +0.91% (four noise streams, mean +0.54%) at 16.
+# at block 32 and +0.27% to +0.91% (four noise streams, mean +0.54%) at 16
+# (+0.37% with the seed-0 stream since the seed is part of the dither key).
 # Block 16 costs 3 bits per value with float32 scales; bfloat16 scales
 # (2 bits per value) measured +1.5% and +1.9%.
 DEFAULT_QGZ_BLOCK_DITHER = 16
@@ -120,6 +121,9 @@ class ZeroConfig:
       qgz_code: the 1-bit code, ``"sign"`` (scaled sign; the default) or
         ``"dither"`` (unbiased, no error feedback; see
         :mod:`zeropp_jax.dither`).
+      qgz_seed: seed of the dithered code's noise (``qgz_code="dither"``):
+        runs with different seeds draw unrelated noise streams; the CLI
+        passes ``--seed``.
       qgz_block: elements per gradient scale (``None``: 32 for ``1bit``,
         16 for ``1bit`` with ``qgz_code="dither"``, 256 for ``int8`` /
         ``int4``).
@@ -143,6 +147,7 @@ class ZeroConfig:
     qgz: str = "off"
     qgz_error_feedback: bool = True
     qgz_code: str = "sign"
+    qgz_seed: int = 0
     qgz_block: int | None = None
     qgz_warmup_steps: int = 0
     qgz_min_grad_rms: float = 0.0
@@ -202,6 +207,8 @@ class ZeroConfig:
                 )
         if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(f"grad_accum must be an integer >= 1, got {self.grad_accum!r}")
+        if isinstance(self.qgz_seed, bool) or not isinstance(self.qgz_seed, int):
+            raise ValueError(f"qgz_seed must be an integer, got {self.qgz_seed!r}")
         if not isinstance(self.qgz_warmup_steps, int) or self.qgz_warmup_steps < 0:
             raise ValueError(
                 f"qgz_warmup_steps must be an integer >= 0, got {self.qgz_warmup_steps!r}"

@@ -72,11 +72,14 @@ def mix32(x: jax.Array) -> jax.Array:
 def stream_key(*ids: Any) -> jax.Array:
     """A uint32 key from integers (Python ints or int scalars, traced or not).
 
-    ``stream_key(step, unit, sender, local)`` names one sender's noise stream
-    for one step; different tuples give unrelated streams.
+    ``stream_key(seed, step, unit, local)`` names one device's noise for one
+    step; different tuples give unrelated streams. Python ints are taken
+    modulo ``2**32``.
     """
     key = jnp.uint32(0x9E3779B9)
     for i in ids:
+        if isinstance(i, int):  # any Python int (a seed may be negative or > 2**31)
+            i = np.uint32(i % 2**32)
         key = mix32(key ^ jnp.asarray(i).astype(jnp.uint32))
     return key
 

@@ -447,7 +447,7 @@ class Trainer:
             g = acc[u.name]
             if cfg.hierarchical_grads:
                 c = carry[u.name][0] if u.name in carry else None
-                key = dither.stream_key(step, unit_index, local_index)
+                key = dither.stream_key(cfg.qgz_seed, step, unit_index, local_index)
                 with jax.named_scope(f"cross_node_{u.name}"):
                     g, c, _ = cross_node_reduce(
                         g,

@@ -223,6 +223,7 @@ def build_config(args: argparse.Namespace):
         qgz=args.qgz,
         qgz_error_feedback=args.qgz_error_feedback,
         qgz_code=args.qgz_code,
+        qgz_seed=args.seed,
         qgz_block=args.qgz_block,
         qgz_warmup_steps=args.qgz_warmup,
         qgz_min_grad_rms=args.qgz_min_grad_rms,
