@@ -41,6 +41,7 @@ from pallas_kernels import _backend, _common
 from pallas_kernels.config import KernelConfig
 from zeropp_jax.quantization import Quantized
 from zeropp_jax.quantization import dequantize as _dequantize
+from zeropp_jax.quantization import ordered_chunk_sum
 
 __all__ = ["dequantize_sum", "dequantize_sum_kernel", "dequantize_sum_reference"]
 
@@ -63,11 +64,7 @@ def dequantize_sum_reference(q: Quantized, *, bits: int, block: int) -> jax.Arra
     Returns:
       float32 ``(..., m)``.
     """
-    d = _dequantize(q, bits=bits, block=block, dtype=jnp.float32)  # (..., k, m)
-    acc = jnp.zeros(d.shape[:-2] + d.shape[-1:], jnp.float32)
-    for c in range(d.shape[-2]):
-        acc = acc + d[..., c, :]
-    return acc
+    return ordered_chunk_sum(_dequantize(q, bits=bits, block=block, dtype=jnp.float32))
 
 
 def dequantize_sum_kernel(values_ref, scales_ref, out_ref, *, bits, k):

@@ -37,6 +37,7 @@ from zeropp_jax import collectives
 from zeropp_jax import dither
 from zeropp_jax import kernels as kernels_lib
 from zeropp_jax.mesh import NODE
+from zeropp_jax.quantization import ordered_chunk_sum
 
 
 class QgzState(NamedTuple):
@@ -122,10 +123,7 @@ def cross_node_reduce(
         keys = jnp.reshape(dither.stream_key(key, senders), (1,) * (xc.ndim - 2) + (nodes, 1))
         xi_in = dither.uniform_noise(keys, _counters(xc.shape, row=me))
         values = dither.dequantize_dithered(received, xi_in, block=block)
-        reduced = values[..., 0, :]
-        for k in range(1, nodes):  # fixed order, like dequantize_sum
-            reduced = reduced + values[..., k, :]
-        return reduced, None, sent
+        return ordered_chunk_sum(values), None, sent  # the order of dequantize_sum
     if code != "sign":
         raise ValueError(f"code must be 'sign' or 'dither' (1-bit only), got {code!r}.")
     if bits == 1:

@@ -68,6 +68,7 @@ __all__ = [
     "pack_bits",
     "unpack_bits",
     "wire_bytes",
+    "ordered_chunk_sum",
     "quantization_error",
 ]
 
@@ -401,6 +402,20 @@ def dequantize(q: Quantized, *, bits: int, block: int, dtype) -> jax.Array:
 # --------------------------------------------------------------------------
 # Reporting helpers.
 # --------------------------------------------------------------------------
+
+
+def ordered_chunk_sum(d: jax.Array) -> jax.Array:
+    """``sum(d, axis=-2)`` as the chain ``((0 + d_0) + d_1) + ...`` in chunk order.
+
+    The summation order of every qgZ receiver (the references and the Pallas
+    dequantize-and-sum kernel): ``jnp.sum`` leaves the order to XLA, a chain
+    of adds fixes it on every backend. ``d``: decoded chunks ``(..., k, m)``
+    -> ``(..., m)``, same dtype.
+    """
+    acc = jnp.zeros(d.shape[:-2] + d.shape[-1:], d.dtype)
+    for c in range(d.shape[-2]):
+        acc = acc + d[..., c, :]
+    return acc
 
 
 def wire_bytes(n: int, *, bits: int, block: int, scale_dtype=jnp.float32) -> int:
