@@ -399,11 +399,6 @@ def dequantize(q: Quantized, *, bits: int, block: int, dtype) -> jax.Array:
     return out.reshape(*lead, n).astype(dtype)
 
 
-# --------------------------------------------------------------------------
-# Reporting helpers.
-# --------------------------------------------------------------------------
-
-
 def ordered_chunk_sum(d: jax.Array) -> jax.Array:
     """``sum(d, axis=-2)`` as the chain ``((0 + d_0) + d_1) + ...`` in chunk order.
 
@@ -416,6 +411,11 @@ def ordered_chunk_sum(d: jax.Array) -> jax.Array:
     for c in range(d.shape[-2]):
         acc = acc + d[..., c, :]
     return acc
+
+
+# --------------------------------------------------------------------------
+# Reporting helpers.
+# --------------------------------------------------------------------------
 
 
 def wire_bytes(n: int, *, bits: int, block: int, scale_dtype=jnp.float32) -> int:
