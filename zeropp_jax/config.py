@@ -73,7 +73,8 @@ DEFAULT_QGZ_BLOCK_1BIT = 32
 # block, so smaller blocks cut it: on the example GPT (zeropp, no error
 # feedback, 400 steps, benchmarks/RESULTS.md) the loss gap to zero3 is +1.15%
 # at block 32 and +0.27% to +0.91% (four noise streams, mean +0.54%) at 16
-# (+0.37% with the seed-0 stream since the seed is part of the dither key).
+# (+0.37% with the seed-0 stream since the seed is part of the dither key;
+# seeds 1 and 2: +1.15% and +3.67%).
 # Block 16 costs 3 bits per value with float32 scales; bfloat16 scales
 # (2 bits per value) measured +1.5% and +1.9%.
 DEFAULT_QGZ_BLOCK_DITHER = 16
