@@ -64,7 +64,7 @@ def onebit(x, carry, *, block, feedback):
     """1-bit code of ``x + carry`` per block; returns (decoded, new carry)."""
     x = jnp.asarray(x)
     carry = carry if feedback else jnp.zeros_like(carry)
-    q, new = compress_1bit_ef_reference(x, carry, block=block)
+    _, new = compress_1bit_ef_reference(x, carry, block=block)
     sent = x + carry - new
     return sent, (new if feedback else jnp.zeros_like(new))
 
@@ -72,7 +72,9 @@ def onebit(x, carry, *, block, feedback):
 CLIPS = ("global", "node", "none")
 
 
-def run(variant: str, *, steps: int, warmup: int, block: int, seed: int, clip_mode: str = "global") -> list[float]:
+def run(
+    variant: str, *, steps: int, warmup: int, block: int, seed: int, clip_mode: str = "global"
+) -> list[float]:
     """Trains ``steps`` steps; returns the per-step losses."""
     tokens, vocab = data.load_tokens(None)
     batches = data.TokenBatches(tokens, batch_size=BATCH, seq_len=SEQ, seed=seed)
@@ -100,7 +102,7 @@ def run(variant: str, *, steps: int, warmup: int, block: int, seed: int, clip_mo
             clip = jnp.ones((NODES, 1))
         clip_mean = clip * g_mean if jnp.ndim(clip) == 0 else jnp.mean(clip * g, axis=0)
         t = t + 1
-        freeze = compress and variant != "adam"
+        freeze = compress and variant in ("frozen", "momentum-ef", "momentum-noef")  # v stops
         if not compress or variant in ("adam", "frozen"):
             m = B1 * m + (1 - B1) * clip_mean
             if not freeze:

@@ -20,7 +20,7 @@ FIGURES = {
     "04_scaling.ipynb": ["scaling_bandwidth.png", "scaling_nodes.png"],
 }
 # Steps of training in the notebooks that train (the full runs use 200-400).
-CI_STEPS = "40"
+CI_STEPS = "20"
 
 
 def test_every_notebook_is_listed():
