@@ -102,6 +102,13 @@ def _make(shape, block, seed):
     return x
 
 
+def _dither_of(shape):
+    """The dithered code's noise for an array of ``shape`` (stream key 1)."""
+    from zeropp_jax import dither
+
+    return dither.uniform_noise(dither.stream_key(1), dither.element_counters(shape))
+
+
 def verify(kind: str, bits: int, block: int) -> tuple[bool, str]:
     """Kernel vs reference on the GPU, default config, on two shapes.
 
@@ -154,10 +161,7 @@ def _verify_shape(kind: str, bits: int, BLOCK: int, rows: int, nblocks: int) -> 
             carry_txt = "exact" if carry_ok else "WRONG"
             return ok, f"bits {bits_eq}, scale rel diff {rel:.1e}, carry {carry_txt}"
         if kind == "dither":
-            from zeropp_jax import dither
-
-            counter = jnp.arange(x.size, dtype=jnp.uint32).reshape(shape)
-            xi = dither.uniform_noise(dither.stream_key(1), counter)
+            xi = _dither_of(shape)
             q = pk.quantize_dithered(x, xi, block=BLOCK, interpret=INTERPRET)
             r = pk.quantize_dithered_reference(x, xi, block=BLOCK)
             ok = same(q.values, r.values) and same(q.scales, r.scales)
@@ -242,11 +246,8 @@ def cases(n: int):
         8 * n + n // 8 + 4 * n // b1 + 4 * n,
     ))
     def dither_inputs():
-        from zeropp_jax import dither
-
         x = x_f32()[0]
-        counter = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
-        return x, dither.uniform_noise(dither.stream_key(1), counter)
+        return x, _dither_of(x.shape)
 
     out.append((
         "1-bit dither f32", "dither", 1, 16, dither_inputs,

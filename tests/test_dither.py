@@ -26,8 +26,7 @@ def _x(shape, seed=0, dtype=jnp.float32):
 
 
 def _xi(shape, *ids):
-    counter = jnp.arange(int(np.prod(shape)), dtype=jnp.uint32).reshape(shape)
-    return dither.uniform_noise(dither.stream_key(*ids), counter)
+    return dither.uniform_noise(dither.stream_key(*ids), dither.element_counters(shape))
 
 
 def test_noise_is_uniform_symmetric_and_keyed():

@@ -534,8 +534,7 @@ else:  # pragma: no cover
 def _dither_of(shape):
     from zeropp_jax import dither
 
-    counter = jnp.arange(int(np.prod(shape)), dtype=jnp.uint32).reshape(shape)
-    return dither.uniform_noise(dither.stream_key(3), counter)
+    return dither.uniform_noise(dither.stream_key(3), dither.element_counters(shape))
 
 
 @pytest.mark.parametrize("shape,block", SHAPES, ids=SHAPE_IDS)

@@ -44,7 +44,7 @@ from zeropp_jax import quantization
 from zeropp_jax.quantization import Quantized
 
 __all__ = [
-    "mix32", "stream_key", "uniform_noise", "block_scales", "check_dither_input",
+    "mix32", "stream_key", "uniform_noise", "element_counters", "block_scales", "check_dither_input",
     "quantize_dithered",
     "dequantize_dithered",
 ]
@@ -99,6 +99,27 @@ def uniform_noise(key: jax.Array, counter: jax.Array) -> jax.Array:
     h = mix32(mix32(key) ^ jnp.asarray(counter, jnp.uint32))
     u = (h >> (32 - _NOISE_BITS)).astype(jnp.int32)
     return (2 * u + 1 - (1 << _NOISE_BITS)).astype(jnp.float32) * np.float32(2.0**-_NOISE_BITS)
+
+
+def element_counters(shape: tuple[int, ...], row: jax.Array | None = None) -> jax.Array:
+    """uint32 row-major element indices of ``shape``: the counters of :func:`uniform_noise`.
+
+    With ``row=r`` (``shape`` a sender's ``(..., nodes, c)``): an array of
+    ``shape`` whose ``[..., k, j]`` is the index of ``[..., r, j]``, i.e. what
+    receiver ``r`` got from every sender ``k``.
+
+    Indices wrap modulo 2**32 past 4G elements (about a 34B-parameter stacked
+    unit on 8 devices per node): both ends wrap alike, so the exchange stays
+    exact and unbiased, but noise values then repeat within a step.
+    """
+    index = jnp.zeros((), jnp.uint32)
+    for axis, size in enumerate(shape):
+        if row is not None and axis == len(shape) - 2:
+            part = jnp.broadcast_to(jnp.asarray(row).astype(jnp.uint32), shape)
+        else:
+            part = jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+        index = index * size + part
+    return index
 
 
 def block_scales(xb: jax.Array, scale_dtype) -> jax.Array:

@@ -114,14 +114,14 @@ def cross_node_reduce(
             )
         xc = chunked(x)
         me = jax.lax.axis_index(NODE)  # this device sends as `me` and receives chunk `me`
-        xi = dither.uniform_noise(dither.stream_key(key, me), _counters(xc.shape))
+        xi = dither.uniform_noise(dither.stream_key(key, me), dither.element_counters(xc.shape))
         q = kernels.quantize_dithered(xc, xi, block=block, scale_dtype=scale_dtype)
         sent = jnp.reshape(dither.dequantize_dithered(q, xi, block=block), x.shape)
         received = collectives.all_to_all_chunks(q, NODE)
         # Chunk k of `received` is sender k's chunk `me` of its (..., nodes, c).
         senders = jnp.arange(nodes, dtype=jnp.uint32)
         keys = jnp.reshape(dither.stream_key(key, senders), (1,) * (xc.ndim - 2) + (nodes, 1))
-        xi_in = dither.uniform_noise(keys, _counters(xc.shape, row=me))
+        xi_in = dither.uniform_noise(keys, dither.element_counters(xc.shape, row=me))
         values = dither.dequantize_dithered(received, xi_in, block=block)
         return ordered_chunk_sum(values), None, sent  # the order of dequantize_sum
     if code != "sign":
@@ -143,26 +143,3 @@ def cross_node_reduce(
     new_carry = None if carry is None else residual
     return reduced, new_carry, sent
 
-
-def _counters(shape: tuple[int, ...], row: jax.Array | None = None) -> jax.Array:
-    """uint32 element indices of a sender's ``(..., nodes, c)`` array.
-
-    Indices wrap modulo 2**32 past 4G elements per device and unit (about a
-    34B-parameter stacked unit on 8 devices per node): both ends wrap alike,
-    so the exchange stays exact and unbiased, but noise values then repeat
-    across parameters of that unit within a step.
-
-    With ``row=None``: the row-major index of every element of ``shape``.
-    With ``row=r``: an array of ``shape`` whose ``[..., k, j]`` is the index
-    of ``[..., r, j]`` (what receiver ``r`` got from every sender ``k``).
-    """
-    *lead, nodes, c = shape
-    lead_index = jnp.zeros((), jnp.uint32)
-    for axis, size in enumerate(lead):
-        lead_index = lead_index * size + jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
-    if row is None:
-        row_index = jax.lax.broadcasted_iota(jnp.uint32, shape, len(lead))
-    else:
-        row_index = jnp.broadcast_to(jnp.asarray(row).astype(jnp.uint32), shape)
-    col = jax.lax.broadcasted_iota(jnp.uint32, shape, len(lead) + 1)
-    return (lead_index * nodes + row_index) * c + col

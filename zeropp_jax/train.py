@@ -442,12 +442,16 @@ class Trainer:
         acc, losses = jax.lax.scan(micro_step, sinks0, micro_batches)
 
         grads, new_carry = {}, {}
-        local_index = jax.lax.axis_index(LOCAL)
+        dithered = cfg.qgz_code == "dither"
+        local_index = jax.lax.axis_index(LOCAL) if dithered else None
         for unit_index, u in enumerate(self.layout.units):
             g = acc[u.name]
             if cfg.hierarchical_grads:
                 c = carry[u.name][0] if u.name in carry else None
-                key = dither.stream_key(cfg.qgz_seed, step, unit_index, local_index)
+                key = (
+                    dither.stream_key(cfg.qgz_seed, step, unit_index, local_index)
+                    if dithered else None  # only the dithered code draws noise
+                )
                 with jax.named_scope(f"cross_node_{u.name}"):
                     g, c, _ = cross_node_reduce(
                         g,
