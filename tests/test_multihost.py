@@ -224,18 +224,33 @@ def _result(jobs, name):
 
 # --- 1. the launcher ---------------------------------------------------------------
 
-PY_EXIT_3_IN_1 = (
-    "import os, sys; i = os.environ['ZEROPP_PROCESS_ID']; print('hello from', i); "
-    "print('note from', i, file=sys.stderr); sys.exit(3 if i == '1' else 0)"
-)
+# Process 1 fails only after process 0 has written its lines (a marker file
+# says so): otherwise the launcher may rightly stop process 0 before it prints.
+PY_EXIT_3_IN_1 = """
+import os, pathlib, sys, time
+i = os.environ['ZEROPP_PROCESS_ID']
+marker = pathlib.Path(sys.argv[1])
+if i == '1':
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+print('hello from', i)
+print('note from', i, file=sys.stderr)
+if i == '0':
+    sys.stdout.flush(); sys.stderr.flush()
+    marker.touch()
+    time.sleep(30)  # still running when process 1 fails: the launcher stops it
+sys.exit(3 if i == '1' else 0)
+"""
 
 
-def test_launcher_names_the_failed_process_and_its_exit_code():
-    proc = _launch(2, "-c", PY_EXIT_3_IN_1, timeout=120)
+def test_launcher_names_the_failed_process_and_its_exit_code(tmp_path):
+    proc = _launch(2, "-c", PY_EXIT_3_IN_1, str(tmp_path / "printed"), timeout=120)
     assert proc.returncode == 3, proc.stderr
     assert "process 1" in proc.stderr and "exited with code 3" in proc.stderr
     assert "FAILED: process 1 exited with code 3" in proc.stderr
-    # Each line carries its process's prefix, on the stream it was written to.
+    # Each line carries its process's prefix, on the stream it was written to,
+    # including what the stopped process wrote before it was stopped.
     assert sorted(_lines_of(proc.stdout, 0) + _lines_of(proc.stdout, 1)) == [
         "hello from 0", "hello from 1",
     ]
@@ -282,13 +297,22 @@ def test_launcher_stops_the_others_when_one_fails():
     assert "[0] was killed by signal 15 (SIGTERM) (stopped by zeropp-launch)" in proc.stderr
 
 
-def test_launcher_kills_a_process_that_ignores_sigterm():
-    code = (
-        "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        "if os.environ['ZEROPP_PROCESS_ID'] == '0': print('ready', flush=True); time.sleep(300)\n"
-        "time.sleep(2); os.kill(os.getpid(), signal.SIGKILL)"
-    )
-    proc = _launch(2, "-c", code, options=("--kill-grace", "1"), timeout=120)
+def test_launcher_kills_a_process_that_ignores_sigterm(tmp_path):
+    # Process 1 dies only once process 0 ignores SIGTERM (a marker file says so).
+    code = """
+import os, pathlib, signal, sys, time
+marker = pathlib.Path(sys.argv[1])
+if os.environ['ZEROPP_PROCESS_ID'] == '0':
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    marker.touch()
+    time.sleep(300)
+deadline = time.monotonic() + 60
+while not marker.exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = _launch(2, "-c", code, str(tmp_path / "ignoring"),
+                   options=("--kill-grace", "1"), timeout=120)
     assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
     assert "process 1" in proc.stderr and "killed by signal 9 (SIGKILL)" in proc.stderr
     assert "[0] was killed by signal 9 (SIGKILL)" in proc.stderr
