@@ -106,13 +106,15 @@ def read_jsonl(path):
 MESH = (2, 4)
 
 
-def compile_step(loss, shapes, *, config=None, per_layer=True, stacked=(), batch=None):
+def compile_step(loss, shapes, *, config=None, per_layer=True, stacked=(), batch=None,
+                 compress=None):
+    config = config or zp.ZeroConfig(compute_dtype="float32")
+    opt = zp.onebit_adam(1e-3) if config.qgz_target == "momentum" else optax.adam(1e-3)
     trainer = zp.make_trainer(
-        loss, optax.adam(1e-3), shapes, mesh=mesh_of(*MESH),
-        config=config or zp.ZeroConfig(compute_dtype="float32"),
+        loss, opt, shapes, mesh=mesh_of(*MESH), config=config,
         per_layer=per_layer, stacked=stacked,
     )
-    compiled = trainer.compile_from_shapes(shapes, batch)
+    compiled = trainer.compile_from_shapes(shapes, batch, compress=compress)
     return trainer, compiled, comm_report(compiled, mesh_shape=MESH)
 
 
@@ -120,7 +122,7 @@ def executions(report, kind):
     return sum(c.count for c in report.collectives if c.kind == kind)
 
 
-def gpt_step(n_layers, preset="zero3", per_layer=True, **overrides):
+def gpt_step(n_layers, preset="zero3", per_layer=True, compress=None, **overrides):
     cfg = gpt.GPTConfig(n_layers=n_layers, d_model=128, n_heads=4, seq_len=16)
     shapes = jax.eval_shape(lambda k: gpt.init_params(cfg, k), jax.random.key(0))
     if per_layer:
@@ -131,5 +133,5 @@ def gpt_step(n_layers, preset="zero3", per_layer=True, **overrides):
     config = zp.ZeroConfig.from_preset(preset, compute_dtype="float32", **overrides)
     return compile_step(
         loss, shapes, config=config, per_layer=per_layer,
-        stacked=("blocks",) if per_layer else (), batch=batch,
+        stacked=("blocks",) if per_layer else (), batch=batch, compress=compress,
     )

@@ -10,6 +10,13 @@ Public API (everything else is an implementation module)::
   state = trainer.init(params)
   state, metrics = trainer.step(state, batch)
   params = trainer.gather_params(state)
+
+1-bit Adam (qgZ's error feedback on Adam's momentum; the trainer runs it)::
+
+  config = zeropp_jax.ZeroConfig.from_preset("zeropp", qgz_target="momentum",
+                                              qgz_warmup_steps=100)
+  trainer = zeropp_jax.make_trainer(loss_fn, zeropp_jax.onebit_adam(1e-3, clip_norm=1.0),
+                                    params, mesh=mesh, config=config, ...)
 """
 
 from zeropp_jax.config import PRESETS as PRESETS
@@ -18,6 +25,8 @@ from zeropp_jax.gather import Unit as Unit
 from zeropp_jax.gather import gather as gather
 from zeropp_jax.gather import layer as layer
 from zeropp_jax.mesh import make_mesh as make_mesh
+from zeropp_jax.momentum import OneBitAdam as OneBitAdam
+from zeropp_jax.momentum import onebit_adam as onebit_adam
 from zeropp_jax.mesh import parse_mesh_shape as parse_mesh_shape
 from zeropp_jax.quantization import Quantized as Quantized
 from zeropp_jax.train import Trainer as Trainer

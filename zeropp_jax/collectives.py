@@ -98,6 +98,22 @@ def reduce_scatter(x: jax.Array, axes: Axes, dtype: Any = None) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def all_reduce(x: jax.Array, axes: Axes, dtype: Any = None) -> jax.Array:
+    """Sums ``x`` over ``axes``; every device gets the whole sum.
+
+    Args:
+      x: any shape.
+      axes: mesh axes to reduce over.
+      dtype: dtype on the wire (``None``: ``x.dtype``); the result is cast
+        back to ``x.dtype``.
+    """
+    axes = tuple(axes)
+    if axes_size(axes) == 1:
+        return x
+    wire = x if dtype is None else x.astype(dtype)
+    return jax.lax.psum(wire, axes).astype(x.dtype)
+
+
 def all_to_all_chunks(payload: Any, axis: str) -> Any:
     """Sends chunk ``j`` of the second-to-last axis to device ``j`` of ``axis``.
 

@@ -51,6 +51,10 @@ QGZ_MODES = ("off", "1bit", "int8", "int4")
 # feedback); "dither" = unbiased subtractive-dither code (zeropp_jax.dither;
 # without error feedback).
 QGZ_CODES = ("sign", "dither")
+# What qgZ compresses across nodes: the gradient (error feedback on the
+# gradient, any optax optimizer) or Adam's momentum (1-bit Adam: the trainer
+# runs zeropp_jax.onebit_adam, error feedback on the momentum).
+QGZ_TARGETS = ("gradient", "momentum")
 QGZ_BITS = {"off": 0, "1bit": 1, "int8": 8, "int4": 4}
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
 
@@ -122,6 +126,12 @@ class ZeroConfig:
       qgz_code: the 1-bit code, ``"sign"`` (scaled sign; the default) or
         ``"dither"`` (unbiased, no error feedback; see
         :mod:`zeropp_jax.dither`).
+      qgz_target: ``"gradient"`` (compress the gradient; any optax
+        optimizer) or ``"momentum"`` (1-bit Adam: compress Adam's momentum,
+        with ``v`` frozen after the warm-up; needs
+        :func:`zeropp_jax.onebit_adam` as the optimizer, ``qgz`` on, the
+        ``sign`` code and ``qgz_warmup_steps >= 1``; see
+        :mod:`zeropp_jax.momentum`).
       qgz_seed: seed of the dithered code's noise (``qgz_code="dither"``):
         runs with different seeds draw unrelated noise streams; the CLI
         passes ``--seed``.
@@ -148,6 +158,7 @@ class ZeroConfig:
     qgz: str = "off"
     qgz_error_feedback: bool = True
     qgz_code: str = "sign"
+    qgz_target: str = "gradient"
     qgz_seed: int = 0
     qgz_block: int | None = None
     qgz_warmup_steps: int = 0
@@ -218,6 +229,32 @@ class ZeroConfig:
             raise ValueError(
                 f"qgz_min_grad_rms must be >= 0 (0 disables the gate), got {self.qgz_min_grad_rms!r}"
             )
+        if self.qgz_target not in QGZ_TARGETS:
+            raise ValueError(f"qgz_target must be one of {QGZ_TARGETS}, got {self.qgz_target!r}")
+        if self.qgz_target == "momentum":
+            if self.qgz == "off":
+                raise ValueError(
+                    "qgz_target='momentum' compresses Adam's momentum across nodes; it needs "
+                    "qgz='1bit' (or 'int8' / 'int4'), got qgz='off'"
+                )
+            if self.qgz_code != "sign":
+                raise ValueError(
+                    "qgz_target='momentum' uses the sign code with error feedback on the "
+                    f"momentum; got qgz_code={self.qgz_code!r} (use qgz_code='sign')"
+                )
+            if self.qgz_warmup_steps < 1:
+                raise ValueError(
+                    "qgz_target='momentum' freezes Adam's second moment when compression "
+                    "starts, so it needs full-precision warm-up steps to estimate it: "
+                    f"qgz_warmup_steps must be >= 1, got {self.qgz_warmup_steps!r} "
+                    "(1-bit Adam warms up for 15-25% of training)"
+                )
+            if self.qgz_min_grad_rms:
+                raise ValueError(
+                    "qgz_min_grad_rms (the compression gate) applies to qgz_target='gradient'; "
+                    "with qgz_target='momentum' the global gradient is not formed on "
+                    f"compressed steps, so set qgz_min_grad_rms=0 (got {self.qgz_min_grad_rms!r})"
+                )
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"

@@ -385,7 +385,9 @@ def profile_config(
     model = gpt.GPTConfig() if model is None else model
     shapes = jax.eval_shape(lambda k: gpt.init_params(model, k), jax.random.key(0))
     loss = functools.partial(gpt.loss_fn, cfg=model, gather=zp.gather, layer=zp.layer)
-    trainer = zp.make_trainer(loss, optax.adam(1e-3), shapes, mesh=mesh, config=config,
+    # The optimizer does not change what crosses the wire, only which one runs.
+    optimizer = zp.onebit_adam(1e-3) if config.qgz_target == "momentum" else optax.adam(1e-3)
+    trainer = zp.make_trainer(loss, optimizer, shapes, mesh=mesh, config=config,
                               per_layer=True, stacked=("blocks",))
     _check_profile_mesh((trainer.nodes, trainer.local))
     batch = jax.ShapeDtypeStruct((batch_size, model.seq_len + 1), jax.numpy.int32)

@@ -143,3 +143,48 @@ def cross_node_reduce(
     new_carry = None if carry is None else residual
     return reduced, new_carry, sent
 
+
+
+def cross_node_share(
+    y: jax.Array,
+    carry: jax.Array | None,
+    *,
+    bits: int,
+    block: int,
+    scale_dtype: Any,
+    kernels: kernels_lib.Kernels = kernels_lib.XLA,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Gives every node every node's chunk, compressed (runs inside shard_map).
+
+    The second hop of 1-bit Adam (:mod:`zeropp_jax.momentum`): after
+    :func:`cross_node_reduce` each device holds the node-summed chunk of its
+    ``local`` slice; here ``x = y + carry`` is quantized block-wise, the codes
+    are all-gathered over ``node`` and dequantized, so all nodes end up with
+    the same values. With error feedback the new carry is
+    ``x - dequantize(quantize(x))``.
+
+    Args:
+      y: float32 ``(..., c)``, this device's chunk (``c`` divisible by
+        ``block``).
+      carry: float32 ``(..., c)`` receiver carry, or ``None``.
+      bits: 1, 4 or 8.
+      block: elements per scale.
+      scale_dtype: dtype of the scales on the wire.
+      kernels: the quantization kernels.
+
+    Returns:
+      ``(shared, new_carry)``: float32 ``(..., c * nodes)``, the decoded
+      chunks of every node in node order (identical on all nodes), and the
+      new carry (``None`` if ``carry`` was ``None``). Touches ``node`` only.
+    """
+    zeros = jnp.zeros_like(y) if carry is None else carry
+    if bits == 1:
+        q, residual = kernels.compress_1bit_ef(y, zeros, block=block, scale_dtype=scale_dtype)
+    else:
+        x = y + zeros
+        q = kernels.quantize(x, bits=bits, block=block, scale_dtype=scale_dtype)
+        residual = x - kernels.dequantize(q, bits=bits, block=block, dtype=jnp.float32)
+    shared = kernels.dequantize(
+        collectives.all_gather(q, (NODE,)), bits=bits, block=block, dtype=jnp.float32
+    )
+    return shared, (None if carry is None else residual)

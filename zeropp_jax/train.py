@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax import collectives, dither, quantization
+from zeropp_jax import momentum
 from zeropp_jax.kernels import Kernels, select
 from zeropp_jax.config import ZeroConfig
 from zeropp_jax.gather import GatherPlan, Unit, gather
@@ -54,7 +55,7 @@ from zeropp_jax.layout import (
     unflatten_unit,
 )
 from zeropp_jax.mesh import LOCAL, NODE, SHARD_AXES, mesh_shape
-from zeropp_jax.qgz import QgzState, cross_node_reduce
+from zeropp_jax.qgz import QgzState, cross_node_reduce, cross_node_share
 
 DATA_AXES = (NODE, LOCAL)
 
@@ -63,8 +64,11 @@ class ZeroOptState(NamedTuple):
     """Optimizer state: the user's optax state plus the qgZ state.
 
     Attributes:
-      inner: the optax optimizer's state over the unit dict (float32 shards).
-      qgz: :class:`~zeropp_jax.qgz.QgzState` (error-feedback carry).
+      inner: the optax optimizer's state over the unit dict (float32 shards),
+        or :class:`~zeropp_jax.momentum.OneBitAdamState` with
+        ``qgz_target="momentum"``.
+      qgz: :class:`~zeropp_jax.qgz.QgzState` (error-feedback carry: of the
+        gradient, or the sender carry of the momentum).
     """
 
     inner: Any
@@ -99,14 +103,16 @@ class Trainer:
         over this device's micro-batch). With per-layer gathering ``params``
         holds :class:`~zeropp_jax.gather.Unit` handles the model passes to
         ``gather``; otherwise plain parameters.
-      optimizer: an ``optax.GradientTransformation``.
+      optimizer: an ``optax.GradientTransformation``, or
+        :class:`~zeropp_jax.momentum.OneBitAdam` with
+        ``qgz_target="momentum"``.
       mesh: the ``(node, local)`` mesh.
       config: the :class:`~zeropp_jax.config.ZeroConfig`.
       layout: the :class:`~zeropp_jax.layout.ParamLayout` of the units.
     """
 
     loss_fn: Callable[[Any, Any], jax.Array]
-    optimizer: optax.GradientTransformation
+    optimizer: optax.GradientTransformation | momentum.OneBitAdam
     mesh: jax.sharding.Mesh
     config: ZeroConfig
     layout: ParamLayout
@@ -144,16 +150,35 @@ class Trainer:
     def error_feedback(self) -> bool:
         return self.qgz_active and self.config.qgz_error_feedback
 
-    def _param_specs(self, axes: Any = SHARD_AXES) -> dict:
-        return {u.name: _unit_spec(u.stack is not None, axes) for u in self.layout.units}
+    @property
+    def onebit_adam(self) -> bool:
+        """Whether qgZ compresses Adam's momentum (the trainer runs 1-bit Adam)."""
+        return self.config.qgz_target == "momentum"
 
-    def _carry_specs(self) -> dict:
-        if not self.error_feedback:
-            return {}
+    def _per_node_specs(self) -> dict:
+        """``(nodes, [L,] padded)`` arrays: row ``n`` is node ``n``'s, split over ``local``."""
         return {
             u.name: P(NODE, None, LOCAL) if u.stack is not None else P(NODE, LOCAL)
             for u in self.layout.units
         }
+
+    def _momentum_specs(self) -> dict:
+        """1-bit Adam's momentum: every node keeps its own copy of the whole unit.
+
+        The copies are equal by construction (each node decodes the same
+        codes), but the compiler cannot know that, so they are stored as the
+        rows of a ``(nodes, [L,] padded)`` array.
+        """
+        return self._per_node_specs()
+
+    def _receiver_carry_specs(self) -> dict:
+        return self._param_specs() if self.error_feedback else {}
+
+    def _param_specs(self, axes: Any = SHARD_AXES) -> dict:
+        return {u.name: _unit_spec(u.stack is not None, axes) for u in self.layout.units}
+
+    def _carry_specs(self) -> dict:
+        return self._per_node_specs() if self.error_feedback else {}
 
     def _sharding(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
@@ -206,7 +231,25 @@ class Trainer:
         return jax.jit(init)
 
     def _init_from_flat(self, flat: dict) -> TrainState:
-        inner = self.optimizer.init(flat)
+        if self.onebit_adam:
+            def zeros(specs, per_node=False):
+                lead = (self.nodes,) if per_node else ()
+                return {
+                    name: jax.sharding.reshard(
+                        jnp.zeros(lead + flat[name].shape, jnp.float32), self._sharding(spec)
+                    )
+                    for name, spec in specs.items()
+                }
+
+            inner = momentum.OneBitAdamState(
+                count=jnp.zeros((), jnp.int32),
+                v_count=jnp.zeros((), jnp.int32),
+                m=zeros(self._momentum_specs(), per_node=True),
+                v=zeros(self._param_specs()),
+                receiver_carry=zeros(self._receiver_carry_specs()),
+            )
+        else:
+            inner = self.optimizer.init(flat)
         carry = {}
         if self.error_feedback:
             for u in self.layout.units:
@@ -354,16 +397,22 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             return jax.eval_shape(self._init_jit, params_shapes)
 
-    def _step_global(self, state: TrainState, batch: Any, *, compress: bool):
-        param_specs = self._param_specs()
-        carry_specs = self._carry_specs()
-        batch_specs = jax.tree.map(lambda _: P(DATA_AXES), batch)
-        body = functools.partial(self._local_grads, compress=compress)
+    @property
+    def _check_vma(self) -> bool:
         # JAX's Pallas *interpreter* evaluates kernel bodies with invariant
         # constants next to varying blocks and fails the varying-axes check
         # ("Primitive div requires varying manual axes to match"); compiled
         # kernels and the XLA path keep the check on.
-        check_vma = self.kernels.name != "pallas-interpret"
+        return self.kernels.name != "pallas-interpret"
+
+    def _step_global(self, state: TrainState, batch: Any, *, compress: bool):
+        if self.onebit_adam:
+            return self._onebit_adam_global(state, batch, compress=compress)
+        param_specs = self._param_specs()
+        carry_specs = self._carry_specs()
+        batch_specs = jax.tree.map(lambda _: P(DATA_AXES), batch)
+        body = functools.partial(self._local_grads, compress=compress)
+        check_vma = self._check_vma
         grads, carry, metrics = jax.shard_map(
             body,
             mesh=self.mesh,
@@ -394,6 +443,182 @@ class Trainer:
 
         Returns:
           ``(grads, carry, metrics)`` with grads shaped like ``params``.
+        """
+        cfg = self.config
+        plan = self._plan()
+        accum = cfg.grad_accum
+        all_axes = (NODE, LOCAL)
+        acc, losses = self._accumulate(params, batch)
+
+        grads, new_carry = {}, {}
+        dithered = cfg.qgz_code == "dither"
+        local_index = jax.lax.axis_index(LOCAL) if dithered else None
+        for unit_index, u in enumerate(self.layout.units):
+            g = acc[u.name]
+            if cfg.hierarchical_grads:
+                c = carry[u.name][0] if u.name in carry else None
+                key = (
+                    dither.stream_key(cfg.qgz_seed, step, unit_index, local_index)
+                    if dithered else None  # only the dithered code draws noise
+                )
+                with jax.named_scope(f"cross_node_{u.name}"):
+                    g, c, _ = cross_node_reduce(
+                        g,
+                        c,
+                        bits=cfg.qgz_bits,
+                        block=cfg.qgz_block,
+                        scale_dtype=cfg.scale_dtype,
+                        reduce_dtype=plan.reduce_dtype,
+                        compress=compress,
+                        kernels=plan.kernels,
+                        code=cfg.qgz_code,
+                        key=key,
+                    )
+                if c is not None:
+                    new_carry[u.name] = c[None]
+            g = g / (self.n_devices * accum)
+            shard_index = collectives.axes_index(SHARD_AXES)
+            mask = padding_mask(u, shard_index, g.shape[-1])
+            grads[u.name] = jnp.where(mask, g, 0.0)
+
+        sq = sum(jnp.sum(jnp.square(g)) for g in grads.values())
+        sq = jax.lax.psum(sq, all_axes)
+        return grads, new_carry, self._metrics(losses, sq, compress)
+
+    def _metrics(self, losses: jax.Array, sq_norm: jax.Array, compress: bool) -> dict:
+        """The step's metrics (inside shard_map): replicated float32 / int32 scalars.
+
+        ``sq_norm`` is the squared gradient norm, the same on every device.
+        """
+        return {
+            "loss": jax.lax.pmean(jnp.mean(losses), (NODE, LOCAL)),
+            "grad_norm": jnp.sqrt(sq_norm),
+            "grad_rms": jnp.sqrt(sq_norm / self.layout.numel),
+            "compressed": jnp.asarray(int(compress and self.qgz_active), jnp.int32),
+        }
+
+    # ------------------------------------------------------------ 1-bit Adam
+    def _onebit_adam_global(self, state: TrainState, batch: Any, *, compress: bool):
+        """The step with ``qgz_target="momentum"``: 1-bit Adam, all inside shard_map."""
+        inner: momentum.OneBitAdamState = state.opt_state.inner
+        param_specs = self._param_specs()
+        m_specs = self._momentum_specs()
+        recv_specs = self._receiver_carry_specs()
+        carry_specs = self._carry_specs()
+        batch_specs = jax.tree.map(lambda _: P(DATA_AXES), batch)
+        body = functools.partial(self._onebit_adam_local, compress=compress)
+        params, m, v, recv, carry, v_count, metrics = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(param_specs, m_specs, param_specs, recv_specs, carry_specs, batch_specs, P(), P()),
+            out_specs=(param_specs, m_specs, param_specs, recv_specs, carry_specs, P(), P()),
+            check_vma=self._check_vma,
+        )(state.params, inner.m, inner.v, inner.receiver_carry, state.opt_state.qgz.carry,
+          batch, inner.count, inner.v_count)
+        inner = momentum.OneBitAdamState(inner.count + 1, v_count, m, v, recv)
+        qgz = QgzState(carry=carry, grad_rms=metrics["grad_rms"])
+        return TrainState(state.step + 1, params, ZeroOptState(inner, qgz)), metrics
+
+    def _onebit_adam_local(
+        self, params, m, v, recv, carry, batch, count, v_count, *, compress: bool
+    ):
+        """Per-device 1-bit Adam step (inside shard_map; see :mod:`zeropp_jax.momentum`).
+
+        Args:
+          params, v, recv: name -> float32 ``([L,] padded / D)`` (``recv``
+            empty without error feedback).
+          m: name -> float32 ``(1, [L,] padded / local)``, this ``local``
+            slice (the same on every node).
+          carry: name -> float32 ``(1, [L,] padded / local)`` or empty.
+          batch: pytree of ``(B / D, ...)`` arrays.
+          count, v_count: int32 scalars (steps taken, updates of ``v``).
+
+        Returns:
+          ``(params, m, v, recv, carry, v_count, metrics)``. Full-precision
+          steps all-reduce gradients over ``node``; compressed steps move
+          quantized momentum codes over ``node`` (an all-to-all and an
+          all-gather). Everything else stays inside the node.
+        """
+        cfg = self.config
+        hyper: momentum.OneBitAdam = self.optimizer
+        plan = self._plan()
+        acc, losses = self._accumulate(params, batch)
+        compress = compress and self.qgz_active
+        local_index = jax.lax.axis_index(LOCAL)
+        shard_index = collectives.axes_index(SHARD_AXES)
+        slice_masks = {
+            u.name: padding_mask(u, local_index, u.padded // self.local) for u in self.layout.units
+        }
+        # Full precision: the mean gradient over all devices, on every node.
+        # Compressed: this node's mean gradient (the nodes' average is the mean).
+        if compress:
+            scale = self.nodes / (self.n_devices * cfg.grad_accum)
+            g = {name: a * scale for name, a in acc.items()}
+        else:
+            scale = 1.0 / (self.n_devices * cfg.grad_accum)
+            with jax.named_scope("cross_node_all_reduce"):
+                g = {
+                    name: collectives.all_reduce(a, (NODE,), plan.reduce_dtype) * scale
+                    for name, a in acc.items()
+                }
+        g = {name: jnp.where(slice_masks[name], x, 0.0) for name, x in g.items()}
+        # This node's squared norm (compressed) or the global one (full precision).
+        sq = jax.lax.psum(sum(jnp.sum(jnp.square(x)) for x in g.values()), LOCAL)
+        clip = hyper.clip_scale(sq)
+
+        new_params, new_m, new_v, new_recv, new_carry = {}, {}, {}, {}, {}
+        t = count + 1
+        v_count = v_count if compress else v_count + 1
+        for u in self.layout.units:
+            name = u.name
+            local_m = momentum.next_momentum(m[name][0], clip * g[name], hyper.b1)
+            if compress:
+                c = carry[name][0] if name in carry else None
+                with jax.named_scope(f"cross_node_{name}"):
+                    summed, c, _ = cross_node_reduce(
+                        local_m, c, bits=cfg.qgz_bits, block=cfg.qgz_block,
+                        scale_dtype=cfg.scale_dtype, reduce_dtype=plan.reduce_dtype,
+                        compress=True, kernels=plan.kernels,
+                    )
+                    shared, r = cross_node_share(
+                        summed / self.nodes, recv.get(name), bits=cfg.qgz_bits,
+                        block=cfg.qgz_block, scale_dtype=cfg.scale_dtype, kernels=plan.kernels,
+                    )
+                if c is not None:
+                    new_carry[name], new_recv[name] = c[None], r
+                new_m[name] = jnp.where(slice_masks[name], shared, 0.0)
+                new_v[name] = v[name]
+            else:
+                new_m[name] = local_m  # exact: every node reduced the same gradient
+                g_own = momentum.own_chunk(clip * g[name], NODE)
+                new_v[name] = momentum.next_second_moment(v[name], g_own, hyper.b2)
+                if name in carry:  # nothing is compressed: the carries wait unchanged
+                    new_carry[name], new_recv[name] = carry[name], recv[name]
+            m_own = momentum.own_chunk(new_m[name], NODE)
+            new_m[name] = new_m[name][None]
+            stepped = momentum.adam_step(
+                params[name], m_own, new_v[name], count=t, v_count=v_count, hyper=hyper
+            )
+            mask = padding_mask(u, shard_index, params[name].shape[-1])
+            new_params[name] = jnp.where(mask, stepped, params[name])
+        # Compressed steps report the root mean square over nodes of each node's
+        # gradient norm (the global gradient is never formed there).
+        sq_metric = jax.lax.pmean(sq, NODE) if compress else sq
+        metrics = self._metrics(losses, sq_metric, compress)
+        return new_params, new_m, new_v, new_recv, new_carry, v_count, metrics
+
+    def _accumulate(self, params: dict, batch: Any) -> tuple[dict, jax.Array]:
+        """Gradients of all micro-batches, summed (inside shard_map).
+
+        Args:
+          params: name -> float32 ``([L,] padded / D)`` primary shard.
+          batch: pytree of ``(B / D, ...)`` arrays.
+
+        Returns:
+          ``(acc, losses)``: name -> float32 summed gradient, the node-partial
+          ``([L,] padded / local)`` with hierarchical gradients, else the
+          ``([L,] padded / D)`` shard summed over all devices; and the
+          ``(grad_accum,)`` micro-batch losses of this device.
         """
         cfg = self.config
         plan = self._plan()
@@ -439,49 +664,7 @@ class Trainer:
         micro_batches = jax.tree.map(
             lambda x: jnp.reshape(x, (accum, x.shape[0] // accum) + x.shape[1:]), batch
         )
-        acc, losses = jax.lax.scan(micro_step, sinks0, micro_batches)
-
-        grads, new_carry = {}, {}
-        dithered = cfg.qgz_code == "dither"
-        local_index = jax.lax.axis_index(LOCAL) if dithered else None
-        for unit_index, u in enumerate(self.layout.units):
-            g = acc[u.name]
-            if cfg.hierarchical_grads:
-                c = carry[u.name][0] if u.name in carry else None
-                key = (
-                    dither.stream_key(cfg.qgz_seed, step, unit_index, local_index)
-                    if dithered else None  # only the dithered code draws noise
-                )
-                with jax.named_scope(f"cross_node_{u.name}"):
-                    g, c, _ = cross_node_reduce(
-                        g,
-                        c,
-                        bits=cfg.qgz_bits,
-                        block=cfg.qgz_block,
-                        scale_dtype=cfg.scale_dtype,
-                        reduce_dtype=plan.reduce_dtype,
-                        compress=compress,
-                        kernels=plan.kernels,
-                        code=cfg.qgz_code,
-                        key=key,
-                    )
-                if c is not None:
-                    new_carry[u.name] = c[None]
-            g = g / (self.n_devices * accum)
-            shard_index = collectives.axes_index(SHARD_AXES)
-            mask = padding_mask(u, shard_index, g.shape[-1])
-            grads[u.name] = jnp.where(mask, g, 0.0)
-
-        sq = sum(jnp.sum(jnp.square(g)) for g in grads.values())
-        sq = jax.lax.psum(sq, all_axes)
-        loss = jax.lax.pmean(jnp.mean(losses), all_axes)
-        metrics = {
-            "loss": loss,
-            "grad_norm": jnp.sqrt(sq),
-            "grad_rms": jnp.sqrt(sq / self.layout.numel),
-            "compressed": jnp.asarray(int(compress and self.qgz_active), jnp.int32),
-        }
-        return grads, new_carry, metrics
+        return jax.lax.scan(micro_step, sinks0, micro_batches)
 
     def _secondary(self, primary: jax.Array) -> Any:
         """hpZ: this node's partition, the primary shards gathered over node.
@@ -533,7 +716,9 @@ class Trainer:
         holds gradients between the backward and the cross-node reduction:
         ``1/local`` of the model with hierarchical gradients (hpZ or qgZ),
         ``1/(nodes*local)`` otherwise. ``qgz_carry`` is the error-feedback
-        carry (``1/local`` of the model, float32).
+        carry (``1/local`` of the model, float32; with
+        ``qgz_target="momentum"`` the sender carry of the momentum).
+        ``onebit_adam_extra``: see :meth:`_onebit_adam_extra_bytes`.
         """
         cfg = self.config
         padded = self.layout.padded_numel
@@ -553,7 +738,23 @@ class Trainer:
             "hpz_secondary": secondary,
             "grad_accumulator": accumulator,
             "qgz_carry": 4 * per_local if self.error_feedback else 0,
+            "onebit_adam_extra": self._onebit_adam_extra_bytes(),
         }
+
+    def _onebit_adam_extra_bytes(self) -> int:
+        """1-bit Adam's state beyond optax Adam's ``m`` and ``v`` shards.
+
+        Its ``m`` is the node's copy of this device's ``local`` slice
+        (``1/local`` of the model, not ``1/(nodes*local)``), plus the
+        receiver carry (``1/(nodes*local)``, with error feedback).
+        """
+        if not self.onebit_adam:
+            return 0
+        padded = self.layout.padded_numel
+        extra = padded // self.local - padded // self.n_devices
+        if self.error_feedback:
+            extra += padded // self.n_devices
+        return 4 * extra
 
     def describe(self) -> dict:
         """What runs where: plain data for reports and metrics files."""
@@ -594,7 +795,7 @@ def _check_structure(params: Any, layout: ParamLayout) -> None:
 
 def make_trainer(
     loss_fn: Callable[[Any, Any], jax.Array],
-    optimizer: optax.GradientTransformation,
+    optimizer: optax.GradientTransformation | momentum.OneBitAdam,
     params: Any,
     *,
     mesh: jax.sharding.Mesh,
@@ -607,7 +808,8 @@ def make_trainer(
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss over the
         micro-batch it is given.
-      optimizer: an optax ``GradientTransformation``.
+      optimizer: an optax ``GradientTransformation``; with
+        ``config.qgz_target="momentum"``, :func:`zeropp_jax.onebit_adam`.
       params: the parameter pytree, or its shapes (``jax.eval_shape``).
       mesh: a ``(node, local)`` mesh from :func:`zeropp_jax.make_mesh`.
       config: a :class:`ZeroConfig` (default: ``zero3``).
@@ -633,6 +835,20 @@ def make_trainer(
       state, metrics = trainer.step(state, batch)
     """
     config = config or ZeroConfig()
+    is_onebit = isinstance(optimizer, momentum.OneBitAdam)
+    if config.qgz_target == "momentum" and not is_onebit:
+        raise ValueError(
+            "qgz_target='momentum' compresses Adam's momentum, so the trainer runs the "
+            "optimizer itself: pass zeropp_jax.onebit_adam(learning_rate, ...) as the "
+            f"optimizer (got {type(optimizer).__name__}), or use qgz_target='gradient' "
+            "with any optax optimizer"
+        )
+    if is_onebit and config.qgz_target != "momentum":
+        raise ValueError(
+            "zeropp_jax.onebit_adam is the optimizer of qgz_target='momentum' (1-bit Adam); "
+            f"the config has qgz_target={config.qgz_target!r}: set qgz_target='momentum' "
+            "(with qgz on), or pass an optax optimizer such as optax.adam"
+        )
     nodes, local = mesh_shape(mesh)
     layout = build_layout(
         params,

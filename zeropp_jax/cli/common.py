@@ -12,7 +12,10 @@ import os
 import sys
 from typing import Any
 
-from zeropp_jax.config import PRESETS, QGZ_CODES, QGZ_MODES
+from zeropp_jax.config import PRESETS, QGZ_CODES, QGZ_MODES, QGZ_TARGETS
+
+# Global-norm clipping of the CLI's optimizer.
+CLIP_NORM = 1.0
 
 DEFAULT_SIMULATED_MESH = "2x4"
 
@@ -110,6 +113,12 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         "--qgz-code", default=None, choices=QGZ_CODES,
         help="1-bit code: sign (scaled sign, for error feedback) or dither "
         "(unbiased; needs --no-qgz-error-feedback)",
+    )
+    g.add_argument(
+        "--qgz-target", default=None, choices=QGZ_TARGETS,
+        help="what qgZ compresses across nodes: the gradient (error feedback on the "
+        "gradient) or Adam's momentum (1-bit Adam: error feedback on the momentum, "
+        "Adam's second moment frozen after --qgz-warmup)",
     )
     g.add_argument("--qgz-block", type=positive_int, default=None)
     g.add_argument(
@@ -223,6 +232,7 @@ def build_config(args: argparse.Namespace):
         qgz=args.qgz,
         qgz_error_feedback=args.qgz_error_feedback,
         qgz_code=args.qgz_code,
+        qgz_target=args.qgz_target,
         qgz_seed=args.seed,
         qgz_block=args.qgz_block,
         qgz_warmup_steps=args.qgz_warmup,
@@ -249,8 +259,6 @@ def build_trainer(args: argparse.Namespace, mesh, model_cfg, params_or_shapes) -
     """The GPT trainer: per-layer gathering over the stacked blocks."""
     import functools
 
-    import optax
-
     import zeropp_jax as zp
     from zeropp_jax.models import gpt
     from zeropp_jax.train import global_batch_size_check
@@ -263,6 +271,7 @@ def build_trainer(args: argparse.Namespace, mesh, model_cfg, params_or_shapes) -
         schedule=args.lr_schedule,
         total_steps=getattr(args, "steps", None),
         warmup=args.lr_warmup,
+        qgz_target=config.qgz_target,
     )
     return zp.make_trainer(
         loss, optimizer, params_or_shapes, mesh=mesh, config=config,
@@ -276,8 +285,12 @@ def make_optimizer(
     schedule: str = "constant",
     total_steps: int | None = None,
     warmup: int | None = None,
+    qgz_target: str = "gradient",
 ):
     """The default optimizer: global-norm clipping at 1, then Adam.
+
+    With ``qgz_target="momentum"`` the same Adam and clipping as 1-bit Adam
+    (:func:`zeropp_jax.onebit_adam`, which the trainer runs itself).
 
     Args:
       lr: peak learning rate.
@@ -298,7 +311,11 @@ def make_optimizer(
         )
     elif schedule not in ("cosine", "constant"):
         raise ValueError(f"unknown learning-rate schedule {schedule!r}; use cosine or constant")
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr))
+    if qgz_target == "momentum":
+        from zeropp_jax.momentum import onebit_adam
+
+        return onebit_adam(lr, clip_norm=CLIP_NORM)
+    return optax.chain(optax.clip_by_global_norm(CLIP_NORM), optax.adam(lr))
 
 
 def fail(message: str) -> "None":

@@ -1,0 +1,172 @@
+"""1-bit Adam (``qgz_target="momentum"``): exact warm-up, compressed steps, wire, errors."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zeropp_jax as zp
+from zeropp_jax.models import gpt
+
+from _util import TINY, gpt_loss, gpt_step, mesh_of, optimizer, tiny_batches, zero_run
+
+# Collectives of the metrics (loss, gradient norm): a few scalars.
+METRIC_BYTES = 16
+BLOCK = 32  # the 1-bit default block
+
+
+def _trainer(preset="zeropp", opt=None, **overrides):
+    params = gpt.init_params(TINY, jax.random.key(0))
+    config = zp.ZeroConfig.from_preset(
+        preset, compute_dtype="float32", qgz_target="momentum", **overrides
+    )
+    trainer = zp.make_trainer(
+        gpt_loss(), opt or zp.onebit_adam(3e-3, clip_norm=1.0), params, mesh=mesh_of(2, 4),
+        config=config, per_layer=True, stacked=("blocks",),
+    )
+    return trainer, params
+
+
+def test_warmup_steps_are_clipped_adam_exactly():
+    """Full-precision steps: the same numbers as zero3 with optax's clip + Adam."""
+    trainer, params = _trainer("hpz", qgz="1bit", qgz_warmup_steps=100, grad_accum=2)
+    reference = zp.make_trainer(
+        gpt_loss(), optimizer(), params, mesh=mesh_of(2, 4),
+        config=zp.ZeroConfig.from_preset("zero3", compute_dtype="float32", grad_accum=2),
+        per_layer=True, stacked=("blocks",),
+    )
+    batches = tiny_batches(batch_size=32)
+    losses, state = zero_run(trainer, params, batches, 4)
+    ref_losses, ref_state = zero_run(reference, params, batches, 4)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    got, want = trainer.gather_params(state), reference.gather_params(ref_state)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert int(state.opt_state.inner.v_count) == 4
+
+
+def _blocks_share_one_magnitude(x: np.ndarray) -> bool:
+    """Every block of ``x`` (last axis) holds +-s or 0 (masked padding): a 1-bit code."""
+    blocks = np.abs(x.reshape(-1, BLOCK))
+    top = blocks.max(axis=1, keepdims=True)
+    return bool(np.all((blocks == top) | (blocks == 0)))
+
+
+def test_compressed_steps_share_one_momentum_and_keep_what_they_lose():
+    trainer, params = _trainer(qgz_warmup_steps=2)
+    state = trainer.init(params)
+    batches = tiny_batches()
+    flags, losses = [], []
+    for i in range(5):
+        state, metrics = trainer.step(state, batches.batch_at(i))
+        flags.append(int(metrics["compressed"]))
+        losses.append(float(metrics["loss"]))
+        if i == 1:
+            v_warm = jax.device_get(state.opt_state.inner.v)
+    assert flags == [0, 0, 1, 1, 1]
+    inner = jax.device_get(state.opt_state.inner)
+    assert (int(inner.count), int(inner.v_count)) == (5, 2)
+    for name, m in inner.m.items():
+        # every node holds the same momentum, decoded from the shared codes
+        np.testing.assert_array_equal(m[0], m[1])
+        assert _blocks_share_one_magnitude(m[0]) and np.abs(m[0]).max() > 0, name
+        np.testing.assert_array_equal(inner.v[name], v_warm[name])  # v frozen
+    carries = jax.device_get(state.opt_state.qgz.carry)
+    for name in inner.m:
+        assert np.abs(carries[name]).max() > 0 and np.abs(inner.receiver_carry[name]).max() > 0
+    assert losses[-1] < losses[0] - 0.5 and np.all(np.isfinite(losses))
+
+
+def test_without_error_feedback_there_are_no_carries_and_other_losses():
+    with_ef, params = _trainer(qgz_warmup_steps=1)
+    without, _ = _trainer(qgz_warmup_steps=1, qgz_error_feedback=False)
+    losses_ef, _ = zero_run(with_ef, params, tiny_batches(), 4)
+    losses_no, state = zero_run(without, params, tiny_batches(), 4)
+    assert state.opt_state.qgz.carry == {} and state.opt_state.inner.receiver_carry == {}
+    np.testing.assert_array_equal(losses_ef[:2], losses_no[:2])  # warm-up, then the first code
+    assert not np.allclose(losses_ef[2:], losses_no[2:], rtol=1e-6)
+    assert without.memory_per_device()["qgz_carry"] == 0
+
+
+@functools.cache
+def _report(compress: bool, **overrides):
+    return gpt_step(3, "zeropp", compress=compress, qgz_target="momentum",
+                    qgz_warmup_steps=1, **overrides)[2]
+
+
+def crosses_node(c):
+    return c.axis in ("node", "node+local")
+
+
+def test_compressed_step_moves_only_codes_across_nodes():
+    rep = _report(True)
+    kinds = set()
+    for c in rep.collectives:
+        if not crosses_node(c):
+            continue
+        if c.kind == "all-reduce":
+            assert c.operand_bytes <= METRIC_BYTES, c
+            continue
+        assert c.axis == "node" and c.count == 1, c
+        # hpZ's int8 refresh, the momentum's 1-bit codes, and their f32 scales
+        assert c.dtype in (("s8", "u8", "f32") if c.kind == "all-gather" else ("u8", "f32")), c
+        kinds.add((c.kind, c.dtype))
+    assert {("all-to-all", "u8"), ("all-gather", "u8")} <= kinds, kinds
+
+
+def test_full_precision_step_all_reduces_gradients_over_node():
+    rep = _report(False)
+    big = [c for c in rep.collectives
+           if crosses_node(c) and c.kind == "all-reduce" and c.operand_bytes > METRIC_BYTES]
+    assert big and all(c.axis == "node" and c.dtype == "f32" for c in big), big
+    assert not [c for c in rep.collectives if c.dtype == "u8"]
+
+
+@pytest.mark.parametrize("accum,limit", [(1, 5), (4, 16)])
+def test_momentum_inter_node_bytes_vs_zero3(accum, limit):
+    zero3 = gpt_step(3, "zero3", grad_accum=accum)[2].inter_node_bytes
+    onebit = _report(True, grad_accum=accum).inter_node_bytes
+    assert onebit * limit <= zero3, (onebit, zero3)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(qgz="off"), "needs qgz='1bit'"),
+        (dict(qgz_warmup_steps=0), "qgz_warmup_steps must be >= 1"),
+        (dict(qgz_code="dither", qgz_error_feedback=False), "uses the sign code"),
+        (dict(qgz_min_grad_rms=0.1), "set qgz_min_grad_rms=0"),
+        (dict(qgz_target="both"), "qgz_target must be one of"),
+    ],
+)
+def test_config_errors(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        zp.ZeroConfig.from_preset("zeropp", **{"qgz_target": "momentum", **overrides})
+
+
+def test_optimizer_and_target_must_agree():
+    params = gpt.init_params(TINY, jax.random.key(0))
+    momentum = zp.ZeroConfig.from_preset("zeropp", qgz_target="momentum")
+    with pytest.raises(ValueError, match="pass zeropp_jax.onebit_adam"):
+        zp.make_trainer(gpt_loss(), optax.adam(1e-3), params, mesh=mesh_of(2, 4), config=momentum)
+    with pytest.raises(ValueError, match="set qgz_target='momentum'"):
+        zp.make_trainer(gpt_loss(), zp.onebit_adam(1e-3), params, mesh=mesh_of(2, 4),
+                        config=zp.ZeroConfig.from_preset("zeropp"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(learning_rate=0.0), "learning_rate must be a positive float"),
+        (dict(learning_rate=1e-3, b1=1.0), "b1 must be in"),
+        (dict(learning_rate=1e-3, eps=0.0), "eps must be > 0"),
+        (dict(learning_rate=1e-3, clip_norm=-1.0), "clip_norm must be > 0"),
+    ],
+)
+def test_onebit_adam_rejects_bad_hyperparameters(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        zp.onebit_adam(**kwargs)
