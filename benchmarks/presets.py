@@ -16,6 +16,10 @@ name               flags
 ``zeropp-dither``  ``--preset zeropp --qgz-code dither
                    --no-qgz-error-feedback`` (the unbiased 1-bit code,
                    block 16, float32 scales: 3 bits per value)
+``zeropp-1bit-adam``  ``--preset zeropp --qgz-target momentum --qgz-warmup
+                   100`` (1-bit Adam: error feedback on the momentum, Adam's
+                   second moment frozen after 100 full-precision steps)
+``zeropp-1bit-adam-noef``  the same with ``--no-qgz-error-feedback``
 =================  ======================================================
 
 and measures
@@ -70,6 +74,10 @@ import time
 MESH = "2x4"
 N_DEVICES = 8
 
+# Full-precision steps before 1-bit Adam compresses (25% of the default 400
+# steps; 1-bit Adam warms up for 15-25% of training; benchmarks/RESULTS.md).
+ONEBIT_ADAM_WARMUP = 100
+
 # Name -> extra CLI flags (on top of the GPT defaults).
 VARIANTS: dict[str, list[str]] = {
     "zero3": ["--preset", "zero3"],
@@ -82,10 +90,17 @@ VARIANTS: dict[str, list[str]] = {
     "zeropp-dither": [
         "--preset", "zeropp", "--qgz-code", "dither", "--no-qgz-error-feedback",
     ],
+    "zeropp-1bit-adam": [
+        "--preset", "zeropp", "--qgz-target", "momentum", "--qgz-warmup", str(ONEBIT_ADAM_WARMUP),
+    ],
+    "zeropp-1bit-adam-noef": [
+        "--preset", "zeropp", "--qgz-target", "momentum", "--qgz-warmup", str(ONEBIT_ADAM_WARMUP),
+        "--no-qgz-error-feedback",
+    ],
 }
 BASELINE = "zero3"
 CONFIG_KEYS = (
-    "qwz_bits", "qwz_block", "hpz", "qgz", "qgz_code", "qgz_block", "qgz_error_feedback",
+    "qwz_bits", "qwz_block", "hpz", "qgz", "qgz_code", "qgz_target", "qgz_block", "qgz_error_feedback",
     "qgz_warmup_steps", "qgz_min_grad_rms", "scale_dtype",
 )
 ACCUMS = (1, 4)
@@ -99,7 +114,9 @@ LIMITS = {
     "qwz_loss_rel_diff": 0.005,
     "hpz_loss_rel_diff": 0.005,
     "zeropp_dither_loss_rel_diff": 0.01,
+    "zeropp_1bit_adam_loss_rel_diff": 0.01,
     "qgz_noef_minus_qgz_loss": 0.0,
+    "onebit_adam_noef_minus_ef_loss": 0.0,
     "zeropp_time_ratio": 1.25,
 }
 
@@ -199,14 +216,14 @@ def measure_comm() -> dict:
 
 
 # ----------------------------------------------------------- b. convergence
-def measure_convergence(steps: int, metrics_dir: str) -> dict:
+def measure_convergence(steps: int, metrics_dir: str, seed: int = 0) -> dict:
     rows: dict = {}
     for name in VARIANTS:
         path = os.path.join(metrics_dir, f"{name}.jsonl")
         cmd = [
             sys.executable, "-m", "zeropp_jax.cli.train",
             "--mesh", MESH, *VARIANTS[name],
-            "--steps", str(steps), "--no-progress", "--metrics-out", path,
+            "--steps", str(steps), "--seed", str(seed), "--no-progress", "--metrics-out", path,
         ]
         log(f"train {name}: {' '.join(cmd[1:])}")
         t0 = time.perf_counter()
@@ -340,7 +357,7 @@ def check_targets(comm: dict | None, conv: dict | None, timing: dict | None) -> 
             return None
         return conv.get(preset, {}).get("rel_diff_vs_zero3")
 
-    for preset in ("zeropp", "qwz", "hpz", "zeropp-dither"):
+    for preset in ("zeropp", "qwz", "hpz", "zeropp-dither", "zeropp-1bit-adam"):
         name = f"{preset.replace('-', '_')}_loss_rel_diff"
         v = rel(preset)
         add(name, v, None if v is None else abs(v) <= LIMITS[name])
@@ -348,6 +365,14 @@ def check_targets(comm: dict | None, conv: dict | None, timing: dict | None) -> 
     name = "qgz_noef_minus_qgz_loss"
     try:
         v = conv["qgz-noef"]["mean_loss_last_10pct"] - conv["qgz"]["mean_loss_last_10pct"]
+    except (TypeError, KeyError):
+        v = None
+    add(name, v, None if v is None else v > LIMITS[name])
+
+    name = "onebit_adam_noef_minus_ef_loss"
+    try:
+        v = (conv["zeropp-1bit-adam-noef"]["mean_loss_last_10pct"]
+             - conv["zeropp-1bit-adam"]["mean_loss_last_10pct"])
     except (TypeError, KeyError):
         v = None
     add(name, v, None if v is None else v > LIMITS[name])
@@ -365,7 +390,9 @@ TARGET_TEXT = {
     "qwz_loss_rel_diff": "qwz last-10% loss within 0.5% of zero3",
     "hpz_loss_rel_diff": "hpz last-10% loss within 0.5% of zero3",
     "zeropp_dither_loss_rel_diff": "zeropp-dither last-10% loss within 1% of zero3 (not an issue-3 target)",
+    "zeropp_1bit_adam_loss_rel_diff": "zeropp-1bit-adam last-10% loss within 1% of zero3",
     "qgz_noef_minus_qgz_loss": "qgz-noef last-10% loss > qgz (error feedback helps)",
+    "onebit_adam_noef_minus_ef_loss": "zeropp-1bit-adam-noef last-10% loss > zeropp-1bit-adam (error feedback on the momentum helps)",
     "zeropp_time_ratio": "zeropp time/step <= 1.25x zero3",
 }
 
@@ -395,6 +422,7 @@ def format_report(result: dict) -> str:
         for name, row in comm["accum1"]["presets"].items():
             c = row["config"]
             mode = c["qgz"] + ("-dither" if c.get("qgz_code") == "dither" else "")
+            mode += "-momentum" if c.get("qgz_target") == "momentum" else ""
             lines.append(
                 f"| {name} | {c['qwz_bits']}/{c['qwz_block']} | {c['hpz']} | {mode}/{c['qgz_block']} "
                 f"| {c['qgz_error_feedback']} | {c['qgz_warmup_steps']} |"
@@ -471,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per preset (the first compiles)")
     parser.add_argument("--metrics-dir", default=None, help="keep the per-preset metrics JSONL here")
     parser.add_argument("--json-out", default=None, help="also write the JSON result here")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="initialization and data order of the convergence runs (single-seed "
+                        "gaps vary several-fold between seeds: benchmarks/RESULTS.md)")
     args = parser.parse_args(argv)
     if args.steps < 10:
         parser.error("--steps must be at least 10 (the last 10% are averaged)")
@@ -480,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {
         "mesh": MESH,
         "steps": args.steps,
+        "seed": args.seed,
         "variants": {k: " ".join(v) for k, v in VARIANTS.items()},
         "code": code_version(),
     }
@@ -503,10 +535,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"b. convergence ({len(VARIANTS)} trainings of {args.steps} steps)")
         if args.metrics_dir:
             os.makedirs(args.metrics_dir, exist_ok=True)
-            conv = measure_convergence(args.steps, args.metrics_dir)
+            conv = measure_convergence(args.steps, args.metrics_dir, args.seed)
         else:
             with tempfile.TemporaryDirectory() as tmp:
-                conv = measure_convergence(args.steps, tmp)
+                conv = measure_convergence(args.steps, tmp, args.seed)
         result["convergence"] = conv
 
     result["targets"], result["skipped_targets"] = check_targets(comm, conv, timing)

@@ -439,7 +439,13 @@ def _jsonl(path):
 
 # zeropp with a warm-up of 6 and a resume at 4: the resumed run must switch
 # to compressed steps at 6 from the restored step, with the restored carry.
-@pytest.mark.parametrize("preset, extra", [("zero3", ()), ("zeropp", ("--qgz-warmup", "6"))])
+# With --qgz-target momentum (1-bit Adam) the restored state also holds m, the
+# frozen v and both carries.
+@pytest.mark.parametrize("preset, extra", [
+    ("zero3", ()),
+    ("zeropp", ("--qgz-warmup", "6")),
+    ("zeropp", ("--qgz-warmup", "6", "--qgz-target", "momentum")),
+])
 def test_cli_resume_matches_an_uninterrupted_run(tmp_path, preset, extra):
     ckpt, full, part = tmp_path / "ckpt", tmp_path / "full.jsonl", tmp_path / "part.jsonl"
     args = (*CLI_TINY, "--preset", preset, *extra, "--steps", "8", "--checkpoint-dir", str(ckpt))
