@@ -10,14 +10,23 @@ mean gradient (reduced over ``local`` at full precision):
   all-reduced over ``node``, clipped by the global norm, and Adam runs as
   usual (``m`` and ``v`` both update);
 * compressed: Adam's second moment ``v`` is frozen (its bias correction
-  too); node ``n`` forms its own momentum ``b1 * m + (1 - b1) * clip_n * g_n``
-  around the shared ``m`` (``clip_n`` from node ``n``'s own gradient norm,
-  the only norm known before the exchange), compresses it plus its sender
-  carry, and the chunks are summed over nodes as in gradient qgZ
+  too), so ``d = sqrt(v_hat) + eps`` is a fixed per-coordinate scale and the
+  momentum recursion holds for ``u = m / d``, the update direction. Node
+  ``n`` forms its own ``b1 * u + (1 - b1) * clip_n * g_n / d`` around the
+  shared ``u`` (``clip_n`` from node ``n``'s own gradient norm, the only norm
+  known before the exchange), compresses it plus its sender carry, and the
+  chunks are summed over nodes as in gradient qgZ
   (:func:`zeropp_jax.qgz.cross_node_reduce`); each receiver averages its
   chunk, compresses it once more with its receiver carry, and all nodes
   gather those codes (:func:`zeropp_jax.qgz.cross_node_share`), so every
-  node holds the same new ``m``.
+  node holds the same new ``u`` (stored as ``m = u * d``) and steps
+  ``p -= lr * u / (1 - b1**t)``.
+
+Compressing ``u`` rather than ``m`` (1-bit Adam's paper compresses ``m``)
+puts the code's error, one magnitude per block, in units of the update:
+compressing ``m``, a coordinate whose ``v`` is tiny (a gradient that is
+always zero, such as an attention key bias, has ``v = 0``) receives the
+block's magnitude and steps by ``lr * |m| / eps``, without bound.
 
 Both carries are optimizer state: what the two compressions lose is added to
 the next step's momentum, nothing is lost, only deferred. Measured on the
@@ -27,11 +36,12 @@ the carry on the gradient with ``v`` still updating (``qgz_target=
 "gradient"``) is several times worse at the same warm-up.
 
 Layouts (``U`` = a unit's padded length, ``[L,]`` its layer axis if stacked):
-``m`` is float32 ``(nodes, [L,] U)`` sharded ``P("node", [None,] "local")``:
-every node keeps its own copy of the whole unit (the rows are equal, each
-node decodes the same codes), since it needs all of its ``local`` slice to
-form its own momentum; ``v`` and the receiver carry are sharded like the
-parameters, ``P([None,] ("local", "node"))``; the sender carry is
+``m`` and ``v`` are float32 ``(nodes, [L,] U)`` sharded
+``P("node", [None,] "local")``: every node keeps its own copy of the whole
+unit (the rows are equal: each node decodes the same codes, and warm-up
+steps all-reduce the gradient), since it needs all of its ``local`` slice to
+form its own momentum; the receiver carry is sharded like the parameters,
+``P([None,] ("local", "node"))``; the sender carry is
 :class:`zeropp_jax.qgz.QgzState`'s, ``P("node", [None,] "local")``.
 """
 
@@ -122,7 +132,7 @@ class OneBitAdamState(NamedTuple):
         ``v``'s bias correction stops with it.
       m: dict unit -> float32 ``(nodes, [L,] U)``,
         ``P("node", [None,] "local")`` (one equal copy per node).
-      v: dict unit -> float32 ``([L,] U)``, sharded like the parameters.
+      v: dict unit -> float32 ``(nodes, [L,] U)``, like ``m``.
       receiver_carry: dict unit -> float32 ``([L,] U)`` sharded like the
         parameters (empty without error feedback): what the second
         compression lost.
@@ -158,6 +168,12 @@ def next_second_moment(v: jax.Array, g: jax.Array, b2: float) -> jax.Array:
     return b2 * v + (1.0 - b2) * jnp.square(g)
 
 
+def preconditioner(v: jax.Array, v_count: jax.Array, hyper: OneBitAdam) -> jax.Array:
+    """Adam's denominator ``sqrt(v / (1 - b2**v_count)) + eps`` (float32, like ``v``)."""
+    tv = jnp.maximum(v_count, 1).astype(jnp.float32)
+    return jnp.sqrt(v / (1.0 - hyper.b2**tv)) + hyper.eps
+
+
 def adam_step(
     p: jax.Array, m: jax.Array, v: jax.Array, *, count: jax.Array, v_count: jax.Array, hyper: OneBitAdam
 ) -> jax.Array:
@@ -168,7 +184,5 @@ def adam_step(
     the schedule's at ``count - 1``, as in optax.
     """
     t = count.astype(jnp.float32)
-    tv = jnp.maximum(v_count, 1).astype(jnp.float32)
     m_hat = m / (1.0 - hyper.b1**t)
-    v_hat = v / (1.0 - hyper.b2**tv)
-    return p - hyper.lr_at(count - 1) * m_hat / (jnp.sqrt(v_hat) + hyper.eps)
+    return p - hyper.lr_at(count - 1) * m_hat / preconditioner(v, v_count, hyper)

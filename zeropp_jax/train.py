@@ -163,7 +163,7 @@ class Trainer:
         }
 
     def _momentum_specs(self) -> dict:
-        """1-bit Adam's momentum: every node keeps its own copy of the whole unit.
+        """1-bit Adam's ``m`` and ``v``: every node keeps its own copy of the whole unit.
 
         The copies are equal by construction (each node decodes the same
         codes), but the compiler cannot know that, so they are stored as the
@@ -245,7 +245,7 @@ class Trainer:
                 count=jnp.zeros((), jnp.int32),
                 v_count=jnp.zeros((), jnp.int32),
                 m=zeros(self._momentum_specs(), per_node=True),
-                v=zeros(self._param_specs()),
+                v=zeros(self._momentum_specs(), per_node=True),
                 receiver_carry=zeros(self._receiver_carry_specs()),
             )
         else:
@@ -510,8 +510,8 @@ class Trainer:
         params, m, v, recv, carry, v_count, metrics = jax.shard_map(
             body,
             mesh=self.mesh,
-            in_specs=(param_specs, m_specs, param_specs, recv_specs, carry_specs, batch_specs, P(), P()),
-            out_specs=(param_specs, m_specs, param_specs, recv_specs, carry_specs, P(), P()),
+            in_specs=(param_specs, m_specs, m_specs, recv_specs, carry_specs, batch_specs, P(), P()),
+            out_specs=(param_specs, m_specs, m_specs, recv_specs, carry_specs, P(), P()),
             check_vma=self._check_vma,
         )(state.params, inner.m, inner.v, inner.receiver_carry, state.opt_state.qgz.carry,
           batch, inner.count, inner.v_count)
@@ -571,12 +571,20 @@ class Trainer:
         v_count = v_count if compress else v_count + 1
         for u in self.layout.units:
             name = u.name
-            local_m = momentum.next_momentum(m[name][0], clip * g[name], hyper.b1)
+            m_slice, v_slice = m[name][0], v[name][0]
             if compress:
+                # In the preconditioned space u = m / (sqrt(v_hat) + eps) (v is
+                # frozen, so the momentum recursion is the same there): the
+                # 1-bit code's shared block magnitude then errs in units of the
+                # update, not of m, where a coordinate with a tiny v (a gradient
+                # that is always zero, e.g. attention key biases) would turn the
+                # code's error into an unbounded step.
+                d = momentum.preconditioner(v_slice, v_count, hyper)
+                local_u = momentum.next_momentum(m_slice / d, clip * g[name] / d, hyper.b1)
                 c = carry[name][0] if name in carry else None
                 with jax.named_scope(f"cross_node_{name}"):
                     summed, c, _ = cross_node_reduce(
-                        local_m, c, bits=cfg.qgz_bits, block=cfg.qgz_block,
+                        local_u, c, bits=cfg.qgz_bits, block=cfg.qgz_block,
                         scale_dtype=cfg.scale_dtype, reduce_dtype=plan.reduce_dtype,
                         compress=True, kernels=plan.kernels,
                     )
@@ -586,18 +594,17 @@ class Trainer:
                     )
                 if c is not None:
                     new_carry[name], new_recv[name] = c[None], r
-                new_m[name] = jnp.where(slice_masks[name], shared, 0.0)
-                new_v[name] = v[name]
+                m_slice = jnp.where(slice_masks[name], shared, 0.0) * d
             else:
-                new_m[name] = local_m  # exact: every node reduced the same gradient
-                g_own = momentum.own_chunk(clip * g[name], NODE)
-                new_v[name] = momentum.next_second_moment(v[name], g_own, hyper.b2)
+                # exact, and the same on every node: all reduced the same gradient
+                m_slice = momentum.next_momentum(m_slice, clip * g[name], hyper.b1)
+                v_slice = momentum.next_second_moment(v_slice, clip * g[name], hyper.b2)
                 if name in carry:  # nothing is compressed: the carries wait unchanged
                     new_carry[name], new_recv[name] = carry[name], recv[name]
-            m_own = momentum.own_chunk(new_m[name], NODE)
-            new_m[name] = new_m[name][None]
+            new_m[name], new_v[name] = m_slice[None], v_slice[None]
             stepped = momentum.adam_step(
-                params[name], m_own, new_v[name], count=t, v_count=v_count, hyper=hyper
+                params[name], momentum.own_chunk(m_slice, NODE), momentum.own_chunk(v_slice, NODE),
+                count=t, v_count=v_count, hyper=hyper,
             )
             mask = padding_mask(u, shard_index, params[name].shape[-1])
             new_params[name] = jnp.where(mask, stepped, params[name])
@@ -744,14 +751,14 @@ class Trainer:
     def _onebit_adam_extra_bytes(self) -> int:
         """1-bit Adam's state beyond optax Adam's ``m`` and ``v`` shards.
 
-        Its ``m`` is the node's copy of this device's ``local`` slice
-        (``1/local`` of the model, not ``1/(nodes*local)``), plus the
-        receiver carry (``1/(nodes*local)``, with error feedback).
+        Its ``m`` and ``v`` are the node's copies of this device's ``local``
+        slice (``1/local`` of the model each, not ``1/(nodes*local)``), plus
+        the receiver carry (``1/(nodes*local)``, with error feedback).
         """
         if not self.onebit_adam:
             return 0
         padded = self.layout.padded_numel
-        extra = padded // self.local - padded // self.n_devices
+        extra = 2 * (padded // self.local - padded // self.n_devices)
         if self.error_feedback:
             extra += padded // self.n_devices
         return 4 * extra

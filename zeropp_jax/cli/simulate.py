@@ -91,7 +91,7 @@ _NOT_WITH_PUBLISHED = (
     "sweep_gbps", "nodes", "gpus_per_node", "inter_node_gbps", "intra_node_gbs",
     "peak_tflops", "efficiency", "params", "tokens_per_gpu", "float_bytes", "preset",
     "qwz_bits", "qwz_block", "hpz", "qgz", "qgz_error_feedback", "qgz_block", "qgz_warmup",
-    "qgz_min_grad_rms", "qgz_code", "scale_dtype",
+    "qgz_min_grad_rms", "qgz_code", "qgz_target", "scale_dtype",
 )
 
 
@@ -190,6 +190,7 @@ def _label(args: argparse.Namespace) -> str:
              f"--qwz-bits {args.qwz_bits}" if args.qwz_bits is not None else "",
              {True: "--hpz", False: "--no-hpz", None: ""}[args.hpz],
              f"--qgz-code {args.qgz_code}" if args.qgz_code else "",
+             f"--qgz-target {args.qgz_target}" if args.qgz_target else "",
              f"--scale-dtype {args.scale_dtype}" if args.scale_dtype else ""]
     return " ".join([args.preset] + [f for f in flags if f])
 
