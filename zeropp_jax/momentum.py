@@ -24,9 +24,10 @@ mean gradient (reduced over ``local`` at full precision):
 
 Compressing ``u`` rather than ``m`` (1-bit Adam's paper compresses ``m``)
 puts the code's error, one magnitude per block, in units of the update:
-compressing ``m``, a coordinate whose ``v`` is tiny (a gradient that is
-always zero, such as an attention key bias, has ``v = 0``) receives the
-block's magnitude and steps by ``lr * |m| / eps``, without bound.
+compressing ``m``, a coordinate whose ``v`` is tiny receives the block's
+magnitude and steps by about ``lr * |m_block| / eps``, without bound (in the
+example GPT the attention key biases: softmax ignores them, their gradient
+is ~1e-12, rounding noise).
 
 Both carries are optimizer state: what the two compressions lose is added to
 the next step's momentum, nothing is lost, only deferred. Measured on the

@@ -577,8 +577,8 @@ class Trainer:
                 # frozen, so the momentum recursion is the same there): the
                 # 1-bit code's shared block magnitude then errs in units of the
                 # update, not of m, where a coordinate with a tiny v (a gradient
-                # that is always zero, e.g. attention key biases) would turn the
-                # code's error into an unbounded step.
+                # that is ~0, e.g. attention key biases) would turn the code's
+                # error into an unbounded step.
                 d = momentum.preconditioner(v_slice, v_count, hyper)
                 local_u = momentum.next_momentum(m_slice / d, clip * g[name] / d, hyper.b1)
                 c = carry[name][0] if name in carry else None
