@@ -85,6 +85,25 @@ def test_compressed_steps_share_one_momentum_and_keep_what_they_lose():
     assert losses[-1] < losses[0] - 0.5 and np.all(np.isfinite(losses))
 
 
+def test_refresh_steps_update_v_at_full_precision():
+    trainer, params = _trainer(qgz_warmup_steps=2, qgz_refresh_every=2)
+    state = trainer.init(params)
+    batches = tiny_batches()
+    flags, v_counts = [], []
+    for i in range(6):
+        v_before = jax.device_get(state.opt_state.inner.v)
+        state, metrics = trainer.step(state, batches.batch_at(i))
+        flags.append(int(metrics["compressed"]))
+        v_counts.append(int(state.opt_state.inner.v_count))
+        v_after = jax.device_get(state.opt_state.inner.v)
+        changed = any(not np.array_equal(v_before[k], v_after[k]) for k in v_after)
+        assert changed == (flags[-1] == 0), i
+    assert flags == [0, 0, 1, 0, 1, 0]
+    assert v_counts == [1, 2, 2, 4, 4, 6]  # the step of v's last update
+    carries = jax.device_get(state.opt_state.qgz.carry)
+    assert all(np.abs(c).max() > 0 for c in carries.values())  # kept across refreshes
+
+
 def test_without_error_feedback_there_are_no_carries_and_other_losses():
     with_ef, params = _trainer(qgz_warmup_steps=1)
     without, _ = _trainer(qgz_warmup_steps=1, qgz_error_feedback=False)
@@ -145,6 +164,8 @@ def test_momentum_inter_node_bytes_vs_zero3(accum, limit):
         (dict(qgz_code="dither", qgz_error_feedback=False), "uses the sign code"),
         (dict(qgz_min_grad_rms=0.1), "set qgz_min_grad_rms=0"),
         (dict(qgz_target="both"), "qgz_target must be one of"),
+        (dict(qgz_refresh_every=-1), "qgz_refresh_every must be an integer >= 0"),
+        (dict(qgz_target="gradient", qgz_refresh_every=10), "it needs qgz_target='momentum'"),
     ],
 )
 def test_config_errors(overrides, message):

@@ -143,6 +143,9 @@ class ZeroConfig:
       qgz_min_grad_rms: compress only while the root-mean-square of the
         gradient (measured on the previous step) is at least this; ``0``
         disables the gate.
+      qgz_refresh_every: with ``qgz_target="momentum"``, every this many
+        steps after the warm-up one step runs at full precision and updates
+        Adam's second moment (``0``: ``v`` stays frozen after the warm-up).
       grad_accum: micro-batches per optimizer step.
       scale_dtype: dtype of the per-block scales on the wire.
       implementation: ``"auto"`` (Pallas on GPU, XLA elsewhere), ``"xla"`` or
@@ -163,6 +166,7 @@ class ZeroConfig:
     qgz_block: int | None = None
     qgz_warmup_steps: int = 0
     qgz_min_grad_rms: float = 0.0
+    qgz_refresh_every: int = 0
     grad_accum: int = 1
     scale_dtype: Any = jnp.float32
     implementation: str = "auto"
@@ -255,6 +259,16 @@ class ZeroConfig:
                     "with qgz_target='momentum' the global gradient is not formed on "
                     f"compressed steps, so set qgz_min_grad_rms=0 (got {self.qgz_min_grad_rms!r})"
                 )
+        if (isinstance(self.qgz_refresh_every, bool) or not isinstance(self.qgz_refresh_every, int)
+                or self.qgz_refresh_every < 0):
+            raise ValueError(
+                f"qgz_refresh_every must be an integer >= 0 (0: never), got {self.qgz_refresh_every!r}"
+            )
+        if self.qgz_refresh_every and self.qgz_target != "momentum":
+            raise ValueError(
+                "qgz_refresh_every refreshes 1-bit Adam's frozen second moment; it needs "
+                f"qgz_target='momentum' (got qgz_target={self.qgz_target!r})"
+            )
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"

@@ -10,7 +10,10 @@ mean gradient (reduced over ``local`` at full precision):
   all-reduced over ``node``, clipped by the global norm, and Adam runs as
   usual (``m`` and ``v`` both update);
 * compressed: Adam's second moment ``v`` is frozen (its bias correction
-  too), so ``d = sqrt(v_hat) + eps`` is a fixed per-coordinate scale and the
+  too; ``qgz_refresh_every = N`` runs every ``N``-th step after the warm-up
+  at full precision, which updates ``v`` as an average over time, decayed by
+  ``b2**k`` after ``k`` frozen steps, and re-expresses the carries in the
+  new ``d``), so ``d = sqrt(v_hat) + eps`` is a fixed per-coordinate scale and the
   momentum recursion holds for ``u = m / d``, the update direction. Node
   ``n`` forms its own ``b1 * u + (1 - b1) * clip_n * g_n / d`` around the
   shared ``u`` (``clip_n`` from node ``n``'s own gradient norm, the only norm
@@ -129,8 +132,9 @@ class OneBitAdamState(NamedTuple):
 
     Attributes:
       count: int32 ``()``, steps taken.
-      v_count: int32 ``()``, steps that updated ``v`` (full-precision ones):
-        ``v``'s bias correction stops with it.
+      v_count: int32 ``()``, the step count at ``v``'s last update (a
+        full-precision step): ``v`` averages over that much time, so its bias
+        correction is ``1 - b2**v_count``.
       m: dict unit -> float32 ``(nodes, [L,] U)``,
         ``P("node", [None,] "local")`` (one equal copy per node).
       v: dict unit -> float32 ``(nodes, [L,] U)``, like ``m``.
@@ -164,8 +168,8 @@ def next_momentum(m: jax.Array, g: jax.Array, b1: float) -> jax.Array:
     return b1 * m + (1.0 - b1) * g
 
 
-def next_second_moment(v: jax.Array, g: jax.Array, b2: float) -> jax.Array:
-    """Adam's second moment: ``b2 * v + (1 - b2) * g**2``."""
+def next_second_moment(v: jax.Array, g: jax.Array, b2: float | jax.Array) -> jax.Array:
+    """Adam's second moment: ``b2 * v + (1 - b2) * g**2`` (``b2**k`` after ``k`` steps frozen)."""
     return b2 * v + (1.0 - b2) * jnp.square(g)
 
 
@@ -181,7 +185,7 @@ def adam_step(
     """New parameters ``p - lr * m_hat / (sqrt(v_hat) + eps)`` (float32, same shape).
 
     ``count`` is the number of steps including this one (``m``'s bias
-    correction), ``v_count`` the number of updates ``v`` has had; the rate is
+    correction), ``v_count`` the step of ``v``'s last update; the rate is
     the schedule's at ``count - 1``, as in optax.
     """
     t = count.astype(jnp.float32)

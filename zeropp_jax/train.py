@@ -296,16 +296,20 @@ class Trainer:
         """The qgZ schedule: whether step ``step`` reduces compressed.
 
         Full precision for the first ``qgz_warmup_steps`` steps, and while the
-        last step's gradient RMS is below ``qgz_min_grad_rms`` (if set).
+        last step's gradient RMS is below ``qgz_min_grad_rms`` (if set); with
+        ``qgz_refresh_every = N``, also every ``N``-th step after the warm-up.
         """
         cfg = self.config
         if not self.qgz_active or step < cfg.qgz_warmup_steps:
+            return False
+        n = cfg.qgz_refresh_every
+        if n and (step - cfg.qgz_warmup_steps + 1) % n == 0:
             return False
         return not (cfg.qgz_min_grad_rms > 0 and grad_rms < cfg.qgz_min_grad_rms)
 
     def _schedule_is_static(self) -> bool:
         cfg = self.config
-        return cfg.qgz_warmup_steps == 0 and cfg.qgz_min_grad_rms == 0
+        return cfg.qgz_warmup_steps == 0 and cfg.qgz_min_grad_rms == 0 and not cfg.qgz_refresh_every
 
     def step(self, state: TrainState, batch: Any, *, compress: bool | None = None):
         """One optimizer step (``grad_accum`` micro-batches).
@@ -531,7 +535,8 @@ class Trainer:
             slice (the same on every node).
           carry: name -> float32 ``(1, [L,] padded / local)`` or empty.
           batch: pytree of ``(B / D, ...)`` arrays.
-          count, v_count: int32 scalars (steps taken, updates of ``v``).
+          count, v_count: int32 scalars (steps taken; the step count at
+            ``v``'s last update).
 
         Returns:
           ``(params, m, v, recv, carry, v_count, metrics)``. Full-precision
@@ -568,7 +573,7 @@ class Trainer:
 
         new_params, new_m, new_v, new_recv, new_carry = {}, {}, {}, {}, {}
         t = count + 1
-        v_count = v_count if compress else v_count + 1
+        new_v_count = v_count if compress else t  # the step of v's last update
         for u in self.layout.units:
             name = u.name
             m_slice, v_slice = m[name][0], v[name][0]
@@ -596,15 +601,22 @@ class Trainer:
                     new_carry[name], new_recv[name] = c[None], r
                 m_slice = jnp.where(slice_masks[name], shared, 0.0) * d
             else:
-                # exact, and the same on every node: all reduced the same gradient
+                # exact, and the same on every node: all reduced the same gradient.
+                # v is an average over time: a refresh after k compressed steps
+                # decays it by b2**k.
+                d_old = momentum.preconditioner(v_slice, v_count, hyper)
+                b2_k = hyper.b2 ** (t - v_count).astype(jnp.float32)
                 m_slice = momentum.next_momentum(m_slice, clip * g[name], hyper.b1)
-                v_slice = momentum.next_second_moment(v_slice, clip * g[name], hyper.b2)
-                if name in carry:  # nothing is compressed: the carries wait unchanged
-                    new_carry[name], new_recv[name] = carry[name], recv[name]
+                v_slice = momentum.next_second_moment(v_slice, clip * g[name], b2_k)
+                if name in carry:
+                    # the carries wait, re-expressed in the new update units
+                    ratio = d_old / momentum.preconditioner(v_slice, t, hyper)
+                    new_carry[name] = carry[name] * ratio[None]
+                    new_recv[name] = recv[name] * momentum.own_chunk(ratio, NODE)
             new_m[name], new_v[name] = m_slice[None], v_slice[None]
             stepped = momentum.adam_step(
                 params[name], momentum.own_chunk(m_slice, NODE), momentum.own_chunk(v_slice, NODE),
-                count=t, v_count=v_count, hyper=hyper,
+                count=t, v_count=new_v_count, hyper=hyper,
             )
             mask = padding_mask(u, shard_index, params[name].shape[-1])
             new_params[name] = jnp.where(mask, stepped, params[name])
@@ -612,7 +624,7 @@ class Trainer:
         # gradient norm (the global gradient is never formed there).
         sq_metric = jax.lax.pmean(sq, NODE) if compress else sq
         metrics = self._metrics(losses, sq_metric, compress)
-        return new_params, new_m, new_v, new_recv, new_carry, v_count, metrics
+        return new_params, new_m, new_v, new_recv, new_carry, new_v_count, metrics
 
     def _accumulate(self, params: dict, batch: Any) -> tuple[dict, jax.Array]:
         """Gradients of all micro-batches, summed (inside shard_map).

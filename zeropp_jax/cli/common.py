@@ -120,6 +120,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         "gradient) or Adam's momentum (1-bit Adam: error feedback on the momentum, "
         "Adam's second moment frozen after --qgz-warmup)",
     )
+    g.add_argument(
+        "--qgz-refresh-every", type=non_negative_int, default=None,
+        help="with --qgz-target momentum: every N-th step after the warm-up runs at full "
+        "precision and refreshes Adam's second moment (0: never)",
+    )
     g.add_argument("--qgz-block", type=positive_int, default=None)
     g.add_argument(
         "--qgz-warmup", type=non_negative_int, default=None,
@@ -237,6 +242,7 @@ def build_config(args: argparse.Namespace):
         qgz_block=args.qgz_block,
         qgz_warmup_steps=args.qgz_warmup,
         qgz_min_grad_rms=args.qgz_min_grad_rms,
+        qgz_refresh_every=args.qgz_refresh_every,
         grad_accum=args.grad_accum,
         scale_dtype=args.scale_dtype,
         implementation=args.implementation,
