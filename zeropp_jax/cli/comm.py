@@ -89,6 +89,14 @@ def report(args: argparse.Namespace) -> tuple[dict, str]:
     out["inter_node_bytes"] = first["inter_node_bytes"]
     out["intra_node_bytes"] = first["intra_node_bytes"]
     out["memory"] = first.get("memory")
+    refresh = trainer.config.qgz_refresh_every
+    if trainer.qgz_active and refresh:
+        # 1-bit Adam's refresh: one full-precision step in every `refresh`
+        # after the warm-up; the mean over that cycle is the steady state.
+        full = out["variants"]["full_precision"]["report"]
+        out["refresh_every"] = refresh
+        for key in ("inter_node_bytes", "intra_node_bytes"):
+            out[f"mean_{key}"] = ((refresh - 1) * first[key] + full[key]) / refresh
     return out, main_hlo
 
 
@@ -101,6 +109,12 @@ def format_result(result: dict) -> str:
             f"{k} {v / 2**20:.2f} MiB" for k, v in t["memory_per_device"].items()
         ),
     ]
+    if "refresh_every" in result:
+        lines.append(
+            f"mean over one refresh cycle ({result['refresh_every'] - 1} compressed steps + 1 "
+            f"full-precision): inter-node {result['mean_inter_node_bytes'] / 2**20:.3f} MiB/node, "
+            f"intra-node {result['mean_intra_node_bytes'] / 2**20:.3f} MiB/device"
+        )
     for name, variant in result["variants"].items():
         lines.append("")
         lines.append(f"[{name}] per optimizer step")
