@@ -49,6 +49,24 @@ def test_warmup_steps_are_clipped_adam_exactly():
     assert int(state.opt_state.inner.v_count) == 4
 
 
+def test_on_one_node_it_is_clipped_adam():
+    """Nothing crosses nodes: qgZ is inactive and the step is Adam throughout."""
+    params = gpt.init_params(TINY, jax.random.key(0))
+    losses, active = {}, {}
+    for name, opt, overrides in (
+        ("1bit-adam", zp.onebit_adam(3e-3, clip_norm=1.0),
+         dict(qgz="1bit", qgz_target="momentum", qgz_warmup_steps=1, qgz_refresh_every=2)),
+        ("optax", optimizer(), {}),
+    ):
+        config = zp.ZeroConfig.from_preset("hpz", compute_dtype="float32", qwz_bits=8, **overrides)
+        trainer = zp.make_trainer(gpt_loss(), opt, params, mesh=mesh_of(1, 8), config=config,
+                                  per_layer=True, stacked=("blocks",))
+        losses[name], _ = zero_run(trainer, params, tiny_batches(), 4)
+        active[name] = trainer.qgz_active
+    assert active == {"1bit-adam": False, "optax": False}
+    np.testing.assert_allclose(losses["1bit-adam"], losses["optax"], rtol=1e-5)
+
+
 def _blocks_share_one_magnitude(x: np.ndarray) -> bool:
     """Every block of ``x`` (last axis) holds +-s or 0 (masked padding): a 1-bit code."""
     blocks = np.abs(x.reshape(-1, BLOCK))

@@ -106,10 +106,15 @@ def all_reduce(x: jax.Array, axes: Axes, dtype: Any = None) -> jax.Array:
       axes: mesh axes to reduce over.
       dtype: dtype on the wire (``None``: ``x.dtype``); the result is cast
         back to ``x.dtype``.
+
+    Returns:
+      The sum, invariant over ``axes`` (also for a group of one device).
     """
     axes = tuple(axes)
     if axes_size(axes) == 1:
-        return x
+        # no transfer, but still a psum: the result is invariant over `axes`
+        # (shard_map's replication check), and XLA drops a group of one
+        return jax.lax.psum(x, axes)
     wire = x if dtype is None else x.astype(dtype)
     return jax.lax.psum(wire, axes).astype(x.dtype)
 
