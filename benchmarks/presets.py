@@ -450,7 +450,7 @@ def format_report(result: dict) -> str:
     conv = result.get("convergence")
     if conv:
         lines += [
-            f"## Convergence ({result['steps']} steps, seed 0, default data, zeropp-train defaults)",
+            f"## Convergence ({result['steps']} steps, seed {result.get('seed', 0)}, default data, zeropp-train defaults)",
             "",
             "| preset | first loss | final loss | mean loss last 10% | vs zero3 | compressed steps | train s |",
             "|---|---:|---:|---:|---:|---:|---:|",
