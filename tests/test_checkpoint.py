@@ -97,7 +97,7 @@ def runs(tmp_path_factory):
 def carry_sum(carry: dict, tr) -> dict:
     """Total deferred gradient per unit (sum over nodes), real elements only."""
     return {
-        k: np.asarray(v, np.float64)[..., : tr.layout.unit(k).numel].sum(axis=0)
+        k: np.asarray(v, np.float64)[..., : tr.layout.unit(k).extent].sum(axis=0)
         for k, v in carry.items()
     }
 

@@ -29,7 +29,7 @@ reads each leaf in the way its shapes allow:
   the target shardings, no host round trip;
 * parameter-shaped leaves (``params`` and every optimizer-state leaf under a
   unit's name with the unit's stored shape: Adam's ``mu`` / ``nu``, ...)
-  whose padding differs: read to host numpy, cut to the unit's real numel
+  whose padding differs: read to host numpy, cut after the unit's last leaf
   (old layout), padded again (new layout), placed on the new mesh;
 * the qgZ carry ``(nodes, [L,] padded)``: row ``n`` is node ``n``'s deferred
   gradient and only the sum over nodes matters, so with another node count
@@ -233,10 +233,18 @@ def _check_layout(saved: dict, layout: ParamLayout, where: str) -> None:
                 f"{u['stack'] or 1} in the trainer's model"
             )
         for lo, ln in zip(o["leaves"], u["leaves"]):
-            if (lo["path"], lo["shape"], lo["offset"]) != (ln["path"], ln["shape"], ln["offset"]):
+            if (lo["path"], lo["shape"]) != (ln["path"], ln["shape"]):
                 raise CheckpointMismatchError(
                     f"{where}: unit {name!r}: checkpoint leaf {lo['path']} {tuple(lo['shape'])} "
                     f"does not match the model's leaf {ln['path']} {tuple(ln['shape'])}"
+                )
+            if lo["offset"] != ln["offset"]:
+                raise CheckpointMismatchError(
+                    f"{where}: unit {name!r}: leaf {ln['path']} starts at element "
+                    f"{lo['offset']} in the checkpoint but at {ln['offset']} in the trainer: "
+                    "with qwZ on, every leaf starts at a multiple of qwz_block, so the "
+                    "checkpoint was written with another qwz_bits / qwz_block; restore it "
+                    "with the same qwZ setting (or qwz_bits=0 on both sides)"
                 )
         if len(o["leaves"]) != len(u["leaves"]):
             raise CheckpointMismatchError(
@@ -246,10 +254,14 @@ def _check_layout(saved: dict, layout: ParamLayout, where: str) -> None:
 
 
 # -------------------------------------------------------------- re-padding
-def _repad(x: np.ndarray, numel: int, padded: int, dtype: Any) -> np.ndarray:
-    """Cuts the last axis to ``numel`` real elements and zero-pads to ``padded``."""
+def _repad(x: np.ndarray, extent: int, padded: int, dtype: Any) -> np.ndarray:
+    """Cuts the last axis to the ``extent`` elements that hold leaves and zero-pads to ``padded``.
+
+    The leaf offsets are the same in the checkpoint and the trainer
+    (:func:`_check_layout`), so only the tail padding differs.
+    """
     out = np.zeros(x.shape[:-1] + (padded,), dtype)
-    out[..., :numel] = x[..., :numel]
+    out[..., :extent] = x[..., :extent]
     return out
 
 
@@ -694,10 +706,10 @@ class _Plan:
                     "written with another optimizer?"
                 )
             args[key] = _NUMPY
-            numel, padded = self.new_units[unit].numel, self.new_units[unit].padded
+            extent, padded = self.new_units[unit].extent, self.new_units[unit].padded
 
-            def make(values, key=key, tgt=tgt, numel=numel, padded=padded):
-                return _place(_repad(values[key], numel, padded, tgt.dtype), tgt)
+            def make(values, key=key, tgt=tgt, extent=extent, padded=padded):
+                return _place(_repad(values[key], extent, padded, tgt.dtype), tgt)
 
             makers.append(make)
         unused = [k for k in stored if k not in target and k not in carry_keys]
@@ -741,11 +753,11 @@ class _Plan:
         def make(values):
             carry = np.asarray(values[key], np.float32)
             if new_nodes == self.old_nodes:
-                host = _repad(carry, new.numel, new.padded, tgt.dtype)
+                host = _repad(carry, new.extent, new.padded, tgt.dtype)
             else:
                 total = carry.sum(axis=0, dtype=np.float64)
                 host = np.zeros(tgt.shape, tgt.dtype)
-                host[0] = _repad(total, new.numel, new.padded, tgt.dtype)
+                host[0] = _repad(total, new.extent, new.padded, tgt.dtype)
             return _place(host, tgt)
 
         return make

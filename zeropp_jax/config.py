@@ -320,6 +320,15 @@ class ZeroConfig:
             align = _lcm(align, block)
         return align
 
+    def leaf_alignment(self) -> int:
+        """Elements every parameter leaf starts at a multiple of.
+
+        With qwZ on, the qwZ block: then no int8 / int4 block mixes two
+        tensors (a LayerNorm bias sharing a block with its scale of ~1 was
+        quantized in steps of ~1/127, 3-14% of its size; benchmarks/RESULTS.md).
+        """
+        return self.qwz_block if self.qwz_bits else 1
+
     def resolved_compute_dtype(self, backend: str) -> Any:
         if self.compute_dtype is not None:
             return self.compute_dtype

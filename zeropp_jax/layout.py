@@ -5,6 +5,10 @@ leaves of a sub-pytree, flattened in tree order, concatenated and padded with
 zeros so that every one of the ``D = nodes * local`` devices holds an equal
 shard whose length is a multiple of the quantization blocks.  Any leaf shape
 works: scalars, odd sizes, sizes that are not multiples of 8 or of ``D``.
+With ``leaf_align > 1`` (the qwZ block when qwZ is on) every leaf starts at
+a multiple of it, zeros filling the gaps, so no quantization block holds
+values of two tensors (whose scales may differ 100-fold: a LayerNorm's bias
+and scale).
 
 A *stacked* unit holds ``L`` layers of identical structure (the usual
 ``lax.scan`` layout): leaves of shape ``(L, *s)`` become a ``(L, padded)``
@@ -58,6 +62,8 @@ class UnitLayout:
       stack: number of stacked layers, or ``None`` for a single unit.
       numel: real elements per layer.
       padded: stored elements per layer (multiple of ``devices * align``).
+      leaf_align: every leaf starts at a multiple of this (``1``: leaves are
+        packed back to back); the gaps between leaves hold zeros.
     """
 
     name: str
@@ -66,10 +72,28 @@ class UnitLayout:
     stack: int | None
     numel: int
     padded: int
+    leaf_align: int = 1
 
     @property
     def global_shape(self) -> tuple[int, ...]:
         return (self.padded,) if self.stack is None else (self.stack, self.padded)
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        """``(start, end)`` of the real elements, adjacent leaves merged."""
+        out: list[list[int]] = []
+        for spec in self.leaves:
+            if out and out[-1][1] == spec.offset:
+                out[-1][1] += spec.size
+            else:
+                out.append([spec.offset, spec.offset + spec.size])
+        return tuple((a, b) for a, b in out)
+
+    @property
+    def extent(self) -> int:
+        """Elements up to the end of the last leaf (real ones plus gaps)."""
+        last = self.leaves[-1]
+        return last.offset + last.size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +141,7 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 def _unit_layout(
-    name: str, tree: Any, *, stacked: bool, n_devices: int, align: int
+    name: str, tree: Any, *, stacked: bool, n_devices: int, align: int, leaf_align: int = 1
 ) -> UnitLayout:
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     if not leaves_with_path:
@@ -149,10 +173,12 @@ def _unit_layout(
                 )
             shape = shape[1:]
         size = math.prod(shape)
+        offset = _round_up(offset, leaf_align)
         specs.append(LeafSpec(leaf_path, shape, jnp.dtype(dtype), offset, size))
         offset += size
     padded = _round_up(max(offset, 1), n_devices * align)
-    return UnitLayout(name, treedef, tuple(specs), stack, offset, padded)
+    numel = sum(spec.size for spec in specs)
+    return UnitLayout(name, treedef, tuple(specs), stack, numel, padded, leaf_align)
 
 
 def build_layout(
@@ -162,6 +188,7 @@ def build_layout(
     align: int,
     per_layer: bool = True,
     stacked: Sequence[str] = (),
+    leaf_align: int = 1,
 ) -> ParamLayout:
     """Plans the units of a parameter pytree.
 
@@ -174,6 +201,8 @@ def build_layout(
         if ``False`` the whole pytree is one unit, gathered before the loss.
       stacked: top-level keys whose leaves carry a leading layer axis; each
         layer is gathered separately.
+      leaf_align: start every leaf at a multiple of this many elements
+        (the qwZ block: then no quantization block mixes two tensors).
 
     Returns:
       The :class:`ParamLayout`.
@@ -186,7 +215,8 @@ def build_layout(
                 "drop stacked"
             )
         unit = _unit_layout(
-            WHOLE_MODEL, params, stacked=False, n_devices=n_devices, align=align
+            WHOLE_MODEL, params, stacked=False, n_devices=n_devices, align=align,
+            leaf_align=leaf_align,
         )
         return ParamLayout((unit,), True, n_devices)
     if not isinstance(params, Mapping):
@@ -203,7 +233,8 @@ def build_layout(
         )
     units = tuple(
         _unit_layout(
-            str(k), v, stacked=k in stacked, n_devices=n_devices, align=align
+            str(k), v, stacked=k in stacked, n_devices=n_devices, align=align,
+            leaf_align=leaf_align,
         )
         for k, v in params.items()
     )
@@ -218,9 +249,13 @@ def flatten_unit(tree: Any, unit: UnitLayout) -> jax.Array:
     """
     leaves = jax.tree_util.tree_leaves(tree)
     lead = () if unit.stack is None else (unit.stack,)
-    parts = [jnp.reshape(jnp.asarray(x, jnp.float32), lead + (-1,)) for x in leaves]
-    pad = unit.padded - unit.numel
-    parts.append(jnp.zeros(lead + (pad,), jnp.float32))
+    parts, end = [], 0
+    for spec, x in zip(unit.leaves, leaves):
+        if spec.offset > end:  # the gap before a leaf aligned to leaf_align
+            parts.append(jnp.zeros(lead + (spec.offset - end,), jnp.float32))
+        parts.append(jnp.reshape(jnp.asarray(x, jnp.float32), lead + (-1,)))
+        end = spec.offset + spec.size
+    parts.append(jnp.zeros(lead + (unit.padded - end,), jnp.float32))
     return jnp.concatenate(parts, axis=-1)
 
 
@@ -272,5 +307,8 @@ def padding_mask(unit: UnitLayout, shard_index: jax.Array, shard_size: int) -> j
       shard_index: index of the shard along the flat vector (traced scalar).
       shard_size: elements per shard.
     """
-    start = shard_index * shard_size
-    return (jnp.arange(shard_size) + start) < unit.numel
+    index = jnp.arange(shard_size) + shard_index * shard_size
+    mask = jnp.zeros((shard_size,), bool)
+    for start, end in unit.ranges:  # one range unless leaves are aligned
+        mask = mask | ((index >= start) & (index < end))
+    return mask

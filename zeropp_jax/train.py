@@ -875,6 +875,7 @@ def make_trainer(
         align=config.alignment(),
         per_layer=per_layer,
         stacked=stacked,
+        leaf_align=config.leaf_alignment(),
     )
     trainer = Trainer(loss_fn, optimizer, mesh, config, layout)
     if trainer.kernels.name != "xla":

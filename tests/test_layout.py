@@ -1,0 +1,66 @@
+"""Unit layout: leaves aligned to the qwZ block, gaps, padding mask, round trip."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import zeropp_jax as zp
+from zeropp_jax import quantization
+from zeropp_jax.layout import build_layout, flatten_unit, padding_mask, unflatten_unit
+
+
+def _tree(seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "layer": {
+            "bias": rng.normal(size=(5,)).astype(np.float32) * 0.01,
+            "kernel": rng.normal(size=(3, 7)).astype(np.float32),
+            "scale": np.float32(1.5),
+            "w": rng.normal(size=(9,)).astype(np.float32),
+        }
+    }
+
+
+@pytest.mark.parametrize("leaf_align", [1, 8, 16])
+def test_leaves_start_at_multiples_and_round_trip(leaf_align):
+    tree = _tree()
+    layout = build_layout(tree, n_devices=2, align=8, leaf_align=leaf_align)
+    (unit,) = layout.units
+    offsets = [s.offset for s in unit.leaves]
+    assert all(o % leaf_align == 0 for o in offsets)
+    if leaf_align == 1:
+        assert offsets == [0, 5, 26, 27]  # packed back to back, as before
+    assert unit.numel == 5 + 21 + 1 + 9 and unit.padded % 16 == 0
+    flat = np.asarray(flatten_unit(tree["layer"], unit))
+    back = unflatten_unit(jnp.asarray(flat), unit)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree["layer"])):
+        np.testing.assert_array_equal(np.asarray(a), np.reshape(b, np.shape(a)))
+    # the padding mask marks exactly the leaves' elements, shard by shard
+    shard = unit.padded // 2
+    mask = np.concatenate([np.asarray(padding_mask(unit, jnp.int32(i), shard)) for i in range(2)])
+    expected = np.zeros(unit.padded, bool)
+    for s in unit.leaves:
+        expected[s.offset:s.offset + s.size] = True
+    np.testing.assert_array_equal(mask, expected)
+    assert mask.sum() == unit.numel and np.all(flat[~expected] == 0)
+
+
+def test_qwz_blocks_never_mix_two_leaves():
+    """With qwZ on, a small bias is quantized with its own scale, not its neighbour's."""
+    bias = np.full((5,), 0.013, np.float32)
+    tree = {"ln": {"bias": bias, "scale": np.ones((27,), np.float32)}}
+    config = zp.ZeroConfig.from_preset("qwz", qwz_block=16)
+    assert config.leaf_alignment() == 16 and zp.ZeroConfig().leaf_alignment() == 1
+    errors = {}
+    for leaf_align in (1, config.leaf_alignment()):
+        (unit,) = build_layout(tree, n_devices=1, align=16, leaf_align=leaf_align).units
+        flat = flatten_unit(tree["ln"], unit)
+        q = quantization.quantize(flat, bits=8, block=16)
+        deq = quantization.dequantize(q, bits=8, block=16, dtype=jnp.float32)
+        got = np.asarray(unflatten_unit(deq, unit)["bias"])
+        errors[leaf_align] = np.abs(got - bias).max() / 0.013
+    assert errors[1] > 0.1  # one step of 1/127 in a block whose absmax is 1
+    assert errors[16] < 1e-6  # its own block: the bias is the block's absmax
