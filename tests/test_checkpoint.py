@@ -199,6 +199,17 @@ def test_carry_starts_at_zero_when_the_checkpoint_has_none(runs):
         assert not np.any(np.asarray(v))
 
 
+def test_zero3_checkpoint_moves_into_the_qwz_leaf_aligned_layout(runs):
+    """qwZ aligns leaves to its block: a zero3 checkpoint's leaves are re-packed."""
+    z3, zpp = trainer("zero3", 2, 4), trainer("zeropp", 2, 4)
+    offsets = lambda tr: [s.offset for s in tr.layout.unit("blocks").leaves]
+    assert offsets(z3) != offsets(zpp)
+    want = z3.gather_params(Checkpointer(runs["zero3"]["dir"]).restore(z3, step=RESUME))
+    got = zpp.gather_params(Checkpointer(runs["zero3"]["dir"]).restore(zpp, step=RESUME))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
+
+
 # --- crash safety ---------------------------------------------------------------
 
 KILLED_SAVE = """

@@ -29,8 +29,9 @@ reads each leaf in the way its shapes allow:
   the target shardings, no host round trip;
 * parameter-shaped leaves (``params`` and every optimizer-state leaf under a
   unit's name with the unit's stored shape: Adam's ``mu`` / ``nu``, ...)
-  whose padding differs: read to host numpy, cut after the unit's last leaf
-  (old layout), padded again (new layout), placed on the new mesh;
+  whose padding or leaf offsets differ (another mesh; qwZ on one side only,
+  which aligns leaves to its block): read to host numpy, every leaf moved
+  from its stored offset to the trainer's, placed on the new mesh;
 * the qgZ carry ``(nodes, [L,] padded)``: row ``n`` is node ``n``'s deferred
   gradient and only the sum over nodes matters, so with another node count
   the rows are summed (nothing is lost) into the new node 0's row, zeros
@@ -84,7 +85,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeropp_jax.layout import ParamLayout, join_units
+from zeropp_jax.layout import ParamLayout, UnitLayout, join_units
 from zeropp_jax.mesh import mesh_shape
 from zeropp_jax.train import Trainer, TrainState, ZeroOptState
 
@@ -238,14 +239,6 @@ def _check_layout(saved: dict, layout: ParamLayout, where: str) -> None:
                     f"{where}: unit {name!r}: checkpoint leaf {lo['path']} {tuple(lo['shape'])} "
                     f"does not match the model's leaf {ln['path']} {tuple(ln['shape'])}"
                 )
-            if lo["offset"] != ln["offset"]:
-                raise CheckpointMismatchError(
-                    f"{where}: unit {name!r}: leaf {ln['path']} starts at element "
-                    f"{lo['offset']} in the checkpoint but at {ln['offset']} in the trainer: "
-                    "with qwZ on, every leaf starts at a multiple of qwz_block, so the "
-                    "checkpoint was written with another qwz_bits / qwz_block; restore it "
-                    "with the same qwZ setting (or qwz_bits=0 on both sides)"
-                )
         if len(o["leaves"]) != len(u["leaves"]):
             raise CheckpointMismatchError(
                 f"{where}: unit {name!r} has {len(o['leaves'])} leaves in the checkpoint "
@@ -254,15 +247,29 @@ def _check_layout(saved: dict, layout: ParamLayout, where: str) -> None:
 
 
 # -------------------------------------------------------------- re-padding
-def _repad(x: np.ndarray, extent: int, padded: int, dtype: Any) -> np.ndarray:
-    """Cuts the last axis to the ``extent`` elements that hold leaves and zero-pads to ``padded``.
+def _repack(x: np.ndarray, old: dict, new: UnitLayout, dtype: Any) -> np.ndarray:
+    """Moves every leaf from its offset in the stored layout to the trainer's.
 
-    The leaf offsets are the same in the checkpoint and the trainer
-    (:func:`_check_layout`), so only the tail padding differs.
+    Args:
+      x: ``(..., old padded)`` host array of one unit.
+      old: the unit's stored layout (:func:`layout_to_json`).
+      new: the trainer's :class:`~zeropp_jax.layout.UnitLayout` (its
+        padding, and its leaf offsets when qwZ aligns leaves, may differ).
+
+    Returns:
+      ``(..., new.padded)`` in ``dtype``, zeros outside the leaves.
     """
-    out = np.zeros(x.shape[:-1] + (padded,), dtype)
-    out[..., :extent] = x[..., :extent]
+    out = np.zeros(x.shape[:-1] + (new.padded,), dtype)
+    for lo, spec in zip(old["leaves"], new.leaves):
+        out[..., spec.offset:spec.offset + spec.size] = x[..., lo["offset"]:lo["offset"] + spec.size]
     return out
+
+
+def _same_layout(old: dict, new: UnitLayout) -> bool:
+    """Whether a stored unit can be read as it is (same padding and offsets)."""
+    return old["padded"] == new.padded and [lo["offset"] for lo in old["leaves"]] == [
+        spec.offset for spec in new.leaves
+    ]
 
 
 def _place(host: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
@@ -667,6 +674,34 @@ class _Plan:
             return name
         return None
 
+    def _per_node_unit_of(self, key, stored_shape, target_shape):
+        """The unit of a ``(nodes, [L,] padded)`` leaf under a unit's name, else ``None``."""
+        name = key[-1] if key else None
+        if name not in self.new_units or len(stored_shape) < 2:
+            return None
+        old, new = self.old_units[name], self.new_units[name]
+        if (tuple(stored_shape[1:]) == _global_shape(old) and stored_shape[0] == self.old_nodes
+                and tuple(target_shape[1:]) == new.global_shape):
+            return name
+        return None
+
+    def _per_node_maker(self, key, unit, tgt, args):
+        old, new = self.old_units[unit], self.new_units[unit]
+        src_nodes, new_nodes = self.old_nodes, tgt.shape[0]
+        if src_nodes != new_nodes:
+            raise CheckpointMismatchError(
+                f"{self.where}: {'/'.join(key)} holds one row per node ({src_nodes} in the "
+                f"checkpoint, mesh {self.old_mesh}); the trainer has {new_nodes} nodes. "
+                "1-bit Adam's per-node state restores onto the same node count only"
+            )
+        if _same_layout(old, new):
+            args[key] = ocp.ArrayRestoreArgs(
+                sharding=tgt.sharding, global_shape=tgt.shape, dtype=tgt.dtype
+            )
+            return lambda values: values[key]
+        args[key] = _NUMPY
+        return lambda values: _place(_repack(np.asarray(values[key]), old, new, tgt.dtype), tgt)
+
     def item(self, stored: dict, target: dict, *, params: bool):
         """Restore args per stored key, and a function making the target leaves.
 
@@ -691,13 +726,18 @@ class _Plan:
                     "was it written with another optimizer?"
                 )
             src = stored[key]
-            if tuple(src.shape) == tuple(tgt.shape):
+            per_node = self._per_node_unit_of(key, src.shape, tgt.shape)
+            if per_node is not None:  # 1-bit Adam's m / v: one row per node
+                makers.append(self._per_node_maker(key, per_node, tgt, args))
+                continue
+            unit = self._unit_of(key, src.shape, tgt.shape)
+            same = unit is None or _same_layout(self.old_units[unit], self.new_units[unit])
+            if tuple(src.shape) == tuple(tgt.shape) and same:
                 args[key] = ocp.ArrayRestoreArgs(
                     sharding=tgt.sharding, global_shape=tgt.shape, dtype=tgt.dtype
                 )
                 makers.append(lambda values, key=key: values[key])
                 continue
-            unit = self._unit_of(key, src.shape, tgt.shape)
             if unit is None:
                 raise CheckpointMismatchError(
                     f"{self.where}: {what} leaf {name!r} has shape {tuple(src.shape)} in the "
@@ -706,10 +746,10 @@ class _Plan:
                     "written with another optimizer?"
                 )
             args[key] = _NUMPY
-            extent, padded = self.new_units[unit].extent, self.new_units[unit].padded
+            old_unit, new_unit = self.old_units[unit], self.new_units[unit]
 
-            def make(values, key=key, tgt=tgt, extent=extent, padded=padded):
-                return _place(_repad(values[key], extent, padded, tgt.dtype), tgt)
+            def make(values, key=key, tgt=tgt, old_unit=old_unit, new_unit=new_unit):
+                return _place(_repack(values[key], old_unit, new_unit, tgt.dtype), tgt)
 
             makers.append(make)
         unused = [k for k in stored if k not in target and k not in carry_keys]
@@ -742,7 +782,7 @@ class _Plan:
                 f"{self.where}: qgZ carry of unit {unit!r} has shape {tuple(src.shape)}, "
                 f"expected {expected} for mesh {self.old_mesh}"
             )
-        if tuple(src.shape) == tuple(tgt.shape):
+        if tuple(src.shape) == tuple(tgt.shape) and _same_layout(old, new):
             args[key] = ocp.ArrayRestoreArgs(
                 sharding=tgt.sharding, global_shape=tgt.shape, dtype=tgt.dtype
             )
@@ -753,11 +793,11 @@ class _Plan:
         def make(values):
             carry = np.asarray(values[key], np.float32)
             if new_nodes == self.old_nodes:
-                host = _repad(carry, new.extent, new.padded, tgt.dtype)
+                host = _repack(carry, old, new, tgt.dtype)
             else:
                 total = carry.sum(axis=0, dtype=np.float64)
                 host = np.zeros(tgt.shape, tgt.dtype)
-                host[0] = _repad(total, new.extent, new.padded, tgt.dtype)
+                host[0] = _repack(total, old, new, tgt.dtype)
             return _place(host, tgt)
 
         return make
