@@ -20,6 +20,11 @@ Inside the shard_map, per optimizer step:
 4. Gradients are divided by ``devices * grad_accum`` (the exact
    data-parallel mean) and padding is zeroed.
 
+With ``qgz_target="momentum"`` steps 3-4 are replaced by 1-bit Adam
+(:mod:`zeropp_jax.momentum`), which runs inside the shard_map because its
+exchange is of the momentum, not of the gradient; everything below applies
+to the default ``qgz_target="gradient"``.
+
 The optimizer then runs on the sharded float32 units under the same ``jit``;
 element-wise transforms stay local and global reductions (e.g.
 ``clip_by_global_norm``) are partitioned by XLA, so they are exact.  The
