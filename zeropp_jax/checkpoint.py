@@ -272,6 +272,12 @@ def _same_layout(old: dict, new: UnitLayout) -> bool:
     ]
 
 
+def _read_as_stored(args: dict, key: tuple[str, ...], tgt: jax.ShapeDtypeStruct):
+    """Orbax reads ``key`` straight onto the target sharding; returns its maker."""
+    args[key] = ocp.ArrayRestoreArgs(sharding=tgt.sharding, global_shape=tgt.shape, dtype=tgt.dtype)
+    return lambda values: values[key]
+
+
 def _place(host: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
     """Host array (the same on every process) -> global array on the target sharding."""
     host = np.asarray(host, target.dtype)
@@ -695,10 +701,7 @@ class _Plan:
                 "1-bit Adam's per-node state restores onto the same node count only"
             )
         if _same_layout(old, new):
-            args[key] = ocp.ArrayRestoreArgs(
-                sharding=tgt.sharding, global_shape=tgt.shape, dtype=tgt.dtype
-            )
-            return lambda values: values[key]
+            return _read_as_stored(args, key, tgt)
         args[key] = _NUMPY
         return lambda values: _place(_repack(np.asarray(values[key]), old, new, tgt.dtype), tgt)
 
@@ -733,10 +736,7 @@ class _Plan:
             unit = self._unit_of(key, src.shape, tgt.shape)
             same = unit is None or _same_layout(self.old_units[unit], self.new_units[unit])
             if tuple(src.shape) == tuple(tgt.shape) and same:
-                args[key] = ocp.ArrayRestoreArgs(
-                    sharding=tgt.sharding, global_shape=tgt.shape, dtype=tgt.dtype
-                )
-                makers.append(lambda values, key=key: values[key])
+                makers.append(_read_as_stored(args, key, tgt))
                 continue
             if unit is None:
                 raise CheckpointMismatchError(
@@ -783,10 +783,7 @@ class _Plan:
                 f"expected {expected} for mesh {self.old_mesh}"
             )
         if tuple(src.shape) == tuple(tgt.shape) and _same_layout(old, new):
-            args[key] = ocp.ArrayRestoreArgs(
-                sharding=tgt.sharding, global_shape=tgt.shape, dtype=tgt.dtype
-            )
-            return lambda values: values[key]
+            return _read_as_stored(args, key, tgt)
         args[key] = _NUMPY
         new_nodes = tgt.shape[0]
 

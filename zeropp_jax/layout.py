@@ -62,8 +62,8 @@ class UnitLayout:
       stack: number of stacked layers, or ``None`` for a single unit.
       numel: real elements per layer.
       padded: stored elements per layer (multiple of ``devices * align``).
-      leaf_align: every leaf starts at a multiple of this (``1``: leaves are
-        packed back to back); the gaps between leaves hold zeros.
+        Leaves may have gaps of zeros between them (``leaf_align`` of
+        :func:`build_layout`); their offsets say where each one starts.
     """
 
     name: str
@@ -72,7 +72,6 @@ class UnitLayout:
     stack: int | None
     numel: int
     padded: int
-    leaf_align: int = 1
 
     @property
     def global_shape(self) -> tuple[int, ...]:
@@ -178,7 +177,7 @@ def _unit_layout(
         offset += size
     padded = _round_up(max(offset, 1), n_devices * align)
     numel = sum(spec.size for spec in specs)
-    return UnitLayout(name, treedef, tuple(specs), stack, numel, padded, leaf_align)
+    return UnitLayout(name, treedef, tuple(specs), stack, numel, padded)
 
 
 def build_layout(

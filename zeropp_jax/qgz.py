@@ -126,23 +126,45 @@ def cross_node_reduce(
         return ordered_chunk_sum(values), None, sent  # the order of dequantize_sum
     if code != "sign":
         raise ValueError(f"code must be 'sign' or 'dither' (1-bit only), got {code!r}.")
-    if bits == 1:
-        zeros = jnp.zeros_like(g) if carry is None else carry
-        q, residual = kernels.compress_1bit_ef(
-            chunked(g), chunked(zeros), block=block, scale_dtype=scale_dtype
-        )
-        residual = jnp.reshape(residual, x.shape)
-        sent = x - residual
-    else:
-        q = kernels.quantize(chunked(x), bits=bits, block=block, scale_dtype=scale_dtype)
-        sent = kernels.dequantize(q, bits=bits, block=block, dtype=jnp.float32)
-        sent = jnp.reshape(sent, x.shape)
-        residual = x - sent
+    q, sent, residual = _quantize_with_carry(
+        chunked(g), None if carry is None else chunked(carry),
+        bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels,
+    )
+    sent, residual = jnp.reshape(sent, x.shape), jnp.reshape(residual, x.shape)
     received = collectives.all_to_all_chunks(q, NODE)
     reduced = kernels.dequantize_sum(received, bits=bits, block=block)
     new_carry = None if carry is None else residual
     return reduced, new_carry, sent
 
+
+
+def _quantize_with_carry(
+    g: jax.Array,
+    carry: jax.Array | None,
+    *,
+    bits: int,
+    block: int,
+    scale_dtype: Any,
+    kernels: kernels_lib.Kernels,
+) -> tuple[Any, jax.Array, jax.Array]:
+    """Block-wise codes of ``x = g + carry`` (``g`` alone without a carry).
+
+    Args:
+      g, carry: float32 ``(..., n)`` (``carry`` may be ``None``).
+
+    Returns:
+      ``(q, sent, residual)``: the ``Quantized`` codes, what they decode to
+      (float32 ``(..., n)``) and ``x - sent``, what compression lost. 1-bit
+      runs as one fused kernel (:meth:`Kernels.compress_1bit_ef`).
+    """
+    x = g if carry is None else g + carry
+    if bits == 1:
+        zeros = jnp.zeros_like(g) if carry is None else carry
+        q, residual = kernels.compress_1bit_ef(g, zeros, block=block, scale_dtype=scale_dtype)
+        return q, x - residual, residual
+    q = kernels.quantize(x, bits=bits, block=block, scale_dtype=scale_dtype)
+    sent = kernels.dequantize(q, bits=bits, block=block, dtype=jnp.float32)
+    return q, sent, x - sent
 
 
 def cross_node_share(
@@ -177,13 +199,9 @@ def cross_node_share(
       chunks of every node in node order (identical on all nodes), and the
       new carry (``None`` if ``carry`` was ``None``). Touches ``node`` only.
     """
-    zeros = jnp.zeros_like(y) if carry is None else carry
-    if bits == 1:
-        q, residual = kernels.compress_1bit_ef(y, zeros, block=block, scale_dtype=scale_dtype)
-    else:
-        x = y + zeros
-        q = kernels.quantize(x, bits=bits, block=block, scale_dtype=scale_dtype)
-        residual = x - kernels.dequantize(q, bits=bits, block=block, dtype=jnp.float32)
+    q, _, residual = _quantize_with_carry(
+        y, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels
+    )
     shared = kernels.dequantize(
         collectives.all_gather(q, (NODE,)), bits=bits, block=block, dtype=jnp.float32
     )
