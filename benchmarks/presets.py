@@ -9,18 +9,19 @@ name               flags
 ``zero3``          ``--preset zero3``
 ``qwz``            ``--preset qwz`` (int8 parameter gathers)
 ``hpz``            ``--preset hpz`` (secondary partition inside the node)
-``qgz``            ``--preset qgz`` (1-bit gradients, error feedback)
-``zeropp``         ``--preset zeropp`` (all three)
+``qgz``            ``--preset qgz`` (1-bit Adam: 1-bit momentum with error
+                   feedback; Adam's second moment from 100 full-precision
+                   steps, refreshed by every 10th step)
+``zeropp``         ``--preset zeropp`` (qwZ + hpZ + 1-bit Adam)
 ``qgz-noef``       ``--preset qgz --no-qgz-error-feedback``
-``qgz-int4``       ``--preset qgz --qgz int4``
-``zeropp-dither``  ``--preset zeropp --qgz-code dither
-                   --no-qgz-error-feedback`` (the unbiased 1-bit code,
-                   block 16, float32 scales: 3 bits per value)
-``zeropp-1bit-adam``  ``--preset zeropp --qgz-target momentum --qgz-warmup
-                   100 --qgz-refresh-every 10`` (1-bit Adam: error feedback
-                   on the momentum; Adam's second moment from 100
-                   full-precision steps, refreshed by every 10th step)
-``zeropp-1bit-adam-noef``  the same with ``--no-qgz-error-feedback``
+``qgz-grad``       ``--preset qgz --qgz-target gradient`` (1-bit gradients
+                   with error feedback, in front of optax's Adam)
+``qgz-int4``       ``--preset qgz --qgz int4 --qgz-target gradient``
+                   (int4 gradients, as the ZeRO++ paper)
+``zeropp-dither``  ``--preset zeropp --qgz-target gradient --qgz-code
+                   dither --no-qgz-error-feedback`` (the unbiased 1-bit
+                   code on gradients, block 16, float32 scales: 3 bits per
+                   value)
 =================  ======================================================
 
 and measures
@@ -31,9 +32,12 @@ a. **communication** per optimizer step, read from the compiled step by
    ``--grad-accum 1`` (batch 16) and ``--grad-accum 4`` (batch 64, so each
    micro-batch is the same 2 sequences per device), with ratios vs ``zero3``;
 b. **convergence**: ``--steps`` optimizer steps of ``zeropp-train`` per
-   variant, each in its own process (same seed, same data, the CLI's default
-   optimizer and learning-rate schedule, and each preset's own qgZ schedule),
-   and the mean loss over the last 10% of steps vs ``zero3``;
+   variant and seed (``--seeds``), each in its own process (same seed, same
+   data, the CLI's default optimizer and learning-rate schedule, and each
+   preset's own qgZ schedule), the mean loss over the last 10% of steps vs
+   ``zero3`` with the same seed, and its mean and standard deviation over
+   the seeds (the loss targets are checked on the mean: single-seed gaps of
+   quantized variants swing by about 1%, benchmarks/RESULTS.md);
 c. **overhead**: time per step of every variant, all trainers built in THIS
    process on the same 8 simulated devices, compiled and warmed up, then timed
    round-robin (the order rotates each round) with ``jax.block_until_ready``
@@ -51,7 +55,9 @@ whether or not targets pass (this is a measurement).
 
 Usage::
 
-  python benchmarks/presets.py                       # everything, 400 steps
+  python benchmarks/presets.py                       # everything, 400 steps, seed 0
+  python benchmarks/presets.py --skip-timing --skip-comm --seeds 0,1,2,3,4 \
+      --variants zero3,qwz,hpz,zeropp,qgz,qgz-noef  # the loss targets, 5 seeds
   python benchmarks/presets.py --steps 100 --json-out presets.json
   python benchmarks/presets.py --skip-convergence --skip-timing
 
@@ -75,16 +81,6 @@ import time
 MESH = "2x4"
 N_DEVICES = 8
 
-# Full-precision steps before 1-bit Adam compresses (25% of the default 400
-# steps; 1-bit Adam warms up for 15-25% of training), and the period of its
-# full-precision steps that refresh Adam's second moment (benchmarks/RESULTS.md).
-ONEBIT_ADAM_WARMUP = 100
-ONEBIT_ADAM_REFRESH = 10
-ONEBIT_ADAM = [
-    "--preset", "zeropp", "--qgz-target", "momentum", "--qgz-warmup", str(ONEBIT_ADAM_WARMUP),
-    "--qgz-refresh-every", str(ONEBIT_ADAM_REFRESH),
-]
-
 # Name -> extra CLI flags (on top of the GPT defaults).
 VARIANTS: dict[str, list[str]] = {
     "zero3": ["--preset", "zero3"],
@@ -93,12 +89,12 @@ VARIANTS: dict[str, list[str]] = {
     "qgz": ["--preset", "qgz"],
     "zeropp": ["--preset", "zeropp"],
     "qgz-noef": ["--preset", "qgz", "--no-qgz-error-feedback"],
-    "qgz-int4": ["--preset", "qgz", "--qgz", "int4"],
+    "qgz-grad": ["--preset", "qgz", "--qgz-target", "gradient"],
+    "qgz-int4": ["--preset", "qgz", "--qgz", "int4", "--qgz-target", "gradient"],
     "zeropp-dither": [
-        "--preset", "zeropp", "--qgz-code", "dither", "--no-qgz-error-feedback",
+        "--preset", "zeropp", "--qgz-target", "gradient", "--qgz-code", "dither",
+        "--no-qgz-error-feedback",
     ],
-    "zeropp-1bit-adam": ONEBIT_ADAM,
-    "zeropp-1bit-adam-noef": [*ONEBIT_ADAM, "--no-qgz-error-feedback"],
 }
 BASELINE = "zero3"
 CONFIG_KEYS = (
@@ -116,9 +112,7 @@ LIMITS = {
     "qwz_loss_rel_diff": 0.005,
     "hpz_loss_rel_diff": 0.005,
     "zeropp_dither_loss_rel_diff": 0.01,
-    "zeropp_1bit_adam_loss_rel_diff": 0.01,
     "qgz_noef_minus_qgz_loss": 0.0,
-    "onebit_adam_noef_minus_ef_loss": 0.0,
     "zeropp_time_ratio": 1.25,
 }
 
@@ -176,14 +170,14 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 # ---------------------------------------------------------------- a. comm
-def measure_comm() -> dict:
+def measure_comm(variants: list[str]) -> dict:
     from zeropp_jax.cli import comm
 
     parser = comm.build_parser()
     out: dict = {}
     for accum in ACCUMS:
         rows: dict = {}
-        for name in VARIANTS:
+        for name in variants:
             t0 = time.perf_counter()
             result, _ = comm.report(_cli_args(parser, name, accum))
             memory = result.get("memory") or {}
@@ -220,16 +214,17 @@ def measure_comm() -> dict:
 
 
 # ----------------------------------------------------------- b. convergence
-def measure_convergence(steps: int, metrics_dir: str, seed: int = 0) -> dict:
+def measure_convergence(steps: int, metrics_dir: str, seed: int, variants: list[str]) -> dict:
+    """One seed: ``{variant: row}`` (``rel_diff_vs_zero3`` when zero3 ran)."""
     rows: dict = {}
-    for name in VARIANTS:
+    for name in variants:
         path = os.path.join(metrics_dir, f"{name}.jsonl")
         cmd = [
             sys.executable, "-m", "zeropp_jax.cli.train",
             "--mesh", MESH, *VARIANTS[name],
             "--steps", str(steps), "--seed", str(seed), "--no-progress", "--metrics-out", path,
         ]
-        log(f"train {name}: {' '.join(cmd[1:])}")
+        log(f"train {name} (seed {seed}): {' '.join(cmd[1:])}")
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wall = time.perf_counter() - t0
@@ -261,8 +256,38 @@ def measure_convergence(steps: int, metrics_dir: str, seed: int = 0) -> dict:
     return rows
 
 
+def summarize_seeds(per_seed: dict) -> dict:
+    """``{seed: {variant: row}}`` -> ``{variant: summary over the seeds}``.
+
+    A summary has ``seeds``, ``mean_loss_last_10pct`` and ``rel_diff_vs_zero3``
+    (each a mean over the seeds where the run succeeded; the relative gap of
+    each seed is to zero3 with the same seed), ``rel_diff_sd`` (sample
+    standard deviation; ``None`` for one seed) and ``per_seed_rel_diff``.
+    A variant that failed on every seed keeps the first ``error``.
+    """
+    names = list(dict.fromkeys(n for rows in per_seed.values() for n in rows))
+    out: dict = {}
+    for name in names:
+        ok = {s: rows[name] for s, rows in per_seed.items()
+              if name in rows and "mean_loss_last_10pct" in rows[name]}
+        if not ok:
+            errors = [rows[name]["error"] for rows in per_seed.values() if name in rows]
+            out[name] = {"error": errors[0] if errors else "not run"}
+            continue
+        rels = {s: r["rel_diff_vs_zero3"] for s, r in ok.items() if "rel_diff_vs_zero3" in r}
+        out[name] = {
+            "seeds": sorted(ok),
+            "mean_loss_last_10pct": statistics.fmean(r["mean_loss_last_10pct"] for r in ok.values()),
+            "rel_diff_vs_zero3": statistics.fmean(rels.values()) if rels else None,
+            "rel_diff_sd": statistics.stdev(rels.values()) if len(rels) > 1 else None,
+            "per_seed_rel_diff": {str(s): v for s, v in sorted(rels.items())},
+            "compressed_steps": ok[min(ok)]["compressed_steps"],
+        }
+    return out
+
+
 # ---------------------------------------------------------------- c. timing
-def measure_timing(rounds: int, steps_per_round: int, warmup: int) -> dict:
+def measure_timing(rounds: int, steps_per_round: int, warmup: int, variants: list[str]) -> dict:
     import jax
 
     from zeropp_jax import data
@@ -286,7 +311,7 @@ def measure_timing(rounds: int, steps_per_round: int, warmup: int) -> dict:
 
     runs: dict = {}
     n_batches = warmup + steps_per_round
-    for name in VARIANTS:
+    for name in variants:
         args = _cli_args(parser, name)
         trainer = common.build_trainer(args, mesh, model_cfg, shapes)
         params = gpt.init_params(model_cfg, jax.random.key(args.seed))
@@ -306,7 +331,7 @@ def measure_timing(rounds: int, steps_per_round: int, warmup: int) -> dict:
             "compress": compress,
         }
 
-    names = list(VARIANTS)
+    names = list(variants)
     for r in range(rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
@@ -353,7 +378,8 @@ def check_targets(comm: dict | None, conv: dict | None, timing: dict | None) -> 
 
     for accum in ACCUMS:
         name = f"zeropp_inter_node_ratio_accum{accum}"
-        v = comm["accum%d" % accum]["presets"]["zeropp"]["inter_ratio_vs_zero3"] if comm else None
+        row = comm["accum%d" % accum]["presets"].get("zeropp") if comm else None
+        v = row["inter_ratio_vs_zero3"] if row else None
         add(name, v, None if v is None else v <= LIMITS[name])
 
     def rel(preset: str) -> float | None:
@@ -361,7 +387,7 @@ def check_targets(comm: dict | None, conv: dict | None, timing: dict | None) -> 
             return None
         return conv.get(preset, {}).get("rel_diff_vs_zero3")
 
-    for preset in ("zeropp", "qwz", "hpz", "zeropp-dither", "zeropp-1bit-adam"):
+    for preset in ("zeropp", "qwz", "hpz", "zeropp-dither"):
         name = f"{preset.replace('-', '_')}_loss_rel_diff"
         v = rel(preset)
         add(name, v, None if v is None else abs(v) <= LIMITS[name])
@@ -373,16 +399,8 @@ def check_targets(comm: dict | None, conv: dict | None, timing: dict | None) -> 
         v = None
     add(name, v, None if v is None else v > LIMITS[name])
 
-    name = "onebit_adam_noef_minus_ef_loss"
-    try:
-        v = (conv["zeropp-1bit-adam-noef"]["mean_loss_last_10pct"]
-             - conv["zeropp-1bit-adam"]["mean_loss_last_10pct"])
-    except (TypeError, KeyError):
-        v = None
-    add(name, v, None if v is None else v > LIMITS[name])
-
     name = "zeropp_time_ratio"
-    v = timing["zeropp"]["ratio_vs_zero3"] if timing else None
+    v = timing["zeropp"]["ratio_vs_zero3"] if timing and "zeropp" in timing else None
     add(name, v, None if v is None else v <= LIMITS[name])
     return targets, skipped
 
@@ -390,13 +408,11 @@ def check_targets(comm: dict | None, conv: dict | None, timing: dict | None) -> 
 TARGET_TEXT = {
     "zeropp_inter_node_ratio_accum1": "zeropp inter-node bytes / zero3, accum 1 <= 1/5",
     "zeropp_inter_node_ratio_accum4": "zeropp inter-node bytes / zero3, accum 4 <= 1/16",
-    "zeropp_loss_rel_diff": "zeropp last-10% loss within 1% of zero3",
-    "qwz_loss_rel_diff": "qwz last-10% loss within 0.5% of zero3",
-    "hpz_loss_rel_diff": "hpz last-10% loss within 0.5% of zero3",
+    "zeropp_loss_rel_diff": "zeropp last-10% loss within 1% of zero3 (mean over the seeds)",
+    "qwz_loss_rel_diff": "qwz last-10% loss within 0.5% of zero3 (mean over the seeds)",
+    "hpz_loss_rel_diff": "hpz last-10% loss within 0.5% of zero3 (mean over the seeds)",
     "zeropp_dither_loss_rel_diff": "zeropp-dither last-10% loss within 1% of zero3 (not an issue-3 target)",
-    "zeropp_1bit_adam_loss_rel_diff": "zeropp-1bit-adam last-10% loss within 1% of zero3",
-    "qgz_noef_minus_qgz_loss": "qgz-noef last-10% loss > qgz (error feedback helps)",
-    "onebit_adam_noef_minus_ef_loss": "zeropp-1bit-adam-noef last-10% loss > zeropp-1bit-adam (error feedback on the momentum helps)",
+    "qgz_noef_minus_qgz_loss": "qgz-noef last-10% loss > qgz (error feedback helps; mean over the seeds)",
     "zeropp_time_ratio": "zeropp time/step <= 1.25x zero3",
 }
 
@@ -449,21 +465,23 @@ def format_report(result: dict) -> str:
             lines.append("")
     conv = result.get("convergence")
     if conv:
+        pct = lambda v: "-" if v is None else f"{100 * v:+.2f}%"  # noqa: E731
+        seeds = ", ".join(str(s) for s in result["seeds"])
         lines += [
-            f"## Convergence ({result['steps']} steps, seed {result.get('seed', 0)}, default data, zeropp-train defaults)",
+            f"## Convergence ({result['steps']} steps, seeds {seeds}, default data, zeropp-train defaults)",
             "",
-            "| preset | first loss | final loss | mean loss last 10% | vs zero3 | compressed steps | train s |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| preset | mean loss last 10% | vs zero3 (mean over seeds) | sd | per seed | compressed steps |",
+            "|---|---:|---:|---:|---|---:|",
         ]
         for name, row in conv.items():
             if "error" in row:
-                lines.append(f"| {name} | {row['error']} | | | | | |")
+                lines.append(f"| {name} | {row['error']} | | | | |")
                 continue
-            rel = row.get("rel_diff_vs_zero3")
+            per_seed = " / ".join(pct(v) for v in row["per_seed_rel_diff"].values())
+            sd = row["rel_diff_sd"]
             lines.append(
-                f"| {name} | {row['first_loss']:.4f} | {row['final_loss']:.4f} "
-                f"| {row['mean_loss_last_10pct']:.4f} | {'-' if rel is None else f'{100 * rel:+.2f}%'} "
-                f"| {row['compressed_steps']} | {row['train_seconds']:.0f} |"
+                f"| {name} | {row['mean_loss_last_10pct']:.4f} | {pct(row['rel_diff_vs_zero3'])} "
+                f"| {'-' if sd is None else f'{100 * sd:.2f}%'} | {per_seed} | {row['compressed_steps']} |"
             )
         lines.append("")
     timing = result.get("timing")
@@ -503,46 +521,61 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per preset (the first compiles)")
     parser.add_argument("--metrics-dir", default=None, help="keep the per-preset metrics JSONL here")
     parser.add_argument("--json-out", default=None, help="also write the JSON result here")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="initialization and data order of the convergence runs (single-seed "
-                        "gaps vary several-fold between seeds: benchmarks/RESULTS.md)")
+    parser.add_argument("--seeds", default="0",
+                        help="comma-separated seeds (initialization and data order) of the "
+                        "convergence runs; targets use the mean over them (single-seed gaps "
+                        "swing by about 1%%: benchmarks/RESULTS.md)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated variants to measure (zero3 is always included)")
     args = parser.parse_args(argv)
     if args.steps < 10:
-        parser.error("--steps must be at least 10 (the last 10% are averaged)")
+        parser.error("--steps must be at least 10 (the last 10%% are averaged)")
+    try:
+        seeds = list(dict.fromkeys(int(s) for s in args.seeds.split(",")))
+    except ValueError:
+        parser.error(f"--seeds takes comma-separated integers, got {args.seeds!r}")
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    variants = [BASELINE] + [v for v in dict.fromkeys(variants) if v != BASELINE]
 
     _ensure_devices()
     started = time.perf_counter()
     result: dict = {
         "mesh": MESH,
         "steps": args.steps,
-        "seed": args.seed,
-        "variants": {k: " ".join(v) for k, v in VARIANTS.items()},
+        "seeds": seeds,
+        "variants": {k: " ".join(VARIANTS[k]) for k in variants},
         "code": code_version(),
     }
 
     comm = None
     if not args.skip_comm:
         log("a. communication (compile only)")
-        comm = measure_comm()
+        comm = measure_comm(variants)
         result["params"] = comm.pop("params")
         result["comm"] = comm
     timing = None
     if not args.skip_timing:
         log("c. step time (one process, round-robin)")
-        timing = measure_timing(args.rounds, args.steps_per_round, args.warmup)
+        timing = measure_timing(args.rounds, args.steps_per_round, args.warmup, variants)
         result["timing_setup"] = {
             "rounds": args.rounds, "steps_per_round": args.steps_per_round, "warmup": args.warmup,
         }
         result["timing"] = timing
     conv = None
     if not args.skip_convergence:
-        log(f"b. convergence ({len(VARIANTS)} trainings of {args.steps} steps)")
-        if args.metrics_dir:
-            os.makedirs(args.metrics_dir, exist_ok=True)
-            conv = measure_convergence(args.steps, args.metrics_dir, args.seed)
-        else:
-            with tempfile.TemporaryDirectory() as tmp:
-                conv = measure_convergence(args.steps, tmp, args.seed)
+        log(f"b. convergence ({len(variants) * len(seeds)} trainings of {args.steps} steps)")
+        with tempfile.TemporaryDirectory() as tmp:
+            root = args.metrics_dir or tmp
+            per_seed = {}
+            for seed in seeds:
+                directory = os.path.join(root, f"seed{seed}")
+                os.makedirs(directory, exist_ok=True)
+                per_seed[seed] = measure_convergence(args.steps, directory, seed, variants)
+        result["convergence_runs"] = {str(s): rows for s, rows in per_seed.items()}
+        conv = summarize_seeds(per_seed)
         result["convergence"] = conv
 
     result["targets"], result["skipped_targets"] = check_targets(comm, conv, timing)

@@ -27,7 +27,10 @@ def tiny_batches(cfg=TINY, batch_size=24, seed=0):
     return data.TokenBatches(tokens, batch_size=batch_size, seq_len=cfg.seq_len, seed=seed)
 
 
-def optimizer():
+def optimizer(config=None):
+    """Clipped Adam (lr 3e-3): optax's, or 1-bit Adam's for ``qgz_target="momentum"``."""
+    if config is not None and config.qgz_target == "momentum":
+        return zp.onebit_adam(3e-3, clip_norm=1.0)
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(3e-3))
 
 

@@ -15,7 +15,7 @@ from zeropp_jax import dither
 from zeropp_jax.qgz import cross_node_reduce
 
 from _util import mesh_of, tiny_batches, zero_run
-from test_zeropp import _train, report
+from test_zeropp import GRADIENT, _train, report
 
 
 def _x(shape, seed=0, dtype=jnp.float32):
@@ -152,21 +152,24 @@ def test_config_refuses_dither_with_error_feedback_or_other_modes():
         zp.ZeroConfig.from_preset("qgz", qgz="int4", qgz_code="dither", qgz_error_feedback=False)
     with pytest.raises(ValueError, match="qgz_code must be one of"):
         zp.ZeroConfig.from_preset("qgz", qgz_code="stochastic")
-    cfg = zp.ZeroConfig.from_preset("zeropp", qgz_code="dither", qgz_error_feedback=False)
+    with pytest.raises(ValueError, match="qgz_target='gradient' to compress gradients"):
+        zp.ZeroConfig.from_preset("zeropp", qgz_code="dither", qgz_error_feedback=False)
+    cfg = zp.ZeroConfig.from_preset("zeropp", qgz_code="dither", qgz_error_feedback=False,
+                                    qgz_target="gradient")
     assert cfg.describe()["qgz_code"] == "dither" and cfg.qgz_block == 16
     assert zp.ZeroConfig.from_preset("zeropp").qgz_block == 32
 
 
 def test_dithered_zeropp_sends_the_same_bytes_and_trains():
-    sign = report("zeropp", qgz_error_feedback=False, qgz_block=16)  # the same wire format
-    dith = report("zeropp", qgz_code="dither", qgz_error_feedback=False)
+    sign = report("zeropp", qgz_error_feedback=False, qgz_block=16, **GRADIENT)  # same wire format
+    dith = report("zeropp", qgz_code="dither", qgz_error_feedback=False, **GRADIENT)
     a2a = [c for c in dith.collectives if c.kind == "all-to-all"]
     assert a2a and all(c.axis == "node" for c in a2a)
     assert {c.dtype for c in a2a} == {"u8", "f32"}
     assert dith.inter_node_bytes == sign.inter_node_bytes
 
     trainer, params = _train("zeropp", 15, qgz_code="dither", qgz_error_feedback=False,
-                             qgz_warmup_steps=0)
+                             qgz_warmup_steps=0, **GRADIENT)
     assert trainer.error_feedback is False
     losses, _ = zero_run(trainer, params, tiny_batches(), 15)
     z3, _ = zero_run(*_train("zero3", 15), tiny_batches(), 15)
@@ -177,7 +180,7 @@ def test_dithered_zeropp_sends_the_same_bytes_and_trains():
 
     # the seed names the noise stream: another seed, other noise, same first loss
     other, _ = zero_run(*_train("zeropp", 4, qgz_code="dither", qgz_error_feedback=False,
-                                qgz_warmup_steps=0, qgz_seed=-7), tiny_batches(), 4)
+                                qgz_warmup_steps=0, qgz_seed=-7, **GRADIENT), tiny_batches(), 4)
     assert other[0] == losses[0]
     assert not np.allclose(other[1:], losses[1:4], rtol=1e-7)
     with pytest.raises(ValueError, match="qgz_seed must be an integer"):

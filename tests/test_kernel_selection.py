@@ -34,9 +34,9 @@ def test_pallas_step_matches_xla_step(overrides, steps):
     for impl in ("xla", "pallas"):
         config = zp.ZeroConfig.from_preset(
             "zeropp", compute_dtype="float32", implementation=impl,
-            **{"qgz_warmup_steps": 0, **overrides},
+            **{"qgz_warmup_steps": 0, "qgz_target": "gradient", **overrides},
         )
-        opt = zp.onebit_adam(3e-3, clip_norm=1.0) if config.qgz_target == "momentum" else optimizer()
+        opt = optimizer(config)
         trainer = zp.make_trainer(
             gpt_loss(), opt, params, mesh=mesh_of(2, 4), config=config,
             per_layer=True, stacked=("blocks",),
@@ -50,5 +50,5 @@ def test_pallas_needs_power_of_two_blocks():
     params = gpt.init_params(TINY, jax.random.key(0))
     config = zp.ZeroConfig.from_preset("zeropp", qwz_block=24, implementation="pallas")
     with pytest.raises(ValueError, match="power-of-two blocks.*qwz_block=24"):
-        zp.make_trainer(gpt_loss(), optimizer(), params, mesh=mesh_of(2, 4), config=config,
+        zp.make_trainer(gpt_loss(), optimizer(config), params, mesh=mesh_of(2, 4), config=config,
                         per_layer=True, stacked=("blocks",))

@@ -167,13 +167,6 @@ def test_full_precision_step_all_reduces_gradients_over_node():
     assert not [c for c in rep.collectives if c.dtype == "u8"]
 
 
-@pytest.mark.parametrize("accum,limit", [(1, 5), (4, 16)])
-def test_momentum_inter_node_bytes_vs_zero3(accum, limit):
-    zero3 = gpt_step(3, "zero3", grad_accum=accum)[2].inter_node_bytes
-    onebit = _report(True, grad_accum=accum).inter_node_bytes
-    assert onebit * limit <= zero3, (onebit, zero3)
-
-
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -193,12 +186,28 @@ def test_config_errors(overrides, message):
 
 def test_optimizer_and_target_must_agree():
     params = gpt.init_params(TINY, jax.random.key(0))
-    momentum = zp.ZeroConfig.from_preset("zeropp", qgz_target="momentum")
+    preset = zp.ZeroConfig.from_preset("zeropp")  # 1-bit Adam
     with pytest.raises(ValueError, match="pass zeropp_jax.onebit_adam"):
-        zp.make_trainer(gpt_loss(), optax.adam(1e-3), params, mesh=mesh_of(2, 4), config=momentum)
+        zp.make_trainer(gpt_loss(), optax.adam(1e-3), params, mesh=mesh_of(2, 4), config=preset)
     with pytest.raises(ValueError, match="set qgz_target='momentum'"):
         zp.make_trainer(gpt_loss(), zp.onebit_adam(1e-3), params, mesh=mesh_of(2, 4),
-                        config=zp.ZeroConfig.from_preset("zeropp"))
+                        config=zp.ZeroConfig.from_preset("zeropp", qgz_target="gradient"))
+
+
+def test_presets_run_onebit_adam_and_drop_it_when_overridden():
+    for name in ("qgz", "zeropp"):
+        cfg = zp.ZeroConfig.from_preset(name)
+        assert (cfg.qgz, cfg.qgz_target, cfg.qgz_error_feedback) == ("1bit", "momentum", True)
+        assert cfg.qgz_warmup_steps >= 1 and cfg.qgz_refresh_every >= 1
+        # qgZ off: nothing to compress, so no momentum target or refresh
+        off = zp.ZeroConfig.from_preset(name, qgz="off")
+        assert (off.qgz_target, off.qgz_refresh_every) == ("gradient", 0)
+        # the gradient target keeps the preset's warm-up, drops the refresh
+        grad = zp.ZeroConfig.from_preset(name, qgz_target="gradient")
+        assert grad.qgz_refresh_every == 0 and grad.qgz_warmup_steps == cfg.qgz_warmup_steps
+    # fields given explicitly are validated as given
+    with pytest.raises(ValueError, match="needs qgz='1bit'"):
+        zp.ZeroConfig.from_preset("zeropp", qgz="off", qgz_target="momentum")
 
 
 @pytest.mark.parametrize(

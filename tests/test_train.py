@@ -148,9 +148,10 @@ def test_unmodified_linen_model_trains_with_whole_model_gathering():
 @pytest.mark.parametrize("preset", ["zero3", "zeropp"])
 def test_sharding_invariance(preset):
     params = gpt.init_params(TINY, jax.random.key(0))
+    config = zp.ZeroConfig.from_preset(preset, **FP32)
     trainer = zp.make_trainer(
-        gpt_loss(), optimizer(), params, mesh=mesh_of(2, 4),
-        config=zp.ZeroConfig.from_preset(preset, **FP32), per_layer=True, stacked=("blocks",),
+        gpt_loss(), optimizer(config), params, mesh=mesh_of(2, 4),
+        config=config, per_layer=True, stacked=("blocks",),
     )
     state = trainer.init(params)
 

@@ -3,7 +3,7 @@
 Public API (everything else is an implementation module)::
 
   mesh = zeropp_jax.make_mesh(2, 4)                    # (node, local)
-  config = zeropp_jax.ZeroConfig.from_preset("zeropp")
+  config = zeropp_jax.ZeroConfig.from_preset("hpz")    # or zero3 / qwz
   trainer = zeropp_jax.make_trainer(loss_fn, optax.adam(1e-3), params,
                                     mesh=mesh, config=config,
                                     per_layer=True, stacked=("blocks",))
@@ -11,12 +11,15 @@ Public API (everything else is an implementation module)::
   state, metrics = trainer.step(state, batch)
   params = trainer.gather_params(state)
 
-1-bit Adam (qgZ's error feedback on Adam's momentum; the trainer runs it)::
+The 1-bit presets ``qgz`` and ``zeropp`` run 1-bit Adam (qgZ's error
+feedback on Adam's momentum), so the trainer runs the optimizer::
 
-  config = zeropp_jax.ZeroConfig.from_preset("zeropp", qgz_target="momentum",
-                                              qgz_warmup_steps=100)
+  config = zeropp_jax.ZeroConfig.from_preset("zeropp")
   trainer = zeropp_jax.make_trainer(loss_fn, zeropp_jax.onebit_adam(1e-3, clip_norm=1.0),
                                     params, mesh=mesh, config=config, ...)
+
+``from_preset("zeropp", qgz_target="gradient")`` compresses gradients
+instead, in front of any optax optimizer.
 """
 
 from zeropp_jax.config import PRESETS as PRESETS

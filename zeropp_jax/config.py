@@ -7,15 +7,23 @@ valid.
 
 Presets:
 
-=========  ======  =====  =======================================
+=========  ======  =====  ==============================================
 preset     qwZ     hpZ    qgZ
-=========  ======  =====  =======================================
+=========  ======  =====  ==============================================
 ``zero3``  off     off    off (full-precision reduce-scatter)
 ``qwz``    int8    off    off
 ``hpz``    off     on     off
-``qgz``    off     off    1-bit, error feedback
-``zeropp`` int8    on     1-bit, error feedback
-=========  ======  =====  =======================================
+``qgz``    off     off    1-bit, error feedback on Adam's momentum
+``zeropp`` int8    on     1-bit, error feedback on Adam's momentum
+=========  ======  =====  ==============================================
+
+The 1-bit presets run 1-bit Adam (``qgz_target="momentum"``, optimizer
+:func:`zeropp_jax.onebit_adam`): error feedback on the gradient in front of
+Adam costs the example GPT +8% loss over zero3 (Adam's per-coordinate
+normalization turns the carry's late, bursty delivery into wrong-sized
+steps; benchmarks/RESULTS.md), error feedback on the momentum about +1%.
+``qgz_target="gradient"`` keeps gradient compression for any optax
+optimizer.
 """
 
 from __future__ import annotations
@@ -26,24 +34,29 @@ from typing import Any
 import jax.numpy as jnp
 
 # Full-precision optimizer steps before 1-bit qgZ starts compressing in the
-# presets that use it (1-bit Adam warms up for 15-25% of training). Measured
-# on the example GPT (benchmarks/RESULTS.md): with constant lr, 50 steps take
-# the 1-bit gap to zero3 at step 150 from 2.7% to 0.8%, but the gap grows
-# later in training (+8.6% over the last 10% of 400 steps).
-DEFAULT_QGZ_WARMUP = 50
+# presets that use it. 1-bit Adam estimates Adam's second moment in this
+# warm-up and freezes it afterwards (the 1-bit Adam paper warms up for 15-25%
+# of training); 100 is 25% of the 400-step convergence runs in
+# benchmarks/RESULTS.md.
+DEFAULT_QGZ_WARMUP = 100
+# 1-bit Adam's refresh period in the presets: every this many steps after
+# the warm-up one step runs at full precision and updates the frozen second
+# moment. Without refreshes the loss gap on the example GPT grew from +0.7%
+# to +3.5% late in training (seed 2, benchmarks/RESULTS.md); each refresh
+# costs one full-precision cross-node reduction.
+DEFAULT_QGZ_REFRESH_EVERY = 10
+
+_ONEBIT_ADAM = dict(
+    qgz="1bit", qgz_error_feedback=True, qgz_target="momentum",
+    qgz_warmup_steps=DEFAULT_QGZ_WARMUP, qgz_refresh_every=DEFAULT_QGZ_REFRESH_EVERY,
+)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "zero3": dict(qwz_bits=0, hpz=False, qgz="off"),
     "qwz": dict(qwz_bits=8, hpz=False, qgz="off"),
     "hpz": dict(qwz_bits=0, hpz=True, qgz="off"),
-    "qgz": dict(
-        qwz_bits=0, hpz=False, qgz="1bit", qgz_error_feedback=True,
-        qgz_warmup_steps=DEFAULT_QGZ_WARMUP,
-    ),
-    "zeropp": dict(
-        qwz_bits=8, hpz=True, qgz="1bit", qgz_error_feedback=True,
-        qgz_warmup_steps=DEFAULT_QGZ_WARMUP,
-    ),
+    "qgz": dict(qwz_bits=0, hpz=False, **_ONEBIT_ADAM),
+    "zeropp": dict(qwz_bits=8, hpz=True, **_ONEBIT_ADAM),
 }
 
 QGZ_MODES = ("off", "1bit", "int8", "int4")
@@ -127,7 +140,8 @@ class ZeroConfig:
         ``"dither"`` (unbiased, no error feedback; see
         :mod:`zeropp_jax.dither`).
       qgz_target: ``"gradient"`` (compress the gradient; any optax
-        optimizer) or ``"momentum"`` (1-bit Adam: compress Adam's momentum,
+        optimizer; the default) or ``"momentum"`` (1-bit Adam, the ``qgz``
+        and ``zeropp`` presets: compress Adam's momentum,
         with ``v`` frozen after the warm-up; needs
         :func:`zeropp_jax.onebit_adam` as the optimizer, ``qgz`` on, the
         ``sign`` code and ``qgz_warmup_steps >= 1``; see
@@ -244,7 +258,8 @@ class ZeroConfig:
             if self.qgz_code != "sign":
                 raise ValueError(
                     "qgz_target='momentum' uses the sign code with error feedback on the "
-                    f"momentum; got qgz_code={self.qgz_code!r} (use qgz_code='sign')"
+                    f"momentum; got qgz_code={self.qgz_code!r} (use qgz_code='sign', or "
+                    "qgz_target='gradient' to compress gradients with it: --qgz-target gradient)"
                 )
             if self.qgz_warmup_steps < 1:
                 raise ValueError(
@@ -278,9 +293,15 @@ class ZeroConfig:
     def from_preset(cls, preset: str = "zero3", **overrides: Any) -> "ZeroConfig":
         """Builds the config of a preset, with some fields overridden.
 
+        Overrides of ``None`` are ignored (the preset's value stays). The
+        1-bit presets' momentum target is dropped when ``qgz="off"`` is
+        given, and their refresh period when the target is ``"gradient"``
+        (given or implied), unless those fields are given too.
+
         Example::
 
           cfg = ZeroConfig.from_preset("zeropp", qwz_bits=4, grad_accum=4)
+          sgd = ZeroConfig.from_preset("zeropp", qgz_target="gradient")  # any optax optimizer
         """
         if preset not in PRESETS:
             raise ValueError(
@@ -292,8 +313,16 @@ class ZeroConfig:
             raise ValueError(
                 f"unknown config field(s) {unknown}; valid fields are {sorted(fields)}"
             )
-        kwargs = dict(PRESETS[preset])
-        kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        given = {k: v for k, v in overrides.items() if v is not None}
+        kwargs = {**PRESETS[preset], **given}
+        # A preset's 1-bit Adam fields describe its compression: with qgZ
+        # switched off there is nothing to compress, and with the gradient
+        # target there is no frozen second moment to refresh. Fields given
+        # explicitly are kept (and validated as given).
+        if kwargs.get("qgz") == "off" and "qgz_target" not in given:
+            kwargs.pop("qgz_target", None)
+        if kwargs.get("qgz_target", "gradient") != "momentum" and "qgz_refresh_every" not in given:
+            kwargs.pop("qgz_refresh_every", None)
         return cls(preset=preset, **kwargs)
 
     def replace(self, **changes: Any) -> "ZeroConfig":

@@ -368,8 +368,11 @@ def profile_config(
         ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` on CPU).
       model: a :class:`zeropp_jax.models.gpt.GPTConfig` (default: its defaults).
       batch_size: global batch of the compiled step (does not change the bytes).
-      compress: which qgZ variant (default: the compressed one when qgZ is
-        active: the steady state after warm-up).
+      compress: which qgZ variant; default: the steady state after the
+        warm-up, i.e. the compressed step, or for 1-bit Adam with
+        ``qgz_refresh_every = N`` the mean over one refresh cycle (``N - 1``
+        compressed steps and one full-precision step: every collective of
+        both, weighted by how often it runs).
       label: name for tables.
     """
     import functools
@@ -391,11 +394,24 @@ def profile_config(
                               per_layer=True, stacked=("blocks",))
     _check_profile_mesh((trainer.nodes, trainer.local))
     batch = jax.ShapeDtypeStruct((batch_size, model.seq_len + 1), jax.numpy.int32)
-    compiled = trainer.compile_from_shapes(shapes, batch, compress=compress)
-    report = comm_report(compiled, mesh_shape=(trainer.nodes, trainer.local))
-    # Scale by the padded size: the compiled collectives move the padding too,
-    # which vanishes (relative to the model) at the target's size.
-    return profile_report(report, params=trainer.layout.padded_numel, label=label)
+
+    def profile(variant):
+        compiled = trainer.compile_from_shapes(shapes, batch, compress=variant)
+        report = comm_report(compiled, mesh_shape=(trainer.nodes, trainer.local))
+        # Scale by the padded size: the compiled collectives move the padding
+        # too, which vanishes (relative to the model) at the target's size.
+        return profile_report(report, params=trainer.layout.padded_numel, label=label)
+
+    every = config.qgz_refresh_every
+    if compress is not None or not (trainer.qgz_active and every):
+        return profile(compress)
+    compressed, full = profile(True), profile(False)
+    weighted = [(c, (every - 1) / every) for c in compressed.collectives]
+    weighted += [(c, 1 / every) for c in full.collectives]
+    return dataclasses.replace(compressed, collectives=tuple(
+        dataclasses.replace(c, inter_bytes_per_node=w * c.inter_bytes_per_node,
+                            intra_bytes_per_device=w * c.intra_bytes_per_device)
+        for c, w in weighted))
 
 
 def profile_preset(preset: str, *, label: str | None = None, **kwargs) -> CommProfile:

@@ -103,8 +103,7 @@ def onebit_adam(
 
     Example::
 
-      config = zp.ZeroConfig.from_preset("zeropp", qgz_target="momentum",
-                                          qgz_warmup_steps=100)
+      config = zp.ZeroConfig.from_preset("zeropp")  # qgz_target="momentum"
       trainer = zp.make_trainer(loss, zp.onebit_adam(3e-3, clip_norm=1.0),
                                 params, mesh=mesh, config=config)
 

@@ -852,8 +852,8 @@ def make_trainer(
 
       mesh = zeropp_jax.make_mesh(2, 4)
       trainer = zeropp_jax.make_trainer(
-          loss, optax.adam(1e-3), params, mesh=mesh,
-          config=zeropp_jax.ZeroConfig.from_preset("zeropp"),
+          loss, zeropp_jax.onebit_adam(1e-3, clip_norm=1.0), params, mesh=mesh,
+          config=zeropp_jax.ZeroConfig.from_preset("zeropp"),  # 1-bit Adam
           per_layer=True, stacked=("blocks",))
       state = trainer.init(params)
       state, metrics = trainer.step(state, batch)

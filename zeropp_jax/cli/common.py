@@ -112,13 +112,14 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--qgz-code", default=None, choices=QGZ_CODES,
         help="1-bit code: sign (scaled sign, for error feedback) or dither "
-        "(unbiased; needs --no-qgz-error-feedback)",
+        "(unbiased; needs --no-qgz-error-feedback and --qgz-target gradient)",
     )
     g.add_argument(
         "--qgz-target", default=None, choices=QGZ_TARGETS,
         help="what qgZ compresses across nodes: the gradient (error feedback on the "
         "gradient) or Adam's momentum (1-bit Adam: error feedback on the momentum, "
-        "Adam's second moment frozen after --qgz-warmup)",
+        "Adam's second moment frozen after --qgz-warmup); default: the preset's "
+        "(momentum for qgz and zeropp)",
     )
     g.add_argument(
         "--qgz-refresh-every", type=non_negative_int, default=None,
