@@ -329,6 +329,14 @@ def test_bad_input_errors(runs, tmp_path):
         Checkpointer(directory).restore(trainer("zero3", 2, 4, model=deeper))
     with pytest.raises(CheckpointMismatchError, match="another optimizer"):
         Checkpointer(directory).restore(trainer("zero3", 2, 4, opt=optax.sgd(0.1)))
+    # gradient qgZ's state into 1-bit Adam (what the zeropp preset means now)
+    onebit = zp.make_trainer(
+        gpt_loss(), zp.onebit_adam(3e-3), jax.eval_shape(params), mesh=mesh_of(2, 4),
+        config=zp.ZeroConfig.from_preset("zeropp", compute_dtype="float32"),
+        per_layer=True, stacked=("blocks",))
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"written with qgz_target='gradient' .* \(--qgz-target gradient\)"):
+        Checkpointer(runs["zeropp"]["dir"]).restore(onebit)
 
     ckpt = Checkpointer(tmp_path / "fresh")
     state = tr.init(params())

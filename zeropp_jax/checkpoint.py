@@ -602,6 +602,7 @@ class Checkpointer:
         where = f"checkpoint {self.step_path(step)}"
         meta = self._check_files(step)
         _check_layout(meta["layout"], trainer.layout, where)
+        _check_qgz_target(meta, trainer, where)
         stored = self._item_trees(step)
         target = _abstract_state(trainer)
         plan = _Plan(meta, trainer, where)
@@ -657,6 +658,21 @@ def _restore_item_and_args(stored_tree: Any, keyed: dict[tuple[str, ...], Any]):
         jax.tree_util.tree_unflatten(treedef, items),
         jax.tree_util.tree_unflatten(treedef, args),
     )
+
+
+def _check_qgz_target(meta: dict, trainer: Trainer, where: str) -> None:
+    """1-bit Adam's state (``m``, ``v``, carries) is not optax's: refuse a switch."""
+    stored = meta["config"].get("qgz_target", "gradient")  # written before the field
+    wanted = trainer.config.qgz_target
+    if stored != wanted:
+        raise CheckpointMismatchError(
+            f"{where} was written with qgz_target={stored!r} (preset "
+            f"{meta['config'].get('preset')!r}) and the trainer has qgz_target={wanted!r}: "
+            "their optimizer states differ (1-bit Adam's per-node m and v and two carries vs "
+            f"an optax state). Build the trainer with qgz_target={stored!r} "
+            f"(--qgz-target {stored}); the presets qgz and zeropp meant qgz_target='gradient' "
+            "before they ran 1-bit Adam"
+        )
 
 
 class _Plan:
