@@ -13,6 +13,7 @@ import zeropp_jax as zp
 from zeropp_jax.models import gpt
 
 from _util import TINY, gpt_loss, gpt_step, mesh_of, optimizer, tiny_batches, zero_run
+from test_zeropp import report
 
 # Collectives of the metrics (loss, gradient norm): a few scalars.
 METRIC_BYTES = 16
@@ -165,6 +166,18 @@ def test_full_precision_step_all_reduces_gradients_over_node():
            if crosses_node(c) and c.kind == "all-reduce" and c.operand_bytes > METRIC_BYTES]
     assert big and all(c.axis == "node" and c.dtype == "f32" for c in big), big
     assert not [c for c in rep.collectives if c.dtype == "u8"]
+
+
+@pytest.mark.parametrize("accum,limit", [(1, 5), (4, 16)])
+def test_preset_inter_node_bytes_over_the_refresh_cycle_vs_zero3(accum, limit):
+    """zeropp's mean over one refresh cycle (9 compressed + 1 full step)."""
+    zero3 = report("zero3", grad_accum=accum).inter_node_bytes  # compiled once per session
+    every = zp.ZeroConfig.from_preset("zeropp").qgz_refresh_every
+    compressed = _report(True, grad_accum=accum).inter_node_bytes
+    full = _report(False, grad_accum=accum).inter_node_bytes
+    cycle = ((every - 1) * compressed + full) / every
+    assert compressed < cycle < full
+    assert cycle * limit <= zero3, (cycle, zero3)
 
 
 @pytest.mark.parametrize(
