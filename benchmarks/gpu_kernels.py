@@ -104,7 +104,7 @@ def _make(shape, block, seed):
 
 def _dither_of(shape):
     """The dithered code's noise for an array of ``shape`` (stream key 1)."""
-    from zeropp_jax import dither
+    from zeropp_jax.wire import dither
 
     return dither.uniform_noise(dither.stream_key(1), dither.element_counters(shape))
 
@@ -125,7 +125,7 @@ def _verify_shape(kind: str, bits: int, BLOCK: int, rows: int, nblocks: int) -> 
     import numpy as np
 
     import pallas_kernels as pk
-    from zeropp_jax import quantization as qz
+    from zeropp_jax.wire import quantization as qz
 
     def same(a, b):
         a, b = jnp.asarray(a), jnp.asarray(b)
@@ -200,7 +200,7 @@ def cases(n: int):
     import jax.numpy as jnp
 
     import pallas_kernels as pk
-    from zeropp_jax import quantization as qz
+    from zeropp_jax.wire import quantization as qz
 
     rows = 64
     cols = n // rows

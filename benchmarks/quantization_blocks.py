@@ -21,7 +21,7 @@ wire, e.g. a block holding LayerNorm scales (about 1.0) next to weights of
 about 0.02. The vectors are zero-padded to a multiple of 4096 so every block
 size divides them; errors are taken over the real elements only.
 
-For bits 8 and 4 (absmax, :func:`zeropp_jax.quantization.quantize`) on all
+For bits 8 and 4 (absmax, :func:`zeropp_jax.wire.quantization.quantize`) on all
 three sets and for 1 bit (sign with a mean-|x| scale per block, qgZ's
 format) on the gradients, and blocks 32 ... 4096, the table gives
 
@@ -29,7 +29,7 @@ format) on the gradients, and blocks 32 ... 4096, the table gives
 * ``vs finest``: that error divided by the error at block 32;
 * ``max err / absmax``: ``max |x - x_hat|`` over ``max |x|``;
 * ``scale overhead``: float32 scale bytes as % of the payload bytes
-  (``32 / (bits * block)``, from :func:`zeropp_jax.quantization.wire_bytes`).
+  (``32 / (bits * block)``, from :func:`zeropp_jax.wire.quantization.wire_bytes`).
 
 How the default block (``DEFAULT_QWZ_BLOCK = DEFAULT_QGZ_BLOCK = 256``) is chosen
 --------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def flat_units(tree) -> list:
 def measure(units: list, bits: int, block: int) -> dict:
     import jax.numpy as jnp
 
-    from zeropp_jax.quantization import dequantize, quantize
+    from zeropp_jax.wire.quantization import dequantize, quantize
 
     err_sq = x_sq = 0.0
     max_err = absmax = 0.0
@@ -168,7 +168,7 @@ def measure(units: list, bits: int, block: int) -> dict:
 
 def scale_overhead(bits: int, block: int) -> float:
     """Scale bytes as a fraction of payload bytes (float32 scales)."""
-    from zeropp_jax.quantization import wire_bytes
+    from zeropp_jax.wire.quantization import wire_bytes
 
     n = ALIGN * 8  # any multiple of every block
     payload = n * bits // 8

@@ -3,16 +3,16 @@
 One file per op, each beside a pure-``jnp`` ``<op>_reference`` that defines
 its numerics, serves as the fall-back where no GPU is present, and is what
 the kernel tests compare against. The wire format and its numerics are
-:mod:`zeropp_jax.quantization`'s.
+:mod:`zeropp_jax.wire.quantization`'s.
 
 * :func:`quantize` / :func:`dequantize` (``quantize.py``): int8 / int4
   block-wise absmax (qwZ). References: :func:`quantize_reference`,
-  :func:`dequantize_reference` (= :mod:`zeropp_jax.quantization`'s).
+  :func:`dequantize_reference` (= :mod:`zeropp_jax.wire.quantization`'s).
 * :func:`compress_1bit_ef` (``onebit.py``): ``g + carry`` -> 1-bit signs,
   per-block mean-|x| scales and the new error-feedback carry, in one pass.
 * :func:`quantize_dithered` (``dither.py``): unbiased 1-bit codes with
   subtractive dither (block absmax scales), in one pass. Reference:
-  :func:`quantize_dithered_reference` (= :mod:`zeropp_jax.dither`'s).
+  :func:`quantize_dithered_reference` (= :mod:`zeropp_jax.wire.dither`'s).
 * :func:`dequantize_sum` (``dequant_sum.py``): dequantize ``k`` received
   chunks (1, 4 or 8 bits) and sum them in float32, in one pass (qgZ).
 

@@ -1,16 +1,16 @@
 """Unbiased 1-bit codes with subtractive dither, in one pass (qgZ ``dither``).
 
-The code is :mod:`zeropp_jax.dither`'s: per block ``s = max|x|`` (rounded up
+The code is :mod:`zeropp_jax.wire.dither`'s: per block ``s = max|x|`` (rounded up
 to ``scale_dtype``), bit ``x + s * xi >= 0``, packed eight per byte. The
 reference (:func:`quantize_dithered_reference`) is that module's
-:func:`~zeropp_jax.dither.quantize_dithered`; the kernel reads ``x`` and the
+:func:`~zeropp_jax.wire.dither.quantize_dithered`; the kernel reads ``x`` and the
 dither ``xi`` once and writes the packed bits and scales once. A block
 maximum is exact in any order, so scales are bit-identical to the reference
 on every backend, and so are the bits unless a compiler contracts
 ``x + s * xi`` into a fused multiply-add and the sum lies within one rounding
 of zero (the bit is then either, and the receiver decodes what was sent).
 The scale is computed by the reference's own
-:func:`~zeropp_jax.dither.block_scales`: a block holding NaN or inf gets
+:func:`~zeropp_jax.wire.dither.block_scales`: a block holding NaN or inf gets
 scale NaN, found with ``isfinite``, not by relying on the max.
 """
 
@@ -24,9 +24,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend, _common
 from pallas_kernels.config import KernelConfig
-from zeropp_jax.dither import block_scales, check_dither_input
-from zeropp_jax.dither import quantize_dithered as quantize_dithered_reference
-from zeropp_jax.quantization import Quantized
+from zeropp_jax.wire.dither import block_scales, check_dither_input
+from zeropp_jax.wire.dither import quantize_dithered as quantize_dithered_reference
+from zeropp_jax.wire.quantization import Quantized
 
 __all__ = ["quantize_dithered", "quantize_dithered_kernel", "quantize_dithered_reference"]
 
@@ -55,7 +55,7 @@ def quantize_dithered(
 
     Args:
       x: floating ``(..., n)`` (float32, bfloat16, float16); ``n % block == 0``.
-      xi: float32 dither of ``x``'s shape (:func:`zeropp_jax.dither.uniform_noise`).
+      xi: float32 dither of ``x``'s shape (:func:`zeropp_jax.wire.dither.uniform_noise`).
       block: elements per scale; a power of two >= 8.
       scale_dtype: float32 (default) or bfloat16.
       config: tile sizes and launch parameters; ``None`` for the default.

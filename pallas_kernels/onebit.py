@@ -8,7 +8,7 @@ step's gradient::
     new_carry = x - dequantize(q)               # float32
 
 The jnp version (:func:`compress_1bit_ef_reference`, written with
-:mod:`zeropp_jax.quantization`) leaves XLA to decide how many passes this
+:mod:`zeropp_jax.wire.quantization`) leaves XLA to decide how many passes this
 takes; the kernel reads ``g`` and ``carry`` once and writes the packed signs,
 the scales and the new carry once.
 
@@ -43,9 +43,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend, _common
 from pallas_kernels.config import KernelConfig
-from zeropp_jax.quantization import Quantized
-from zeropp_jax.quantization import dequantize as _dequantize
-from zeropp_jax.quantization import quantize as _quantize
+from zeropp_jax.wire.quantization import Quantized
+from zeropp_jax.wire.quantization import dequantize as _dequantize
+from zeropp_jax.wire.quantization import quantize as _quantize
 
 __all__ = ["compress_1bit_ef", "compress_1bit_ef_kernel", "compress_1bit_ef_reference"]
 

@@ -1,7 +1,7 @@
 """Block-wise int8 / int4 quantize and dequantize as Pallas kernels (qwZ).
 
-Numerics are those of :func:`zeropp_jax.quantization.quantize` /
-:func:`~zeropp_jax.quantization.dequantize` (the references, re-exported here
+Numerics are those of :func:`zeropp_jax.wire.quantization.quantize` /
+:func:`~zeropp_jax.wire.quantization.dequantize` (the references, re-exported here
 as ``quantize_reference`` / ``dequantize_reference``), bit for bit:
 
 * per block: ``absmax = max|x|`` (float32), ``scale = absmax / qmax`` (IEEE
@@ -29,10 +29,10 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend, _common
 from pallas_kernels.config import KernelConfig
-from zeropp_jax import quantization
-from zeropp_jax.quantization import Quantized
-from zeropp_jax.quantization import dequantize as dequantize_reference
-from zeropp_jax.quantization import quantize as quantize_reference
+from zeropp_jax.wire import quantization
+from zeropp_jax.wire.quantization import Quantized
+from zeropp_jax.wire.quantization import dequantize as dequantize_reference
+from zeropp_jax.wire.quantization import quantize as quantize_reference
 
 __all__ = [
     "quantize",
@@ -87,7 +87,7 @@ def quantize(
     """Quantizes ``x`` block-wise along its last axis (Pallas kernel).
 
     Same contract and bit-identical results as
-    :func:`zeropp_jax.quantization.quantize` for ``bits`` 8 and 4.
+    :func:`zeropp_jax.wire.quantization.quantize` for ``bits`` 8 and 4.
 
     Args:
       x: floating array ``(..., n)`` (float32, bfloat16, float16);
@@ -160,7 +160,7 @@ def dequantize(
 ) -> jax.Array:
     """Inverse of :func:`quantize` (Pallas kernel).
 
-    Bit-identical to :func:`zeropp_jax.quantization.dequantize` for ``bits``
+    Bit-identical to :func:`zeropp_jax.wire.quantization.dequantize` for ``bits``
     8 and 4.
 
     Args:

@@ -15,7 +15,7 @@ import optax
 
 import zeropp_jax as zp
 from zeropp_jax import data
-from zeropp_jax.comm_report import comm_report
+from zeropp_jax.analysis.comm_report import comm_report
 from zeropp_jax.models import gpt
 
 TINY = gpt.GPTConfig(vocab_size=256, seq_len=16, n_layers=2, d_model=32, n_heads=2)

@@ -1,4 +1,4 @@
-"""Cost model (zeropp_jax.cost_model) and ``zeropp-simulate``."""
+"""Cost model (zeropp_jax.analysis.cost_model) and ``zeropp-simulate``."""
 
 import json
 
@@ -7,9 +7,9 @@ import pytest
 
 from tests._util import mesh_of
 import zeropp_jax as zp
-from zeropp_jax import cost_model as cm
+from zeropp_jax.analysis import cost_model as cm
 from zeropp_jax.cli import simulate
-from zeropp_jax.comm_report import Collective
+from zeropp_jax.analysis.comm_report import Collective
 
 MESH = (2, 4)
 

@@ -1,4 +1,4 @@
-"""The unbiased 1-bit code (zeropp_jax.dither): noise, code, kernel, exchange."""
+"""The unbiased 1-bit code (zeropp_jax.wire.dither): noise, code, kernel, exchange."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
 import zeropp_jax as zp
-from zeropp_jax import dither
-from zeropp_jax.qgz import cross_node_reduce
+from zeropp_jax.wire import dither
+from zeropp_jax.wire.qgz import cross_node_reduce
 
 from _util import mesh_of, tiny_batches, zero_run
 from test_zeropp import GRADIENT, _train, report

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import zeropp_jax as zp
-from zeropp_jax.kernels import select
+from zeropp_jax.wire.kernels import select
 from zeropp_jax.models import gpt
 
 from _util import TINY, gpt_loss, mesh_of, optimizer, tiny_batches, zero_run

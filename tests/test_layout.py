@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import zeropp_jax as zp
-from zeropp_jax import quantization
+from zeropp_jax.wire import quantization
 from zeropp_jax.layout import build_layout, flatten_unit, padding_mask, unflatten_unit
 
 

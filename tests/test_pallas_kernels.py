@@ -43,8 +43,8 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import _common
-from zeropp_jax import quantization as qz
-from zeropp_jax.quantization import Quantized
+from zeropp_jax.wire import quantization as qz
+from zeropp_jax.wire.quantization import Quantized
 
 try:  # The GPU image may lack hypothesis; the property test is then skipped.
     from hypothesis import HealthCheck, given, settings
@@ -532,7 +532,7 @@ else:  # pragma: no cover
 
 
 def _dither_of(shape):
-    from zeropp_jax import dither
+    from zeropp_jax.wire import dither
 
     return dither.uniform_noise(dither.stream_key(3), dither.element_counters(shape))
 

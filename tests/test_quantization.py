@@ -1,4 +1,4 @@
-"""Tests for the pure-jnp block-wise quantization (zeropp_jax.quantization)."""
+"""Tests for the pure-jnp block-wise quantization (zeropp_jax.wire.quantization)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import pallas_kernels
-from zeropp_jax import quantization as qz
-from zeropp_jax.quantization import (
+from zeropp_jax.wire import quantization as qz
+from zeropp_jax.wire.quantization import (
     Quantized,
     dequantize,
     pack_bits,

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zp
 from zeropp_jax.models import gpt
-from zeropp_jax.qgz import cross_node_reduce
+from zeropp_jax.wire.qgz import cross_node_reduce
 
 from _util import TINY, gpt_loss, gpt_step, mesh_of, optimizer, tiny_batches, zero_run
 

@@ -24,17 +24,17 @@ instead, in front of any optax optimizer.
 
 from zeropp_jax.config import PRESETS as PRESETS
 from zeropp_jax.config import ZeroConfig as ZeroConfig
-from zeropp_jax.gather import Unit as Unit
-from zeropp_jax.gather import gather as gather
-from zeropp_jax.gather import layer as layer
+from zeropp_jax.step.gather import Unit as Unit
+from zeropp_jax.step.gather import gather as gather
+from zeropp_jax.step.gather import layer as layer
 from zeropp_jax.mesh import make_mesh as make_mesh
-from zeropp_jax.momentum import OneBitAdam as OneBitAdam
-from zeropp_jax.momentum import onebit_adam as onebit_adam
+from zeropp_jax.step.onebit_adam import OneBitAdam as OneBitAdam
+from zeropp_jax.step.onebit_adam import onebit_adam as onebit_adam
 from zeropp_jax.mesh import parse_mesh_shape as parse_mesh_shape
-from zeropp_jax.quantization import Quantized as Quantized
-from zeropp_jax.train import Trainer as Trainer
-from zeropp_jax.train import TrainState as TrainState
-from zeropp_jax.train import ZeroOptState as ZeroOptState
-from zeropp_jax.train import make_trainer as make_trainer
+from zeropp_jax.wire.quantization import Quantized as Quantized
+from zeropp_jax.step.trainer import Trainer as Trainer
+from zeropp_jax.step.trainer import TrainState as TrainState
+from zeropp_jax.step.trainer import ZeroOptState as ZeroOptState
+from zeropp_jax.step.trainer import make_trainer as make_trainer
 
 __version__ = "0.1.0"

@@ -61,7 +61,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 QGZ_MODES = ("off", "1bit", "int8", "int4")
 # 1-bit codes: "sign" = mean|x| * sign(x) per block (biased; meant for error
-# feedback); "dither" = unbiased subtractive-dither code (zeropp_jax.dither;
+# feedback); "dither" = unbiased subtractive-dither code (zeropp_jax.wire.dither;
 # without error feedback).
 QGZ_CODES = ("sign", "dither")
 # What qgZ compresses across nodes: the gradient (error feedback on the
@@ -138,14 +138,14 @@ class ZeroConfig:
       qgz_error_feedback: carry what compression loses into the next step.
       qgz_code: the 1-bit code, ``"sign"`` (scaled sign; the default) or
         ``"dither"`` (unbiased, no error feedback; see
-        :mod:`zeropp_jax.dither`).
+        :mod:`zeropp_jax.wire.dither`).
       qgz_target: ``"gradient"`` (compress the gradient; any optax
         optimizer; the default) or ``"momentum"`` (1-bit Adam, the ``qgz``
         and ``zeropp`` presets: compress Adam's momentum,
         with ``v`` frozen after the warm-up; needs
         :func:`zeropp_jax.onebit_adam` as the optimizer, ``qgz`` on, the
         ``sign`` code and ``qgz_warmup_steps >= 1``; see
-        :mod:`zeropp_jax.momentum`).
+        :mod:`zeropp_jax.step.onebit_adam`).
       qgz_seed: seed of the dithered code's noise (``qgz_code="dither"``):
         runs with different seeds draw unrelated noise streams; the CLI
         passes ``--seed``.

@@ -57,7 +57,7 @@ def report(args: argparse.Namespace) -> tuple[dict, str]:
     import jax
 
     from zeropp_jax import data
-    from zeropp_jax.comm_report import comm_report
+    from zeropp_jax.analysis.comm_report import comm_report
     from zeropp_jax.models import gpt
 
     vocab = data.VOCAB_SIZE_BYTES

@@ -268,7 +268,7 @@ def build_trainer(args: argparse.Namespace, mesh, model_cfg, params_or_shapes) -
 
     import zeropp_jax as zp
     from zeropp_jax.models import gpt
-    from zeropp_jax.train import global_batch_size_check
+    from zeropp_jax.step.trainer import global_batch_size_check
 
     config = build_config(args)
     global_batch_size_check(args.batch_size, mesh.size, config.grad_accum)
@@ -319,7 +319,7 @@ def make_optimizer(
     elif schedule not in ("cosine", "constant"):
         raise ValueError(f"unknown learning-rate schedule {schedule!r}; use cosine or constant")
     if qgz_target == "momentum":
-        from zeropp_jax.momentum import onebit_adam
+        from zeropp_jax.step.onebit_adam import onebit_adam
 
         return onebit_adam(lr, clip_norm=CLIP_NORM)
     return optax.chain(optax.clip_by_global_norm(CLIP_NORM), optax.adam(lr))

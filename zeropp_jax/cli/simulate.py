@@ -3,7 +3,7 @@
 Compiles the example GPT's train step for a preset (and for ``zero3``, the
 baseline) on the simulated mesh, exactly as ``zeropp-comm`` does, and scales
 each collective's bytes to the target model size and cluster with
-:mod:`zeropp_jax.cost_model`. Nothing trains.
+:mod:`zeropp_jax.analysis.cost_model`. Nothing trains.
 
 Examples::
 
@@ -45,12 +45,12 @@ def gbps_list(text: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from zeropp_jax.cost_model import V100_CLUSTER
+    from zeropp_jax.analysis.cost_model import V100_CLUSTER
 
     parser = argparse.ArgumentParser(
         prog="zeropp-simulate",
         description="Predict time per step and throughput of a ZeRO++ preset on a GPU "
-        "cluster from the compiled step's communication (see zeropp_jax.cost_model).",
+        "cluster from the compiled step's communication (see zeropp_jax.analysis.cost_model).",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument(
@@ -121,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def simulate(args: argparse.Namespace) -> dict:
     """Profiles the steps and returns every prediction as plain data."""
-    from zeropp_jax import cost_model as cm
+    from zeropp_jax.analysis import cost_model as cm
     from zeropp_jax import data
 
-    from zeropp_jax.train import global_batch_size_check
+    from zeropp_jax.step.trainer import global_batch_size_check
 
     # Everything that can be wrong in the flags fails before compiling.
     cluster = cm.Cluster(

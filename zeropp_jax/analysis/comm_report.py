@@ -545,7 +545,7 @@ class Collective:
         intra_node_bytes_by_device: per step, for each device.
         op_name: the JAX op path from the instruction's metadata (``""`` when
             absent), e.g. ``jit(step)/shard_map/cross_node_embed/quantized_scales/all_to_all``;
-            :mod:`zeropp_jax.collectives` names the codes and scales of a
+            :mod:`zeropp_jax.wire.collectives` names the codes and scales of a
             quantized payload (``quantized_codes`` / ``quantized_scales``).
     """
 

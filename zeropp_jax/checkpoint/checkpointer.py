@@ -1,6 +1,6 @@
 """Checkpoints of a ZeRO-3 / ZeRO++ train state: save, resume, re-mesh, export.
 
-:class:`Checkpointer` saves the whole :class:`~zeropp_jax.train.TrainState`
+:class:`Checkpointer` saves the whole :class:`~zeropp_jax.step.trainer.TrainState`
 with Orbax: the parameter shards, the optimizer state (including the qgZ
 error-feedback carry and the last gradient RMS), the step, and a JSON
 description of what was saved (format version, config, mesh, per-unit
@@ -87,7 +87,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.layout import ParamLayout, UnitLayout, join_units
 from zeropp_jax.mesh import mesh_shape
-from zeropp_jax.train import Trainer, TrainState, ZeroOptState
+from zeropp_jax.step.trainer import Trainer, TrainState, ZeroOptState
 
 FORMAT = "zeropp_jax.checkpoint"
 FORMAT_VERSION = 1
@@ -299,7 +299,7 @@ def _abstract_state(trainer: Trainer) -> TrainState:
 
 # ----------------------------------------------------------- checkpointer
 class Checkpointer:
-    """Saves and restores a trainer's :class:`~zeropp_jax.train.TrainState`.
+    """Saves and restores a trainer's :class:`~zeropp_jax.step.trainer.TrainState`.
 
     Every process of a multi-process run creates one on the same directory
     (a shared file system) and calls the same methods.

@@ -19,9 +19,9 @@ mean gradient (reduced over ``local`` at full precision):
   shared ``u`` (``clip_n`` from node ``n``'s own gradient norm, the only norm
   known before the exchange), compresses it plus its sender carry, and the
   chunks are summed over nodes as in gradient qgZ
-  (:func:`zeropp_jax.qgz.cross_node_reduce`); each receiver averages its
+  (:func:`zeropp_jax.wire.qgz.cross_node_reduce`); each receiver averages its
   chunk, compresses it once more with its receiver carry, and all nodes
-  gather those codes (:func:`zeropp_jax.qgz.cross_node_share`), so every
+  gather those codes (:func:`zeropp_jax.wire.qgz.cross_node_share`), so every
   node holds the same new ``u`` (stored as ``m = u * d``) and steps
   ``p -= lr * u / (1 - b1**t)``.
 
@@ -46,7 +46,7 @@ unit (the rows are equal: each node decodes the same codes, and warm-up
 steps all-reduce the gradient), since it needs all of its ``local`` slice to
 form its own momentum; the receiver carry is sharded like the parameters,
 ``P([None,] ("local", "node"))``; the sender carry is
-:class:`zeropp_jax.qgz.QgzState`'s, ``P("node", [None,] "local")``.
+:class:`zeropp_jax.wire.qgz.QgzState`'s, ``P("node", [None,] "local")``.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def onebit_adam(
 
 
 class OneBitAdamState(NamedTuple):
-    """1-bit Adam's state (in :class:`zeropp_jax.train.ZeroOptState` ``.inner``).
+    """1-bit Adam's state (in :class:`zeropp_jax.step.trainer.ZeroOptState` ``.inner``).
 
     Attributes:
       count: int32 ``()``, steps taken.

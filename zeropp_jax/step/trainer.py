@@ -16,12 +16,12 @@ Inside the shard_map, per optimizer step:
    (``local`` with hpZ, ``local`` and ``node`` otherwise) whose backward is a
    reduce-scatter (``local`` only when gradients are hierarchical).
 3. Hierarchical gradients are summed over ``node`` once per step, at full
-   precision or compressed by qgZ with error feedback (:mod:`zeropp_jax.qgz`).
+   precision or compressed by qgZ with error feedback (:mod:`zeropp_jax.wire.qgz`).
 4. Gradients are divided by ``devices * grad_accum`` (the exact
    data-parallel mean) and padding is zeroed.
 
 With ``qgz_target="momentum"`` steps 3-4 are replaced by 1-bit Adam
-(:mod:`zeropp_jax.momentum`), which runs inside the shard_map because its
+(:mod:`zeropp_jax.step.onebit_adam`), which runs inside the shard_map because its
 exchange is of the momentum, not of the gradient; everything below applies
 to the default ``qgz_target="gradient"``.
 
@@ -45,11 +45,11 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zeropp_jax import collectives, dither, quantization
-from zeropp_jax import momentum
-from zeropp_jax.kernels import Kernels, select
+from zeropp_jax.wire import collectives, dither, quantization
+from zeropp_jax.step import onebit_adam as momentum
+from zeropp_jax.wire.kernels import Kernels, select
 from zeropp_jax.config import ZeroConfig
-from zeropp_jax.gather import GatherPlan, Unit, gather
+from zeropp_jax.step.gather import GatherPlan, Unit, gather
 from zeropp_jax.layout import (
     ParamLayout,
     build_layout,
@@ -60,7 +60,7 @@ from zeropp_jax.layout import (
     unflatten_unit,
 )
 from zeropp_jax.mesh import LOCAL, NODE, SHARD_AXES, mesh_shape
-from zeropp_jax.qgz import QgzState, cross_node_reduce, cross_node_share
+from zeropp_jax.wire.qgz import QgzState, cross_node_reduce, cross_node_share
 
 DATA_AXES = (NODE, LOCAL)
 
@@ -70,9 +70,9 @@ class ZeroOptState(NamedTuple):
 
     Attributes:
       inner: the optax optimizer's state over the unit dict (float32 shards),
-        or :class:`~zeropp_jax.momentum.OneBitAdamState` with
+        or :class:`~zeropp_jax.step.onebit_adam.OneBitAdamState` with
         ``qgz_target="momentum"``.
-      qgz: :class:`~zeropp_jax.qgz.QgzState` (error-feedback carry: of the
+      qgz: :class:`~zeropp_jax.wire.qgz.QgzState` (error-feedback carry: of the
         gradient, or the sender carry of the momentum).
     """
 
@@ -106,10 +106,10 @@ class Trainer:
     Attributes:
       loss_fn: ``loss_fn(params, batch) -> float32 scalar`` (the local mean
         over this device's micro-batch). With per-layer gathering ``params``
-        holds :class:`~zeropp_jax.gather.Unit` handles the model passes to
+        holds :class:`~zeropp_jax.step.gather.Unit` handles the model passes to
         ``gather``; otherwise plain parameters.
       optimizer: an ``optax.GradientTransformation``, or
-        :class:`~zeropp_jax.momentum.OneBitAdam` with
+        :class:`~zeropp_jax.step.onebit_adam.OneBitAdam` with
         ``qgz_target="momentum"``.
       mesh: the ``(node, local)`` mesh.
       config: the :class:`~zeropp_jax.config.ZeroConfig`.
@@ -531,7 +531,7 @@ class Trainer:
     def _onebit_adam_local(
         self, params, m, v, recv, carry, batch, count, v_count, *, compress: bool
     ):
-        """Per-device 1-bit Adam step (inside shard_map; see :mod:`zeropp_jax.momentum`).
+        """Per-device 1-bit Adam step (inside shard_map; see :mod:`zeropp_jax.step.onebit_adam`).
 
         Args:
           params, v, recv: name -> float32 ``([L,] padded / D)`` (``recv``

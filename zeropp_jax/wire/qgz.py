@@ -16,7 +16,7 @@ and keeps this device's ``1/(nodes*local)`` chunk:
   the next step's gradient, so nothing is lost, only deferred.
 
 With ``code="dither"`` the 1-bit codes are unbiased instead
-(:mod:`zeropp_jax.dither`: block absmax scale, subtractive dither that each
+(:mod:`zeropp_jax.wire.dither`: block absmax scale, subtractive dither that each
 receiver regenerates from ``key`` and the sender's node index); they are used
 without error feedback.
 
@@ -33,11 +33,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from zeropp_jax import collectives
-from zeropp_jax import dither
-from zeropp_jax import kernels as kernels_lib
+from zeropp_jax.wire import collectives
+from zeropp_jax.wire import dither
+from zeropp_jax.wire import kernels as kernels_lib
 from zeropp_jax.mesh import NODE
-from zeropp_jax.quantization import ordered_chunk_sum
+from zeropp_jax.wire.quantization import ordered_chunk_sum
 
 
 class QgzState(NamedTuple):
@@ -82,7 +82,7 @@ def cross_node_reduce(
       kernels: the quantization kernels (XLA reference or Pallas; 1-bit
         compression with error feedback is one fused pass).
       code: 1-bit code, ``"sign"`` (scaled sign, mean|x| per block) or
-        ``"dither"`` (unbiased, :mod:`zeropp_jax.dither`; needs ``key`` and
+        ``"dither"`` (unbiased, :mod:`zeropp_jax.wire.dither`; needs ``key`` and
         ``carry=None``).
       key: uint32 scalar naming this step, unit and ``local`` index, the same
         on the devices that exchange chunks (only for ``code="dither"``).
@@ -178,7 +178,7 @@ def cross_node_share(
 ) -> tuple[jax.Array, jax.Array | None]:
     """Gives every node every node's chunk, compressed (runs inside shard_map).
 
-    The second hop of 1-bit Adam (:mod:`zeropp_jax.momentum`): after
+    The second hop of 1-bit Adam (:mod:`zeropp_jax.step.onebit_adam`): after
     :func:`cross_node_reduce` each device holds the node-summed chunk of its
     ``local`` slice; here ``x = y + carry`` is quantized block-wise, the codes
     are all-gathered over ``node`` and dequantized, so all nodes end up with

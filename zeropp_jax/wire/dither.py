@@ -1,6 +1,6 @@
 """Unbiased 1-bit codes with subtractive dither (qgZ ``qgz_code="dither"``).
 
-The default 1-bit code (:mod:`zeropp_jax.quantization`, ``bits=1``) is a
+The default 1-bit code (:mod:`zeropp_jax.wire.quantization`, ``bits=1``) is a
 scaled sign, ``mean|x| * sign(x)`` per block: the L2-best single scale, but
 biased (a block's large values arrive shrunk, its small ones inflated), which
 is why it is paired with error feedback. This module's code is **unbiased**
@@ -27,7 +27,7 @@ refuses that combination.
 
 Both functions work on the last axis of ``(..., n)`` arrays, ``n`` a multiple
 of ``block``, ``block`` a multiple of 8; bits are packed as in
-:func:`zeropp_jax.quantization.pack_bits`. A block of zeros gives zeros; a
+:func:`zeropp_jax.wire.quantization.pack_bits`. A block of zeros gives zeros; a
 block holding inf or NaN gets scale NaN and decodes to NaN.
 """
 
@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeropp_jax import quantization
-from zeropp_jax.quantization import Quantized
+from zeropp_jax.wire import quantization
+from zeropp_jax.wire.quantization import Quantized
 
 __all__ = [
     "mix32", "stream_key", "uniform_noise", "element_counters", "block_scales", "check_dither_input",

@@ -33,7 +33,7 @@ Byte accounting (per collective, per step):
   (2: bf16 on the wire). The profile is compiled on CPU, where XLA carries
   float collectives as f32 whatever the compute dtype; quantized codes and
   their scales (named ``quantized_codes`` / ``quantized_scales`` in the
-  compiled program by :mod:`zeropp_jax.collectives`) keep their own widths.
+  compiled program by :mod:`zeropp_jax.wire.collectives`) keep their own widths.
 * Scaling from the profile's ``(n0, l0)`` mesh and ``P0`` parameters to the
   target: inter-node bytes ``* (P / P0) * ((N-1)/N) / ((n0-1)/n0)``,
   intra-node bytes ``* (P / P0) * ((L-1)/L) / ((l0-1)/l0)``. Every ZeRO
@@ -54,8 +54,8 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
-from zeropp_jax.collectives import CODES_SCOPE, SCALES_SCOPE
-from zeropp_jax.comm_report import Collective, CommReport, add_permute_bytes, dtype_bytes
+from zeropp_jax.wire.collectives import CODES_SCOPE, SCALES_SCOPE
+from zeropp_jax.analysis.comm_report import Collective, CommReport, add_permute_bytes, dtype_bytes
 
 __all__ = [
     "Cluster",
@@ -211,7 +211,7 @@ def link_bytes(c: Collective, mesh_shape: tuple[int, int]) -> tuple[float, float
     """Hierarchical link bytes of one collective, per step.
 
     Args:
-      c: a collective from :func:`zeropp_jax.comm_report.comm_report`.
+      c: a collective from :func:`zeropp_jax.analysis.comm_report.comm_report`.
       mesh_shape: ``(nodes, local)`` of the compiled program.
 
     Returns:
@@ -333,7 +333,7 @@ def profile_report(report: CommReport, *, params: int, label: str = "") -> CommP
     """A :class:`CommProfile` from a communication report.
 
     Args:
-      report: from :func:`zeropp_jax.comm_report.comm_report` on the compiled step.
+      report: from :func:`zeropp_jax.analysis.comm_report.comm_report` on the compiled step.
       params: the compiled model's parameter count.
       label: a name for tables.
     """
@@ -381,7 +381,7 @@ def profile_config(
     import optax
 
     import zeropp_jax as zp
-    from zeropp_jax.comm_report import comm_report
+    from zeropp_jax.analysis.comm_report import comm_report
     from zeropp_jax.models import gpt
 
     mesh = zp.make_mesh(2, 4) if mesh is None else mesh

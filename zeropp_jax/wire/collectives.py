@@ -8,7 +8,7 @@ names; the combined index over several axes is row-major in the order given
 Collectives over a group of size 1 return their input unchanged, so a
 ``1x1`` mesh compiles to plain single-device code.
 
-Payloads may be plain arrays or :class:`~zeropp_jax.quantization.Quantized`
+Payloads may be plain arrays or :class:`~zeropp_jax.wire.quantization.Quantized`
 pairs; a quantized payload moves as two collectives (codes and scales), each
 in its own narrow dtype, which the communication report shows.  They run
 under the named scopes :data:`CODES_SCOPE` and :data:`SCALES_SCOPE`, so the
@@ -24,8 +24,8 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from zeropp_jax import kernels as kernels_lib
-from zeropp_jax.quantization import Quantized
+from zeropp_jax.wire import kernels as kernels_lib
+from zeropp_jax.wire.quantization import Quantized
 
 Axes = Sequence[str]
 

@@ -24,8 +24,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from zeropp_jax import collectives, quantization
-from zeropp_jax.kernels import Kernels
+from zeropp_jax.wire import collectives, quantization
+from zeropp_jax.wire.kernels import Kernels
 from zeropp_jax.layout import UnitLayout, unflatten_unit
 
 

@@ -3,7 +3,7 @@
 The five operations on the compression hot path (quantize, dequantize, 1-bit
 compress with fused error feedback, the dithered 1-bit code, dequantize-and-sum
 of received chunks) exist twice: as plain ``jnp`` in
-:mod:`zeropp_jax.quantization` and :mod:`zeropp_jax.dither` (the source of
+:mod:`zeropp_jax.wire.quantization` and :mod:`zeropp_jax.wire.dither` (the source of
 truth, fused by XLA) and as Pallas kernels in :mod:`pallas_kernels`. The
 receive side of the dithered code (regenerate each sender's dither, decode,
 sum) is ``jnp`` in both sets: it is one elementwise fusion for XLA. The
@@ -29,8 +29,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zeropp_jax import dither, quantization
-from zeropp_jax.quantization import Quantized
+from zeropp_jax.wire import dither, quantization
+from zeropp_jax.wire.quantization import Quantized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +89,7 @@ class Kernels:
     def quantize_dithered(
         self, x: jax.Array, xi: jax.Array, *, block: int, scale_dtype: Any
     ) -> Quantized:
-        """Unbiased 1-bit codes of ``x`` with dither ``xi`` (:mod:`zeropp_jax.dither`)."""
+        """Unbiased 1-bit codes of ``x`` with dither ``xi`` (:mod:`zeropp_jax.wire.dither`)."""
         if self._pallas:
             import pallas_kernels
 
