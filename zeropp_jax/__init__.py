@@ -32,9 +32,9 @@ from zeropp_jax.step.onebit_adam import OneBitAdam as OneBitAdam
 from zeropp_jax.step.onebit_adam import onebit_adam as onebit_adam
 from zeropp_jax.mesh import parse_mesh_shape as parse_mesh_shape
 from zeropp_jax.wire.quantization import Quantized as Quantized
+from zeropp_jax.step.state import TrainState as TrainState
+from zeropp_jax.step.state import ZeroOptState as ZeroOptState
 from zeropp_jax.step.trainer import Trainer as Trainer
-from zeropp_jax.step.trainer import TrainState as TrainState
-from zeropp_jax.step.trainer import ZeroOptState as ZeroOptState
 from zeropp_jax.step.trainer import make_trainer as make_trainer
 
 __version__ = "0.1.0"

@@ -115,16 +115,13 @@ def run(args: argparse.Namespace) -> int:
             ckpt.close()
         return 0
 
-    def checkpoint_extra(last_rms: float) -> dict:
-        return {
-            "model": dataclasses.asdict(model_cfg),
-            "seed": args.seed,
-            "batch_size": args.batch_size,
-            "data": args.data,
-            "preset": args.preset,
-            # The host-side qgZ schedule input of the next step (see below).
-            "qgz_last_rms": last_rms if math.isfinite(last_rms) else None,
-        }
+    checkpoint_extra = {
+        "model": dataclasses.asdict(model_cfg),
+        "seed": args.seed,
+        "batch_size": args.batch_size,
+        "data": args.data,
+        "preset": args.preset,
+    }
 
     metrics_file = _open_metrics(args.metrics_out, first_step) if is_main else None
     tokens_per_step = args.batch_size * args.seq_len
@@ -137,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     last_time = start
 
-    def record(step: int, metrics) -> float:
+    def record(step: int, metrics) -> None:
         nonlocal last_time
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if not math.isfinite(values["loss"]):
@@ -156,35 +153,23 @@ def run(args: argparse.Namespace) -> int:
             line = {"step": step, **values, "compressed": int(values["compressed"]), "time": now - start}
             metrics_file.write(json.dumps(line) + "\n")
             metrics_file.flush()
-        return values["grad_rms"]
 
-    # The qgZ schedule is decided here, on the host, from the step number and
-    # the last gradient RMS already read back (metrics are read one step late
-    # so the device never waits for the host): step k uses the RMS of step
-    # k - 2. A resumed run takes that value from the checkpoint's metadata and,
-    # after its first step, the RMS of step k - 1 from the restored state, as
-    # the uninterrupted run would have.
-    last_rms = float("inf")
-    restored_rms = None
-    if saved is not None:
-        value = saved["extra"].get("qgz_last_rms")
-        last_rms = float("inf") if value is None else float(value)
-        restored_rms = float(state.opt_state.qgz.grad_rms)
+    # The qgZ schedule (trainer.schedule, the library's) is decided on the
+    # host from the step number; only a gradient-RMS gate reads the previous
+    # step's RMS from the state, and only on the steps it decides.
     bar.update(first_step)
     try:
         for step in range(first_step, args.steps):
             batch = trainer.shard_batch(_local_rows(batches, step))
-            compress = trainer.compress_at(step, last_rms)
+            compress = trainer.schedule.compress_at(step, state.opt_state.qgz.grad_rms)
             state, metrics = trainer.step(state, batch, compress=compress)
             if pending is not None:
-                last_rms = record(*pending)
-            elif restored_rms is not None:
-                last_rms, restored_rms = restored_rms, None
+                record(*pending)
             pending = (step, metrics)
             done = step + 1
             periodic = args.save_every and done % args.save_every == 0
             if ckpt is not None and (periodic or done == args.steps):
-                ckpt.save(done, state, trainer, checkpoint_extra(last_rms))
+                ckpt.save(done, state, trainer, checkpoint_extra)
         if pending is not None:
             record(*pending)
     finally:

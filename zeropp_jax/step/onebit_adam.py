@@ -3,7 +3,8 @@
 With ``ZeroConfig(qgz_target="momentum")`` the quantity that crosses nodes
 compressed is Adam's momentum, not the gradient (Tang et al., 2021, "1-bit
 Adam"). The trainer owns the optimizer then: pass :func:`onebit_adam` to
-:func:`zeropp_jax.make_trainer`. Per optimizer step, with ``g_n`` node ``n``'s
+:func:`zeropp_jax.make_trainer`, which runs :class:`OneBitAdamRule`: its
+``init`` and ``update`` are at the end of this module. Per optimizer step, with ``g_n`` node ``n``'s
 mean gradient (reduced over ``local`` at full precision):
 
 * warm-up (full precision, the first ``qgz_warmup_steps`` steps): ``g_n`` is
@@ -33,11 +34,9 @@ example GPT the attention key biases: softmax ignores them, their gradient
 is ~1e-12, rounding noise).
 
 Both carries are optimizer state: what the two compressions lose is added to
-the next step's momentum, nothing is lost, only deferred. Measured on the
-example GPT (``benchmarks/onebit_adam_probe.py`` and ``benchmarks/RESULTS.md``):
-the carry on the momentum costs about as much as freezing ``v`` alone, while
-the carry on the gradient with ``v`` still updating (``qgz_target=
-"gradient"``) is several times worse at the same warm-up.
+the next step's momentum, nothing is lost, only deferred (why the carry sits
+on the momentum rather than the gradient in front of Adam:
+``benchmarks/RESULTS.md``).
 
 Layouts (``U`` = a unit's padded length, ``[L,]`` its layer axis if stacked):
 ``m`` and ``v`` are float32 ``(nodes, [L,] U)`` sharded
@@ -51,11 +50,22 @@ form its own momentum; the receiver carry is sharded like the parameters,
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from typing import Callable, NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from zeropp_jax.layout import padding_mask
+from zeropp_jax.mesh import LOCAL, NODE
+from zeropp_jax.step.accumulate import accumulate
+from zeropp_jax.step.geometry import StepGeometry
+from zeropp_jax.step.state import TrainState, ZeroOptState
+from zeropp_jax.wire import collectives
+from zeropp_jax.wire.qgz import QgzState, cross_node_reduce, cross_node_share
 
 Schedule = Callable[[jax.Array], jax.Array]
 
@@ -127,7 +137,7 @@ def onebit_adam(
 
 
 class OneBitAdamState(NamedTuple):
-    """1-bit Adam's state (in :class:`zeropp_jax.step.trainer.ZeroOptState` ``.inner``).
+    """1-bit Adam's state (in :class:`zeropp_jax.step.state.ZeroOptState` ``.inner``).
 
     Attributes:
       count: int32 ``()``, steps taken.
@@ -190,3 +200,200 @@ def adam_step(
     t = count.astype(jnp.float32)
     m_hat = m / (1.0 - hyper.b1**t)
     return p - hyper.lr_at(count - 1) * m_hat / preconditioner(v, v_count, hyper)
+
+
+# ---------------------------------------------------------------- the rule
+@dataclasses.dataclass(frozen=True)
+class OneBitAdamRule:
+    """Update rule: 1-bit Adam, run by the trainer inside shard_map.
+
+    Attributes:
+      optimizer: the hyperparameters (:func:`onebit_adam`).
+    """
+
+    optimizer: OneBitAdam
+
+    def init(self, geo: StepGeometry, params: dict) -> ZeroOptState:
+        """Zero ``m``, ``v`` (one copy per node) and carries for float32 ``params``."""
+        del params  # shapes come from the layout
+        moments = geo.per_node_specs()
+        receiver_specs = geo.param_specs() if geo.error_feedback else {}
+        inner = OneBitAdamState(
+            count=jnp.zeros((), jnp.int32),
+            v_count=jnp.zeros((), jnp.int32),
+            m=geo.zeros(moments, per_node=True),
+            v=geo.zeros(moments, per_node=True),
+            receiver_carry=geo.zeros(receiver_specs),
+        )
+        carry = geo.zeros(geo.carry_specs(), per_node=True)
+        return ZeroOptState(inner, QgzState(carry, jnp.full((), jnp.inf, jnp.float32)))
+
+    def update(
+        self, geo: StepGeometry, loss_fn: Callable, state: TrainState, batch: Any, *, compress: bool
+    ) -> tuple[TrainState, dict]:
+        """One optimizer step (global, under ``jit``): everything inside shard_map."""
+        inner: OneBitAdamState = state.opt_state.inner
+        params_spec, moments_spec = geo.param_specs(), geo.per_node_specs()
+        receiver_spec = params_spec if geo.error_feedback else {}
+        sender_spec = geo.carry_specs()
+        specs = (params_spec, moments_spec, moments_spec, receiver_spec, sender_spec)
+        params, m, v, receiver_carry, sender_carry, v_count, metrics = jax.shard_map(
+            functools.partial(_local_update, geo, loss_fn, self.optimizer, compress=compress),
+            mesh=geo.mesh,
+            in_specs=specs + (geo.batch_specs(batch), P(), P()),
+            out_specs=specs + (P(), P()),
+            check_vma=geo.check_vma,
+        )(state.params, inner.m, inner.v, inner.receiver_carry, state.opt_state.qgz.carry,
+          batch, inner.count, inner.v_count)
+        inner = OneBitAdamState(inner.count + 1, v_count, m, v, receiver_carry)
+        qgz = QgzState(carry=sender_carry, grad_rms=metrics["grad_rms"])
+        return TrainState(state.step + 1, params, ZeroOptState(inner, qgz)), metrics
+
+    def extra_memory(self, geo: StepGeometry) -> int:
+        """Bytes per device beyond optax Adam's ``m`` and ``v`` shards.
+
+        ``m`` and ``v`` are the node's copies of this device's ``local``
+        slice (``1/local`` of the model each, not ``1/(nodes*local)``), plus
+        the receiver carry (``1/(nodes*local)``, with error feedback).
+        """
+        padded = geo.layout.padded_numel
+        extra = 2 * (padded // geo.local - padded // geo.n_devices)
+        if geo.error_feedback:
+            extra += padded // geo.n_devices
+        return 4 * extra
+
+
+def _local_update(
+    geo: StepGeometry, loss_fn: Callable, adam: OneBitAdam,
+    params: dict, m: dict, v: dict, receiver_carry: dict, sender_carry: dict,
+    batch: Any, count: jax.Array, v_count: jax.Array, *, compress: bool,
+):
+    """Per-device 1-bit Adam step (inside shard_map).
+
+    Args:
+      geo: the step geometry.
+      loss_fn: the user's loss.
+      adam: the hyperparameters.
+      params, receiver_carry: name -> float32 ``([L,] U / D)``
+        (``receiver_carry`` empty without error feedback).
+      m, v: name -> float32 ``(1, [L,] U / local)``, this ``local`` slice
+        (the same on every node).
+      sender_carry: name -> float32 ``(1, [L,] U / local)`` or empty.
+      batch: pytree of ``(B / D, ...)`` arrays.
+      count, v_count: int32 scalars (steps taken; the step count at
+        ``v``'s last update).
+
+    Returns:
+      ``(params, m, v, receiver_carry, sender_carry, v_count, metrics)``.
+      Full-precision steps all-reduce gradients over ``node``; compressed
+      steps move quantized momentum codes over ``node`` (an all-to-all and
+      an all-gather). Everything else stays inside the node.
+    """
+    cfg = geo.config
+    acc, losses = accumulate(geo, loss_fn, params, batch)
+    compress = compress and geo.qgz_active
+    local_index = jax.lax.axis_index(LOCAL)
+    slice_masks = {
+        u.name: padding_mask(u, local_index, u.padded // geo.local) for u in geo.layout.units
+    }
+    # Full precision: the mean gradient over all devices, on every node.
+    # Compressed: this node's mean gradient (the nodes' average is the mean).
+    if compress:
+        scale = geo.nodes / (geo.n_devices * cfg.grad_accum)
+        grads = {name: a * scale for name, a in acc.items()}
+    else:
+        scale = 1.0 / (geo.n_devices * cfg.grad_accum)
+        with jax.named_scope("cross_node_all_reduce"):
+            grads = {
+                name: collectives.all_reduce(a, (NODE,), geo.plan.reduce_dtype) * scale
+                for name, a in acc.items()
+            }
+    grads = {name: jnp.where(slice_masks[name], g, 0.0) for name, g in grads.items()}
+    # This node's squared norm (compressed) or the global one (full precision).
+    sq_norm = jax.lax.psum(sum(jnp.sum(jnp.square(g)) for g in grads.values()), LOCAL)
+    clip = adam.clip_scale(sq_norm)
+
+    new = {key: {} for key in ("params", "m", "v", "receiver", "sender")}
+    count_now = count + 1
+    new_v_count = v_count if compress else count_now  # the step of v's last update
+    for u in geo.layout.units:
+        name = u.name
+        m_slice, v_slice = m[name][0], v[name][0]
+        clipped = clip * grads[name]
+        if compress:
+            denom = preconditioner(v_slice, v_count, adam)
+            u_slice, sent, received = _exchange_momentum(
+                geo, adam.b1, name, m_slice / denom, clipped / denom,
+                sender_carry.get(name), receiver_carry.get(name),
+            )
+            m_slice = jnp.where(slice_masks[name], u_slice, 0.0) * denom
+            if sent is not None:
+                new["sender"][name], new["receiver"][name] = sent[None], received
+        else:
+            # Exact, and the same on every node: all reduced the same
+            # gradient. v is an average over time: a refresh after k
+            # compressed steps decays it by b2**k.
+            denom_old = preconditioner(v_slice, v_count, adam)
+            b2_k = adam.b2 ** (count_now - v_count).astype(jnp.float32)
+            m_slice = next_momentum(m_slice, clipped, adam.b1)
+            v_slice = next_second_moment(v_slice, clipped, b2_k)
+            if name in sender_carry:
+                # the carries wait, re-expressed in the new update units
+                ratio = denom_old / preconditioner(v_slice, count_now, adam)
+                new["sender"][name] = sender_carry[name] * ratio[None]
+                new["receiver"][name] = receiver_carry[name] * own_chunk(ratio, NODE)
+        new["m"][name], new["v"][name] = m_slice[None], v_slice[None]
+        stepped = adam_step(
+            params[name], own_chunk(m_slice, NODE), own_chunk(v_slice, NODE),
+            count=count_now, v_count=new_v_count, hyper=adam,
+        )
+        mask = geo.shard_mask(u, params[name].shape[-1])
+        new["params"][name] = jnp.where(mask, stepped, params[name])
+    # Compressed steps report the root mean square over nodes of each node's
+    # gradient norm (the global gradient is never formed there).
+    sq_metric = jax.lax.pmean(sq_norm, NODE) if compress else sq_norm
+    metrics = geo.metrics(losses, sq_metric, compress)
+    return (new["params"], new["m"], new["v"], new["receiver"], new["sender"],
+            new_v_count, metrics)
+
+
+def _exchange_momentum(
+    geo: StepGeometry, b1: float, name: str, u_slice: jax.Array, g_slice: jax.Array,
+    sender_carry: jax.Array | None, receiver_carry: jax.Array | None,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """A compressed step's momentum exchange for one unit (inside shard_map).
+
+    Works in the preconditioned space ``u = m / (sqrt(v_hat) + eps)`` (``v``
+    is frozen, so the momentum recursion is the same there): the 1-bit
+    code's shared block magnitude then errs in units of the update, not of
+    ``m``, where a coordinate with a tiny ``v`` (a gradient that is ~0, e.g.
+    attention key biases) would turn the code's error into an unbounded step.
+
+    Args:
+      b1: Adam's momentum decay.
+      name: the unit's name (for the profile's scope).
+      u_slice, g_slice: float32 ``([L,] U / local)``: this slice's ``m``
+        and clipped node-mean gradient, both divided by the preconditioner.
+      sender_carry: float32 ``(1, [L,] U / local)`` or ``None``.
+      receiver_carry: float32 ``([L,] U / D)`` or ``None``.
+
+    Returns:
+      ``(u, sender_carry, receiver_carry)``: the new ``u`` of this slice,
+      the same on every node (float32 ``([L,] U / local)``), and the new
+      carries (``None`` without error feedback). Moves the codes over
+      ``node`` twice: an all-to-all and an all-gather.
+    """
+    cfg = geo.config
+    local_u = next_momentum(u_slice, g_slice, b1)
+    carry = None if sender_carry is None else sender_carry[0]
+    with jax.named_scope(f"cross_node_{name}"):
+        summed, carry, _ = cross_node_reduce(
+            local_u, carry, bits=cfg.qgz_bits, block=cfg.qgz_block,
+            scale_dtype=cfg.scale_dtype, reduce_dtype=geo.plan.reduce_dtype,
+            compress=True, kernels=geo.kernels,
+        )
+        shared, received = cross_node_share(
+            summed / geo.nodes, receiver_carry, bits=cfg.qgz_bits,
+            block=cfg.qgz_block, scale_dtype=cfg.scale_dtype, kernels=geo.kernels,
+        )
+    return shared, carry, received

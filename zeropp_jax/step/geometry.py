@@ -1,0 +1,212 @@
+"""The step's geometry: what a mesh, a layout and a config fix before any data.
+
+:class:`StepGeometry` is computed once per trainer and read by everything
+inside the step: device counts, the compute dtype, the quantization kernels,
+the gather plan of every unit and the ``PartitionSpec`` of every state
+leaf.  It holds no arrays and no mutable state.
+
+State layouts (``U`` = a unit's padded length, ``[L,]`` its layer axis if
+stacked; ``D = nodes * local``):
+
+* parameters (and optax state over them, and 1-bit Adam's receiver carry):
+  float32 ``([L,] U)`` sharded ``P([None,] ("local", "node"))``, a
+  ``U / D`` shard per device;
+* per-node arrays (qgZ's sender carry, 1-bit Adam's ``m`` and ``v``):
+  float32 ``(nodes, [L,] U)`` sharded ``P("node", [None,] "local")``: row
+  ``n`` is node ``n``'s copy, split over ``local``;
+* the batch: leading axis split over ``("node", "local")``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zeropp_jax.config import ZeroConfig
+from zeropp_jax.layout import ParamLayout, UnitLayout, padding_mask
+from zeropp_jax.mesh import LOCAL, NODE, SHARD_AXES, mesh_shape
+from zeropp_jax.step.gather import GatherPlan
+from zeropp_jax.wire import collectives, quantization
+from zeropp_jax.wire.kernels import Kernels, select
+
+DATA_AXES = (NODE, LOCAL)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepGeometry:
+    """Mesh, layout and config of one trainer, and everything derived from them.
+
+    Attributes:
+      mesh: the ``(node, local)`` mesh.
+      config: the :class:`~zeropp_jax.config.ZeroConfig`.
+      layout: the :class:`~zeropp_jax.layout.ParamLayout` of the units.
+    """
+
+    mesh: jax.sharding.Mesh
+    config: ZeroConfig
+    layout: ParamLayout
+
+    # ------------------------------------------------------------ sizes
+    @property
+    def nodes(self) -> int:
+        return mesh_shape(self.mesh)[0]
+
+    @property
+    def local(self) -> int:
+        return mesh_shape(self.mesh)[1]
+
+    @property
+    def n_devices(self) -> int:
+        return self.nodes * self.local
+
+    @property
+    def platform(self) -> str:
+        return self.mesh.devices.flat[0].platform
+
+    @property
+    def compute_dtype(self) -> Any:
+        return self.config.resolved_compute_dtype(self.platform)
+
+    @property
+    def kernels(self) -> Kernels:
+        """The quantization kernels the step uses (reported in ``describe()``)."""
+        return select(self.config.implementation, self.platform)
+
+    @property
+    def qgz_active(self) -> bool:
+        """qgZ compresses only where something crosses nodes."""
+        return self.config.qgz != "off" and self.nodes > 1
+
+    @property
+    def error_feedback(self) -> bool:
+        return self.qgz_active and self.config.qgz_error_feedback
+
+    @property
+    def check_vma(self) -> bool:
+        """shard_map's varying-axes check: on, except under the Pallas interpreter.
+
+        JAX's Pallas *interpreter* evaluates kernel bodies with invariant
+        constants next to varying blocks and fails the check ("Primitive div
+        requires varying manual axes to match"); compiled kernels and the
+        XLA path keep it on.
+        """
+        return self.kernels.name != "pallas-interpret"
+
+    @functools.cached_property
+    def plan(self) -> GatherPlan:
+        """How every unit is gathered and its gradient reduced."""
+        cfg = self.config
+        return GatherPlan(
+            gather_axes=(LOCAL,) if cfg.hpz else SHARD_AXES,
+            reduce_axes=(LOCAL,) if cfg.hierarchical_grads else SHARD_AXES,
+            bits=cfg.qwz_bits,
+            block=cfg.qwz_block,
+            scale_dtype=cfg.scale_dtype,
+            compute_dtype=self.compute_dtype,
+            reduce_dtype=cfg.reduce_dtype or self.compute_dtype,
+            kernels=self.kernels,
+        )
+
+    # ------------------------------------------------------------ specs
+    def param_specs(self, axes: Any = SHARD_AXES) -> dict:
+        """Unit name -> spec of a parameter-shaped ``([L,] U)`` array."""
+        return {
+            u.name: P(None, axes) if u.stack is not None else P(axes)
+            for u in self.layout.units
+        }
+
+    def per_node_specs(self) -> dict:
+        """Unit name -> spec of a per-node ``(nodes, [L,] U)`` array."""
+        return {
+            u.name: P(NODE, None, LOCAL) if u.stack is not None else P(NODE, LOCAL)
+            for u in self.layout.units
+        }
+
+    def carry_specs(self) -> dict:
+        """qgZ's sender carry: per node with error feedback, else nothing."""
+        return self.per_node_specs() if self.error_feedback else {}
+
+    def batch_specs(self, batch: Any) -> Any:
+        return jax.tree.map(lambda _: P(DATA_AXES), batch)
+
+    def sharding(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    @property
+    def param_shardings(self) -> dict:
+        return jax.tree.map(self.sharding, self.param_specs())
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return self.sharding(P(DATA_AXES))
+
+    def zeros(self, specs: dict, *, per_node: bool = False) -> dict:
+        """float32 zeros for each unit in ``specs``, placed with that spec.
+
+        Shaped ``([L,] U)``, or ``(nodes, [L,] U)`` with ``per_node``.
+        """
+        lead = (self.nodes,) if per_node else ()
+        units = {u.name: u for u in self.layout.units}
+        return {
+            name: jax.sharding.reshard(
+                jnp.zeros(lead + units[name].global_shape, jnp.float32), self.sharding(spec)
+            )
+            for name, spec in specs.items()
+        }
+
+    def memory_per_device(self) -> dict:
+        """Bytes each device holds per ZeRO++ structure (from the layout).
+
+        ``hpz_secondary`` is hpZ's extra cost: the node's copy of the model,
+        sharded over ``local`` only, built once per step. ``grad_accumulator``
+        holds gradients between the backward and the cross-node reduction:
+        ``1/local`` of the model with hierarchical gradients (hpZ or qgZ),
+        ``1/(nodes*local)`` otherwise. ``qgz_carry`` is the error-feedback
+        carry (``1/local`` of the model, float32; with 1-bit Adam the sender
+        carry of the momentum).
+        """
+        cfg = self.config
+        padded = self.layout.padded_numel
+        per_local = padded // self.local
+        secondary = 0
+        if cfg.hpz:
+            if cfg.qwz_bits:
+                secondary = quantization.wire_bytes(
+                    per_local, bits=cfg.qwz_bits, block=cfg.qwz_block,
+                    scale_dtype=cfg.scale_dtype,
+                )
+            else:
+                secondary = per_local * jnp.dtype(self.compute_dtype).itemsize
+        accumulator = 4 * (per_local if cfg.hierarchical_grads else padded // self.n_devices)
+        return {
+            "master_params": 4 * padded // self.n_devices,
+            "hpz_secondary": secondary,
+            "grad_accumulator": accumulator,
+            "qgz_carry": 4 * per_local if self.error_feedback else 0,
+        }
+
+    # ------------------------------------------------- inside shard_map
+    def shard_mask(self, unit: UnitLayout, width: int) -> jax.Array:
+        """bool ``(width,)``: real entries of this device's ``U / D`` shard."""
+        return padding_mask(unit, collectives.axes_index(SHARD_AXES), width)
+
+    def metrics(self, losses: jax.Array, sq_norm: jax.Array, compress: bool) -> dict:
+        """The step's metrics (inside shard_map): replicated float32 / int32 scalars.
+
+        Args:
+          losses: float32 ``(grad_accum,)`` micro-batch losses of this device.
+          sq_norm: the squared gradient norm, the same on every device.
+          compress: whether this variant compresses (qgZ).
+        """
+        return {
+            "loss": jax.lax.pmean(jnp.mean(losses), DATA_AXES),
+            "grad_norm": jnp.sqrt(sq_norm),
+            "grad_rms": jnp.sqrt(sq_norm / self.layout.numel),
+            "compressed": jnp.asarray(int(compress and self.qgz_active), jnp.int32),
+        }

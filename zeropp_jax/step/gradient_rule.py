@@ -1,0 +1,120 @@
+"""The gradient rule: qgZ on the gradient, then any optax optimizer.
+
+Per optimizer step (:meth:`GradientRule.update`):
+
+1. inside shard_map, the micro-batches' gradients are accumulated
+   (:func:`~zeropp_jax.step.accumulate.accumulate`); with hierarchical
+   gradients (hpZ or qgZ on) they are node-partial and are summed over
+   ``node`` once, at full precision or compressed by qgZ with error
+   feedback (:func:`~zeropp_jax.wire.qgz.cross_node_reduce`);
+2. gradients are divided by ``devices * grad_accum`` (the exact
+   data-parallel mean) and padding is zeroed;
+3. outside shard_map, under the same ``jit``, the optax optimizer updates
+   the float32 units: element-wise transforms stay local and global
+   reductions (``clip_by_global_norm``) are partitioned by XLA, so they are
+   exact.  It sees one flat vector per unit, not the original leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from zeropp_jax.step.accumulate import accumulate
+from zeropp_jax.step.geometry import DATA_AXES, StepGeometry
+from zeropp_jax.step.state import TrainState, ZeroOptState
+from zeropp_jax.wire import dither
+from zeropp_jax.wire.qgz import QgzState, cross_node_reduce
+from zeropp_jax.mesh import LOCAL
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientRule:
+    """Update rule: qgZ-compressed gradients in front of an optax optimizer.
+
+    Attributes:
+      optimizer: any ``optax.GradientTransformation`` (run on the unit dict).
+    """
+
+    optimizer: optax.GradientTransformation
+
+    def init(self, geo: StepGeometry, params: dict) -> ZeroOptState:
+        """The optimizer state for float32 ``params`` (placed like the parameters)."""
+        inner = self.optimizer.init(params)
+        carry = geo.zeros(geo.carry_specs(), per_node=True)
+        return ZeroOptState(inner, QgzState(carry, jnp.full((), jnp.inf, jnp.float32)))
+
+    def update(
+        self, geo: StepGeometry, loss_fn: Callable, state: TrainState, batch: Any, *, compress: bool
+    ) -> tuple[TrainState, dict]:
+        """One optimizer step (global, under ``jit``); see the module docstring."""
+        param_specs, carry_specs = geo.param_specs(), geo.carry_specs()
+        grads, carry, metrics = jax.shard_map(
+            functools.partial(_reduced_gradients, geo, loss_fn, compress=compress),
+            mesh=geo.mesh,
+            in_specs=(param_specs, carry_specs, geo.batch_specs(batch), P()),
+            out_specs=(param_specs, carry_specs, P()),
+            check_vma=geo.check_vma,
+        )(state.params, state.opt_state.qgz.carry, batch, state.step)
+        with jax.named_scope("optimizer"):
+            updates, inner = self.optimizer.update(grads, state.opt_state.inner, state.params)
+            params = optax.apply_updates(state.params, updates)
+        qgz = QgzState(carry=carry, grad_rms=metrics["grad_rms"])
+        return TrainState(state.step + 1, params, ZeroOptState(inner, qgz)), metrics
+
+    def extra_memory(self, geo: StepGeometry) -> int:
+        """Bytes per device of state beyond the optimizer's own (none)."""
+        return 0
+
+
+def _reduced_gradients(
+    geo: StepGeometry, loss_fn: Callable, params: dict, carry: dict, batch: Any,
+    step: jax.Array, *, compress: bool,
+) -> tuple[dict, dict, dict]:
+    """The mean gradient's shard on each device (inside shard_map).
+
+    Args:
+      geo: the step geometry.
+      loss_fn: the user's loss.
+      params: name -> float32 ``([L,] U / D)`` primary shard.
+      carry: name -> float32 ``(1, [L,] U / local)`` sender carry, or empty.
+      batch: pytree of ``(B / D, ...)`` arrays.
+      step: int32 scalar optimizer step (replicated; it names the dither
+        noise of ``qgz_code="dither"``).
+
+    Returns:
+      ``(grads, carry, metrics)`` with grads shaped like ``params``. Only
+      the cross-node reduction moves data over ``node``.
+    """
+    cfg = geo.config
+    acc, losses = accumulate(geo, loss_fn, params, batch)
+    dithered = cfg.qgz_code == "dither"
+    local_index = jax.lax.axis_index(LOCAL) if dithered else None
+
+    grads, new_carry = {}, {}
+    for unit_index, u in enumerate(geo.layout.units):
+        g = acc[u.name]
+        if cfg.hierarchical_grads:
+            c = carry[u.name][0] if u.name in carry else None
+            key = (  # only the dithered code draws noise
+                dither.stream_key(cfg.qgz_seed, step, unit_index, local_index) if dithered else None
+            )
+            with jax.named_scope(f"cross_node_{u.name}"):
+                g, c, _ = cross_node_reduce(
+                    g, c, bits=cfg.qgz_bits, block=cfg.qgz_block, scale_dtype=cfg.scale_dtype,
+                    reduce_dtype=geo.plan.reduce_dtype, compress=compress,
+                    kernels=geo.kernels, code=cfg.qgz_code, key=key,
+                )
+            if c is not None:
+                new_carry[u.name] = c[None]
+        g = g / (geo.n_devices * cfg.grad_accum)
+        grads[u.name] = jnp.where(geo.shard_mask(u, g.shape[-1]), g, 0.0)
+
+    sq = jax.lax.psum(sum(jnp.sum(jnp.square(g)) for g in grads.values()), DATA_AXES)
+    return grads, new_carry, geo.metrics(losses, sq, compress)

@@ -1,0 +1,79 @@
+"""The qgZ schedule: which optimizer steps cross nodes compressed.
+
+One object decides it for the library (:meth:`Trainer.step
+<zeropp_jax.step.trainer.Trainer.step>`) and the command line alike.  A step
+runs the full-precision variant
+
+* during the warm-up (the first ``qgz_warmup_steps`` steps);
+* with ``qgz_refresh_every = N`` (1-bit Adam), on every ``N``-th step after
+  the warm-up, which refreshes Adam's second moment;
+* with ``qgz_min_grad_rms = x`` (the gate), while the previous step's
+  gradient RMS (``QgzState.grad_rms`` in the train state) is below ``x``;
+
+and the compressed variant otherwise.  The step number and the warm-up and
+refresh rules are known on the host; only the gate needs a value from the
+device, and it is read only when the gate is what decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from zeropp_jax.config import ZeroConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class QgzSchedule:
+    """The qgZ schedule of one trainer (static: built from its config).
+
+    Attributes:
+      active: whether qgZ compresses at all (on, and more than one node).
+      warmup_steps: full-precision steps before compression starts.
+      refresh_every: every this many steps after the warm-up one step runs
+        at full precision (0: never).
+      min_grad_rms: compress only while the previous step's gradient RMS is
+        at least this (0: no gate).
+    """
+
+    active: bool
+    warmup_steps: int = 0
+    refresh_every: int = 0
+    min_grad_rms: float = 0.0
+
+    @classmethod
+    def from_config(cls, config: ZeroConfig, nodes: int) -> "QgzSchedule":
+        return cls(
+            active=config.qgz != "off" and nodes > 1,
+            warmup_steps=config.qgz_warmup_steps,
+            refresh_every=config.qgz_refresh_every,
+            min_grad_rms=config.qgz_min_grad_rms,
+        )
+
+    @property
+    def is_static(self) -> bool:
+        """Whether every step takes the same variant."""
+        return not self.active or (
+            self.warmup_steps == 0 and self.min_grad_rms == 0 and not self.refresh_every
+        )
+
+    def compress_at(self, step: Any, grad_rms: Any) -> bool:
+        """Whether step ``step`` (0-based) reduces compressed.
+
+        Args:
+          step: the number of steps taken before this one: a Python int, or
+            the state's int32 scalar (read from the device only when the
+            schedule is not static).
+          grad_rms: the previous step's gradient RMS (the state's
+            ``opt_state.qgz.grad_rms``, ``inf`` before the first step): a
+            float or a device scalar, read only when the gate decides.
+        """
+        if self.is_static:
+            return self.active
+        step = int(step)
+        if step < self.warmup_steps:
+            return False
+        n = self.refresh_every
+        if n and (step - self.warmup_steps + 1) % n == 0:
+            return False
+        return not (self.min_grad_rms > 0 and float(grad_rms) < self.min_grad_rms)

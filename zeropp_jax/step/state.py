@@ -1,0 +1,44 @@
+"""The train state: what a step reads and writes (all leaves sharded arrays).
+
+Field names and nesting are the checkpoint format's tree paths
+(:mod:`zeropp_jax.checkpoint`): keep them stable.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+
+from zeropp_jax.wire.qgz import QgzState
+
+
+class ZeroOptState(NamedTuple):
+    """Optimizer state: the update rule's state plus the qgZ state.
+
+    Attributes:
+      inner: the optax optimizer's state over the unit dict (float32 shards;
+        the gradient rule), or
+        :class:`~zeropp_jax.step.onebit_adam.OneBitAdamState` (1-bit Adam).
+      qgz: :class:`~zeropp_jax.wire.qgz.QgzState` (error-feedback carry: of
+        the gradient, or the sender carry of the momentum; the last step's
+        gradient RMS).
+    """
+
+    inner: Any
+    qgz: QgzState
+
+
+class TrainState(NamedTuple):
+    """Everything a step reads and writes.
+
+    Attributes:
+      step: int32 ``()``, optimizer steps taken.
+      params: dict unit name -> float32 ``(U,)`` or ``(L, U)`` master
+        weights, sharded ``P([None,] ("local", "node"))``.
+      opt_state: :class:`ZeroOptState`.
+    """
+
+    step: jax.Array  # int32 ()
+    params: dict  # name -> float32 ([L,] U)
+    opt_state: ZeroOptState
