@@ -22,9 +22,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zeropp_jax.analysis.collectives import parse_collectives
 from zeropp_jax.analysis.comm_report import comm_report
-from zeropp_jax.analysis.comm_report import parse_collectives
-from zeropp_jax.analysis.comm_report import parse_replica_groups
+from zeropp_jax.analysis.replica_groups import parse_replica_groups
 
 MESH_SHAPE = (2, 4)
 ALL = P(("node", "local"))  # shard dim 0 over all 8 devices

@@ -9,7 +9,7 @@ from tests._util import mesh_of
 import zeropp_jax as zp
 from zeropp_jax.analysis import cost_model as cm
 from zeropp_jax.cli import simulate
-from zeropp_jax.analysis.comm_report import Collective
+from zeropp_jax.analysis.collectives import Collective
 
 MESH = (2, 4)
 

@@ -45,7 +45,7 @@ def gbps_list(text: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from zeropp_jax.analysis.cost_model import V100_CLUSTER
+    from zeropp_jax.analysis.cluster import V100_CLUSTER
 
     parser = argparse.ArgumentParser(
         prog="zeropp-simulate",
