@@ -138,6 +138,11 @@ BAD_INPUTS = {
     "missing_data": (("--data", "/nonexistent"), None, ["/nonexistent"]),
     "empty_data": (("--data", "{empty}"), None, ["{empty}", "empty"]),
     "malformed_mesh": (("--mesh", "banana"), None, ["banana", "NODESxLOCAL"]),
+    # ZeroConfig's own checks, reached through its generated flags.
+    "unknown_dtype": (("--dtype", "fp64"), None, ["fp64", "dtype"]),
+    "dither_with_error_feedback": (
+        ("--preset", "zeropp", "--qgz-code", "dither"), None, ["dither", "error feedback"]
+    ),
 }
 
 
@@ -165,6 +170,35 @@ def test_bad_input_fails_before_compiling(tmp_path, case):
     assert "summary:" not in proc.stdout
     assert not metrics  # no step ran
     assert elapsed < QUICK_FAILURE_S, f"took {elapsed:.1f}s to reject {args}"
+
+
+def test_zero_flags_build_the_config_of_their_fields():
+    """The ZeRO flags are generated from ZeroConfig's fields (cli/common.py)."""
+    import dataclasses
+
+    from zeropp_jax.cli import common, train
+    from zeropp_jax.config import ZeroConfig
+
+    parser = train.build_parser()
+    args = parser.parse_args([
+        "--preset", "zeropp", "--dtype", "bf16", "--qwz-bits", "4", "--no-hpz",
+        "--qgz-block", "64", "--qgz-warmup", "7", "--grad-accum", "2",
+        "--scale-dtype", "bfloat16", "--implementation", "xla", "--seed", "3",
+    ])
+    assert common.build_config(args) == ZeroConfig.from_preset(
+        "zeropp", compute_dtype="bf16", qwz_bits=4, hpz=False, qgz_block=64,
+        qgz_warmup_steps=7, grad_accum=2, scale_dtype="bfloat16", implementation="xla",
+        qgz_seed=3,
+    )
+    # Flags left out keep the preset's values; --dtype auto is compute_dtype=None.
+    assert common.build_config(parser.parse_args(["--preset", "qgz"])) == (
+        ZeroConfig.from_preset("qgz")
+    )
+    helps = {a.dest: a.help for a in parser._actions}
+    for f in dataclasses.fields(ZeroConfig):
+        if f.metadata["flag"] is not None:
+            flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+            assert helps[flag[2:].replace("-", "_")] == f.metadata["help"], f.name
 
 
 def test_device_count_follows_mesh_when_not_forced(tmp_path):

@@ -30,7 +30,7 @@ import pytest
 
 from _util import COMM, TINY_ARGS, TRAIN
 from zeropp_jax import distributed
-from zeropp_jax.cli.launch import _Output
+from zeropp_jax.cli._processes import _Output
 
 LAUNCH = ("-m", "zeropp_jax.cli.launch")
 STEPS = 10

@@ -3,7 +3,9 @@
 A config is data: build it from a preset with :func:`ZeroConfig.from_preset`,
 override single fields with keyword arguments, and every check runs once in
 ``__post_init__`` with an error that names the bad value and what would be
-valid.
+valid. Each field carries its own documentation and command-line spelling
+(see :func:`_field`); ``zeropp_jax.cli.common`` builds the flags of
+``zeropp-train`` and ``zeropp-comm`` from them.
 
 Presets:
 
@@ -19,31 +21,27 @@ preset     qwZ     hpZ    qgZ
 
 The 1-bit presets run 1-bit Adam (``qgz_target="momentum"``, optimizer
 :func:`zeropp_jax.onebit_adam`): error feedback on the gradient in front of
-Adam costs the example GPT +8% loss over zero3 (Adam's per-coordinate
-normalization turns the carry's late, bursty delivery into wrong-sized
-steps; benchmarks/RESULTS.md), error feedback on the momentum about +1%.
-``qgz_target="gradient"`` keeps gradient compression for any optax
-optimizer.
+Adam loses much more loss than error feedback on the momentum, because Adam's
+per-coordinate normalization turns the carry's late, bursty delivery into
+wrong-sized steps (measured: benchmarks/RESULTS.md). ``qgz_target="gradient"``
+keeps gradient compression for any optax optimizer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax.numpy as jnp
 
-# Full-precision optimizer steps before 1-bit qgZ starts compressing in the
-# presets that use it. 1-bit Adam estimates Adam's second moment in this
-# warm-up and freezes it afterwards (the 1-bit Adam paper warms up for 15-25%
-# of training); 100 is 25% of the 400-step convergence runs in
-# benchmarks/RESULTS.md.
+# 1-bit Adam estimates Adam's second moment in the warm-up and freezes it
+# afterwards; 100 steps is 25% of the 400-step convergence runs, as the
+# 1-bit Adam paper's 15-25% (benchmarks/RESULTS.md).
 DEFAULT_QGZ_WARMUP = 100
-# 1-bit Adam's refresh period in the presets: every this many steps after
-# the warm-up one step runs at full precision and updates the frozen second
-# moment. Without refreshes the loss gap on the example GPT grew from +0.7%
-# to +3.5% late in training (seed 2, benchmarks/RESULTS.md); each refresh
-# costs one full-precision cross-node reduction.
+# Every this many steps after the warm-up one full-precision step refreshes
+# 1-bit Adam's frozen second moment: without refreshes the loss gap grows late
+# in training (benchmarks/RESULTS.md).
 DEFAULT_QGZ_REFRESH_EVERY = 10
 
 _ONEBIT_ADAM = dict(
@@ -59,50 +57,32 @@ PRESETS: dict[str, dict[str, Any]] = {
     "zeropp": dict(qwz_bits=8, hpz=True, **_ONEBIT_ADAM),
 }
 
+QWZ_BITS = (0, 8, 4)
 QGZ_MODES = ("off", "1bit", "int8", "int4")
-# 1-bit codes: "sign" = mean|x| * sign(x) per block (biased; meant for error
-# feedback); "dither" = unbiased subtractive-dither code (zeropp_jax.wire.dither;
-# without error feedback).
 QGZ_CODES = ("sign", "dither")
-# What qgZ compresses across nodes: the gradient (error feedback on the
-# gradient, any optax optimizer) or Adam's momentum (1-bit Adam: the trainer
-# runs zeropp_jax.onebit_adam, error feedback on the momentum).
 QGZ_TARGETS = ("gradient", "momentum")
 QGZ_BITS = {"off": 0, "1bit": 1, "int8": 8, "int4": 4}
+SCALE_DTYPES = ("float32", "bfloat16")
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
 
-# Default block sizes (elements per scale), from
-# benchmarks/quantization_blocks.py: 256 is the smallest block whose fp32
-# scales cost under 2% of an int8 payload (1.56%). The error grows 5-11% per
-# doubling of the block (block 256 is 1.2-1.5x the error at 32), while int8's
-# relative L2 error stays at 0.3-0.7%; for d_model >= 256 a block of 256 stays
-# inside one weight row.
+# Default block sizes (elements per scale). int8 / int4: 256 is the smallest
+# block whose float32 scales cost under 2% of an int8 payload, and stays
+# inside one weight row for d_model >= 256 (benchmarks/quantization_blocks.py,
+# benchmarks/RESULTS.md).
 DEFAULT_QWZ_BLOCK = 256
 DEFAULT_QGZ_BLOCK = 256
-# 1-bit gradients need finer scales: a sign carries no magnitude, so the
-# block's mean |g| is the only magnitude information.  At 32 the scale costs
-# one extra bit per value (2 bits in all, 1/16 of fp32); on the example GPT
-# the loss gap to full precision at step 150 dropped from 6.3% (block 256) to
-# 2.7% (no warm-up). Block 128 gives nearly the same per-step error (1.01x)
-# for 1.25 bits per value; its effect on the loss is not measured yet.
+# A sign carries no magnitude, so 1-bit blocks need finer scales: at 32 the
+# scale adds one bit per value and the loss gap shrinks (benchmarks/RESULTS.md).
 DEFAULT_QGZ_BLOCK_1BIT = 32
-# The dithered (unbiased) 1-bit code's noise is uniform on +-max|x| of its
-# block, so smaller blocks cut it: on the example GPT (zeropp, no error
-# feedback, 400 steps, benchmarks/RESULTS.md) the loss gap to zero3 is +1.15%
-# at block 32 and +0.27% to +0.91% (four noise streams, mean +0.54%) at 16
-# (+0.37% with the seed-0 stream since the seed is part of the dither key;
-# seeds 1 and 2: +1.15% and +3.67%).
-# Block 16 costs 3 bits per value with float32 scales; bfloat16 scales
-# (2 bits per value) measured +1.5% and +1.9%.
+# The dithered code's noise is uniform on +-max|x| of its block, so smaller
+# blocks cut it; 16 costs 3 bits per value with float32 scales
+# (benchmarks/RESULTS.md).
 DEFAULT_QGZ_BLOCK_DITHER = 16
 
 _DTYPES = {
-    "float32": jnp.float32,
-    "fp32": jnp.float32,
-    "bfloat16": jnp.bfloat16,
-    "bf16": jnp.bfloat16,
-    "float16": jnp.float16,
-    "fp16": jnp.float16,
+    "float32": jnp.float32, "fp32": jnp.float32,
+    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+    "float16": jnp.float16, "fp16": jnp.float16,
 }
 
 
@@ -118,72 +98,125 @@ def parse_dtype(name: Any) -> Any:
         ) from None
 
 
+def _field(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = "",
+    parse: type = str,
+    choices: tuple | None = None,
+    at_least: int | None = None,
+    cli_default: Any = None,
+    none_name: str | None = None,
+) -> Any:
+    """A config field with its documentation and its command-line flag, in one place.
+
+    Args:
+      default: the field's default.
+      help: what the field means, in plain text (also the flag's ``--help``).
+      flag: the flag; ``""``: ``--`` and the field name with dashes; ``None``:
+        no flag.
+      parse: ``str``, ``int``, ``float`` or ``bool`` (``--x`` / ``--no-x``).
+      choices: the valid values, if a fixed few.
+      at_least: the smallest valid number, checked while parsing the flag.
+      cli_default: the flag's default; ``None`` keeps the preset's value.
+      none_name: the flag's word for ``None`` (and then its default).
+
+    ``zeropp_jax.cli.common.add_config_args`` reads these.
+    """
+    return dataclasses.field(default=default, metadata=dict(
+        help=help, flag=flag, parse=parse, choices=choices, at_least=at_least,
+        cli_default=none_name if none_name is not None else cli_default,
+        none_name=none_name,
+    ))
+
+
 @dataclasses.dataclass(frozen=True)
 class ZeroConfig:
     """How parameters and gradients are partitioned and communicated.
 
-    Attributes:
-      preset: name of the preset the fields started from (for reports).
-      compute_dtype: dtype of the gathered parameters the model computes with
-        (master weights and optimizer state are always float32 shards).
-        ``None`` picks bfloat16 on GPU and float32 elsewhere.
-      reduce_dtype: dtype of full-precision gradient reduce-scatters
-        (``None``: the compute dtype).
-      qwz_bits: 0 (off), 8 or 4: bits per value of parameter all-gathers.
-      qwz_block: elements per quantization scale for parameters.
-      hpz: keep a secondary parameter partition inside each node so per-layer
-        gathers run over ``local`` only.
-      qgz: ``"off"``, ``"1bit"``, ``"int8"`` or ``"int4"``: compression of the
-        cross-node gradient reduction.
-      qgz_error_feedback: carry what compression loses into the next step.
-      qgz_code: the 1-bit code, ``"sign"`` (scaled sign; the default) or
-        ``"dither"`` (unbiased, no error feedback; see
-        :mod:`zeropp_jax.wire.dither`).
-      qgz_target: ``"gradient"`` (compress the gradient; any optax
-        optimizer; the default) or ``"momentum"`` (1-bit Adam, the ``qgz``
-        and ``zeropp`` presets: compress Adam's momentum,
-        with ``v`` frozen after the warm-up; needs
-        :func:`zeropp_jax.onebit_adam` as the optimizer, ``qgz`` on, the
-        ``sign`` code and ``qgz_warmup_steps >= 1``; see
-        :mod:`zeropp_jax.step.onebit_adam`).
-      qgz_seed: seed of the dithered code's noise (``qgz_code="dither"``):
-        runs with different seeds draw unrelated noise streams; the CLI
-        passes ``--seed``.
-      qgz_block: elements per gradient scale (``None``: 32 for ``1bit``,
-        16 for ``1bit`` with ``qgz_code="dither"``, 256 for ``int8`` /
-        ``int4``).
-      qgz_warmup_steps: optimizer steps reduced at full precision before qgZ
-        starts compressing.
-      qgz_min_grad_rms: compress only while the root-mean-square of the
-        gradient (measured on the previous step) is at least this; ``0``
-        disables the gate.
-      qgz_refresh_every: with ``qgz_target="momentum"``, every this many
-        steps after the warm-up one step runs at full precision and updates
-        Adam's second moment (``0``: ``v`` stays frozen after the warm-up).
-      grad_accum: micro-batches per optimizer step.
-      scale_dtype: dtype of the per-block scales on the wire.
-      implementation: ``"auto"`` (Pallas on GPU, XLA elsewhere), ``"xla"`` or
-        ``"pallas"`` for the quantization kernels.
+    Each field's ``help`` below says what it means; it is also the
+    ``--help`` text of the field's flag in ``zeropp-train`` and
+    ``zeropp-comm``. Master weights and optimizer state are always float32
+    shards, whatever the dtypes here.
     """
 
-    preset: str = "zero3"
-    compute_dtype: Any = None
-    reduce_dtype: Any = None
-    qwz_bits: int = 0
-    qwz_block: int = DEFAULT_QWZ_BLOCK
-    hpz: bool = False
-    qgz: str = "off"
-    qgz_error_feedback: bool = True
-    qgz_code: str = "sign"
-    qgz_target: str = "gradient"
-    qgz_seed: int = 0
-    qgz_block: int | None = None
-    qgz_warmup_steps: int = 0
-    qgz_min_grad_rms: float = 0.0
-    qgz_refresh_every: int = 0
-    grad_accum: int = 1
-    scale_dtype: Any = jnp.float32
-    implementation: str = "auto"
+    preset: str = _field(
+        "zero3", f"the preset the other fields start from: one of {', '.join(PRESETS)}",
+        cli_default="zero3",
+    )
+    compute_dtype: Any = _field(
+        None, "compute dtype of the gathered parameters: auto (bf16 on GPU, fp32 elsewhere), "
+        "bf16, fp32 or fp16", flag="--dtype", none_name="auto",
+    )
+    reduce_dtype: Any = _field(
+        None, "dtype of full-precision gradient reduce-scatters (default: the compute dtype)",
+        flag=None,
+    )
+    qwz_bits: int = _field(
+        0, "qwZ: bits per value of the parameter all-gathers, 0 (off), 8 or 4",
+        parse=int, choices=QWZ_BITS,
+    )
+    qwz_block: int = _field(
+        DEFAULT_QWZ_BLOCK, "qwZ: parameter elements per quantization scale (a multiple of 8)",
+        parse=int, at_least=1,
+    )
+    hpz: bool = _field(
+        False, "hpZ: keep a secondary parameter partition inside each node, so per-layer "
+        "gathers run over the local axis only", parse=bool,
+    )
+    qgz: str = _field(
+        "off", "qgZ: compression of the cross-node gradient reduction: off, 1bit, int8 or int4",
+        choices=QGZ_MODES,
+    )
+    qgz_error_feedback: bool = _field(
+        True, "qgZ: carry what compression loses into the next step", parse=bool,
+    )
+    qgz_code: str = _field(
+        "sign", "1-bit code: sign (scaled sign, for error feedback) or dither "
+        "(unbiased, zeropp_jax.wire.dither; it needs --no-qgz-error-feedback and "
+        "--qgz-target gradient)",
+        choices=QGZ_CODES,
+    )
+    qgz_target: str = _field(
+        "gradient", "what qgZ compresses across nodes: the gradient (error feedback on the "
+        "gradient; any optax optimizer) or Adam's momentum (1-bit Adam, "
+        "zeropp_jax.onebit_adam: error feedback on the momentum, Adam's second moment "
+        "frozen after --qgz-warmup; needs qgZ on, the sign code and a warm-up of at least "
+        "1 step); momentum in the qgz and zeropp presets",
+        choices=QGZ_TARGETS,
+    )
+    qgz_seed: int = _field(
+        0, "seed of the dithered code's noise: runs with different seeds draw unrelated "
+        "noise streams (the CLI passes --seed)", flag=None,
+    )
+    qgz_block: int | None = _field(
+        None, "qgZ: gradient elements per scale, a multiple of 8 (default: 32 for 1bit, 16 "
+        "for 1bit with the dither code, 256 for int8 and int4)", parse=int, at_least=1,
+    )
+    qgz_warmup_steps: int = _field(
+        0, "optimizer steps at full precision before qgZ compresses",
+        flag="--qgz-warmup", parse=int, at_least=0,
+    )
+    qgz_min_grad_rms: float = _field(
+        0.0, "compress only while the gradient RMS (measured on the previous step) is at "
+        "least this (0: always; gradient target only)", parse=float, at_least=0,
+    )
+    qgz_refresh_every: int = _field(
+        0, "with --qgz-target momentum: every N-th step after the warm-up runs at full "
+        "precision and refreshes Adam's second moment (0: never)", parse=int, at_least=0,
+    )
+    grad_accum: int = _field(
+        1, "micro-batches per optimizer step", parse=int, at_least=1, cli_default=1,
+    )
+    scale_dtype: Any = _field(
+        jnp.float32, "dtype of the per-block quantization scales on the wire (qwZ and qgZ)",
+        choices=SCALE_DTYPES,
+    )
+    implementation: str = _field(
+        "auto", "quantization kernels: auto (Pallas on GPU, XLA elsewhere), xla or pallas",
+        choices=IMPLEMENTATIONS,
+    )
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -198,12 +231,12 @@ class ZeroConfig:
                     raise ValueError(f"{name} must be a float dtype, got {value!r}")
                 object.__setattr__(self, name, dtype)
         scale_dtype = parse_dtype(self.scale_dtype)
-        if jnp.dtype(scale_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        if jnp.dtype(scale_dtype).name not in SCALE_DTYPES:
             raise ValueError(
                 f"scale_dtype must be float32 or bfloat16, got {self.scale_dtype!r}"
             )
         object.__setattr__(self, "scale_dtype", scale_dtype)
-        if self.qwz_bits not in (0, 4, 8):
+        if self.qwz_bits not in QWZ_BITS:
             raise ValueError(f"qwz_bits must be 0 (off), 8 or 4, got {self.qwz_bits!r}")
         if self.qgz not in QGZ_MODES:
             raise ValueError(f"qgz must be one of {QGZ_MODES}, got {self.qgz!r}")
@@ -249,41 +282,7 @@ class ZeroConfig:
             )
         if self.qgz_target not in QGZ_TARGETS:
             raise ValueError(f"qgz_target must be one of {QGZ_TARGETS}, got {self.qgz_target!r}")
-        if self.qgz_target == "momentum":
-            if self.qgz == "off":
-                raise ValueError(
-                    "qgz_target='momentum' compresses Adam's momentum across nodes; it needs "
-                    "qgz='1bit' (or 'int8' / 'int4'), got qgz='off'"
-                )
-            if self.qgz_code != "sign":
-                raise ValueError(
-                    "qgz_target='momentum' uses the sign code with error feedback on the "
-                    f"momentum; got qgz_code={self.qgz_code!r} (use qgz_code='sign', or "
-                    "qgz_target='gradient' to compress gradients with it: --qgz-target gradient)"
-                )
-            if self.qgz_warmup_steps < 1:
-                raise ValueError(
-                    "qgz_target='momentum' freezes Adam's second moment when compression "
-                    "starts, so it needs full-precision warm-up steps to estimate it: "
-                    f"qgz_warmup_steps must be >= 1, got {self.qgz_warmup_steps!r} "
-                    "(1-bit Adam warms up for 15-25% of training)"
-                )
-            if self.qgz_min_grad_rms:
-                raise ValueError(
-                    "qgz_min_grad_rms (the compression gate) applies to qgz_target='gradient'; "
-                    "with qgz_target='momentum' the global gradient is not formed on "
-                    f"compressed steps, so set qgz_min_grad_rms=0 (got {self.qgz_min_grad_rms!r})"
-                )
-        if (isinstance(self.qgz_refresh_every, bool) or not isinstance(self.qgz_refresh_every, int)
-                or self.qgz_refresh_every < 0):
-            raise ValueError(
-                f"qgz_refresh_every must be an integer >= 0 (0: never), got {self.qgz_refresh_every!r}"
-            )
-        if self.qgz_refresh_every and self.qgz_target != "momentum":
-            raise ValueError(
-                "qgz_refresh_every refreshes 1-bit Adam's frozen second moment; it needs "
-                f"qgz_target='momentum' (got qgz_target={self.qgz_target!r})"
-            )
+        _check_onebit_adam(self)
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"
@@ -303,10 +302,6 @@ class ZeroConfig:
           cfg = ZeroConfig.from_preset("zeropp", qwz_bits=4, grad_accum=4)
           sgd = ZeroConfig.from_preset("zeropp", qgz_target="gradient")  # any optax optimizer
         """
-        if preset not in PRESETS:
-            raise ValueError(
-                f"unknown preset {preset!r}; choose one of {list(PRESETS)}"
-            )
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - fields)
         if unknown:
@@ -314,7 +309,8 @@ class ZeroConfig:
                 f"unknown config field(s) {unknown}; valid fields are {sorted(fields)}"
             )
         given = {k: v for k, v in overrides.items() if v is not None}
-        kwargs = {**PRESETS[preset], **given}
+        # An unknown preset adds nothing here; __post_init__ rejects it.
+        kwargs = {**PRESETS.get(preset, {}), **given}
         # A preset's 1-bit Adam fields describe its compression: with qgZ
         # switched off there is nothing to compress, and with the gradient
         # target there is no frozen second moment to refresh. Fields given
@@ -346,15 +342,15 @@ class ZeroConfig:
         """Elements each device's shard must be a multiple of."""
         align = 8
         for block in (self.qwz_block, self.qgz_block):
-            align = _lcm(align, block)
+            align = math.lcm(align, block)
         return align
 
     def leaf_alignment(self) -> int:
         """Elements every parameter leaf starts at a multiple of.
 
         With qwZ on, the qwZ block: then no int8 / int4 block mixes two
-        tensors (a LayerNorm bias sharing a block with its scale of ~1 was
-        quantized in steps of ~1/127, 3-14% of its size; benchmarks/RESULTS.md).
+        tensors (a LayerNorm bias sharing a block with its scale of ~1 is
+        quantized far too coarsely; benchmarks/RESULTS.md).
         """
         return self.qwz_block if self.qwz_bits else 1
 
@@ -374,7 +370,40 @@ class ZeroConfig:
         return out
 
 
-def _lcm(a: int, b: int) -> int:
-    import math
-
-    return a * b // math.gcd(a, b)
+def _check_onebit_adam(config: ZeroConfig) -> None:
+    """The fields 1-bit Adam (``qgz_target="momentum"``) needs, and its refresh period."""
+    if config.qgz_target == "momentum":
+        if config.qgz == "off":
+            raise ValueError(
+                "qgz_target='momentum' compresses Adam's momentum across nodes; it needs "
+                "qgz='1bit' (or 'int8' / 'int4'), got qgz='off'"
+            )
+        if config.qgz_code != "sign":
+            raise ValueError(
+                "qgz_target='momentum' uses the sign code with error feedback on the "
+                f"momentum; got qgz_code={config.qgz_code!r} (use qgz_code='sign', or "
+                "qgz_target='gradient' to compress gradients with it: --qgz-target gradient)"
+            )
+        if config.qgz_warmup_steps < 1:
+            raise ValueError(
+                "qgz_target='momentum' freezes Adam's second moment when compression "
+                "starts, so it needs full-precision warm-up steps to estimate it: "
+                f"qgz_warmup_steps must be >= 1, got {config.qgz_warmup_steps!r} "
+                "(1-bit Adam warms up for 15-25% of training)"
+            )
+        if config.qgz_min_grad_rms:
+            raise ValueError(
+                "qgz_min_grad_rms (the compression gate) applies to qgz_target='gradient'; "
+                "with qgz_target='momentum' the global gradient is not formed on "
+                f"compressed steps, so set qgz_min_grad_rms=0 (got {config.qgz_min_grad_rms!r})"
+            )
+    if (isinstance(config.qgz_refresh_every, bool) or not isinstance(config.qgz_refresh_every, int)
+            or config.qgz_refresh_every < 0):
+        raise ValueError(
+            f"qgz_refresh_every must be an integer >= 0 (0: never), got {config.qgz_refresh_every!r}"
+        )
+    if config.qgz_refresh_every and config.qgz_target != "momentum":
+        raise ValueError(
+            "qgz_refresh_every refreshes 1-bit Adam's frozen second moment; it needs "
+            f"qgz_target='momentum' (got qgz_target={config.qgz_target!r})"
+        )

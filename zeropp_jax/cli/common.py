@@ -8,11 +8,12 @@ starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any
 
-from zeropp_jax.config import PRESETS, QGZ_CODES, QGZ_MODES, QGZ_TARGETS
+from zeropp_jax.config import ZeroConfig
 
 # Global-norm clipping of the CLI's optimizer.
 CLIP_NORM = 1.0
@@ -68,7 +69,6 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--batch-size", type=positive_int, default=16, help="global batch (sequences per optimizer step)")
     g.add_argument("--seq-len", type=positive_int, default=128)
-    g.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--seed", type=int, default=0)
 
     g = parser.add_argument_group("multi-host (jax.distributed)")
@@ -93,62 +93,62 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         "--lr-warmup", type=non_negative_int, default=None,
         help="learning-rate warm-up steps (default: 10%% of --steps)",
     )
-    g.add_argument(
-        "--dtype",
-        default="auto",
-        help="compute dtype of gathered parameters: auto (bf16 on GPU, fp32 on "
-        "CPU), bf16, fp32, fp16",
-    )
 
-    g = parser.add_argument_group("ZeRO++ (a preset, then overrides)")
-    g.add_argument("--preset", default="zero3", help=f"one of {', '.join(PRESETS)}")
-    g.add_argument("--qwz-bits", type=int, default=None, choices=(0, 8, 4))
-    g.add_argument("--qwz-block", type=positive_int, default=None)
-    g.add_argument("--hpz", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--qgz", default=None, choices=QGZ_MODES)
-    g.add_argument(
-        "--qgz-error-feedback", action=argparse.BooleanOptionalAction, default=None
-    )
-    g.add_argument(
-        "--qgz-code", default=None, choices=QGZ_CODES,
-        help="1-bit code: sign (scaled sign, for error feedback) or dither "
-        "(unbiased; needs --no-qgz-error-feedback and --qgz-target gradient)",
-    )
-    g.add_argument(
-        "--qgz-target", default=None, choices=QGZ_TARGETS,
-        help="what qgZ compresses across nodes: the gradient (error feedback on the "
-        "gradient) or Adam's momentum (1-bit Adam: error feedback on the momentum, "
-        "Adam's second moment frozen after --qgz-warmup); default: the preset's "
-        "(momentum for qgz and zeropp)",
-    )
-    g.add_argument(
-        "--qgz-refresh-every", type=non_negative_int, default=None,
-        help="with --qgz-target momentum: every N-th step after the warm-up runs at full "
-        "precision and refreshes Adam's second moment (0: never)",
-    )
-    g.add_argument("--qgz-block", type=positive_int, default=None)
-    g.add_argument(
-        "--qgz-warmup", type=non_negative_int, default=None,
-        help="optimizer steps at full precision before qgZ compresses",
-    )
-    g.add_argument(
-        "--qgz-min-grad-rms", type=non_negative_float, default=None,
-        help="compress only while the gradient RMS is at least this (0: always)",
-    )
-    g.add_argument(
-        "--scale-dtype", default=None, choices=("float32", "bfloat16"),
-        help="dtype of the per-block quantization scales on the wire (qwZ and qgZ)",
-    )
-    g.add_argument(
-        "--implementation", default=None, choices=("auto", "xla", "pallas"),
-        help="quantization kernels",
-    )
+    add_config_args(parser.add_argument_group(
+        "ZeRO++ (a preset, then overrides)",
+        "Each flag sets one field of zeropp_jax.ZeroConfig; a flag left out keeps the "
+        "preset's value.",
+    ))
+
+
+# How a ZeroConfig field's ``parse`` and ``at_least`` read a flag's text.
+_PARSERS = {
+    (str, None): None,
+    (int, None): int,
+    (int, 0): non_negative_int,
+    (int, 1): positive_int,
+    (float, 0): non_negative_float,
+}
+
+
+def _config_flags() -> list[tuple[dataclasses.Field, str, str]]:
+    """``(field, flag, dest)`` of every ZeroConfig field that has a flag, in field order."""
+    out = []
+    for f in dataclasses.fields(ZeroConfig):
+        flag = f.metadata["flag"]
+        if flag is None:
+            continue
+        flag = flag or "--" + f.name.replace("_", "-")
+        out.append((f, flag, flag[2:].replace("-", "_")))
+    return out
+
+
+def add_config_args(group) -> None:
+    """Adds one flag per ZeroConfig field to ``group`` (a parser or argument group).
+
+    Each flag's help, choices, type and default come from its field (see
+    ``zeropp_jax.config._field``). A flag left out keeps the preset's value
+    (default ``None``) unless the field gives the flag another default.
+    """
+    for f, flag, _ in _config_flags():
+        meta = f.metadata
+        kwargs: dict[str, Any] = dict(
+            default=meta["cli_default"], help=meta["help"].replace("%", "%%"),
+        )
+        if meta["parse"] is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = _PARSERS[meta["parse"], meta["at_least"]]
+            kwargs["choices"] = meta["choices"]
+        group.add_argument(flag, **kwargs)
 
 
 def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Checks that need no JAX (fail before any device or compile work)."""
-    if args.preset not in PRESETS:
-        parser.error(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
+    """Checks that need no devices (fail before any device or compile work).
+
+    The ZeRO flags are checked by building their :class:`ZeroConfig`, whose
+    ``ValueError`` becomes the usage error.
+    """
     if args.mesh is not None:
         from zeropp_jax.mesh import parse_mesh_shape
 
@@ -158,13 +158,15 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             parser.error(str(e))
     if args.d_model % args.heads:
         parser.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
-    if args.dtype not in ("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16"):
-        parser.error(f"--dtype must be auto, bf16, fp32 or fp16, got {args.dtype!r}")
     if args.data is not None:
         if not os.path.exists(args.data):
             parser.error(f"--data {args.data}: no such file")
         if os.path.isfile(args.data) and os.path.getsize(args.data) == 0:
             parser.error(f"--data {args.data}: the file is empty")
+    try:
+        build_config(args)  # ZeroConfig's own checks (preset, dtypes, qgZ combinations)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def prepare_devices(args: argparse.Namespace) -> None:
@@ -226,28 +228,17 @@ def build_mesh(args: argparse.Namespace):
     return make_mesh(nodes, local)
 
 
-def build_config(args: argparse.Namespace):
-    from zeropp_jax.config import ZeroConfig
-
-    return ZeroConfig.from_preset(
-        args.preset,
-        compute_dtype=None if args.dtype == "auto" else args.dtype,
-        qwz_bits=args.qwz_bits,
-        qwz_block=args.qwz_block,
-        hpz=args.hpz,
-        qgz=args.qgz,
-        qgz_error_feedback=args.qgz_error_feedback,
-        qgz_code=args.qgz_code,
-        qgz_target=args.qgz_target,
-        qgz_seed=args.seed,
-        qgz_block=args.qgz_block,
-        qgz_warmup_steps=args.qgz_warmup,
-        qgz_min_grad_rms=args.qgz_min_grad_rms,
-        qgz_refresh_every=args.qgz_refresh_every,
-        grad_accum=args.grad_accum,
-        scale_dtype=args.scale_dtype,
-        implementation=args.implementation,
-    )
+def build_config(args: argparse.Namespace) -> ZeroConfig:
+    """The ZeroConfig of the flags; raises ``ValueError`` on a bad combination."""
+    overrides = {}
+    for f, _, dest in _config_flags():
+        value = getattr(args, dest)
+        if value is not None and value == f.metadata["none_name"]:  # --dtype auto
+            value = None
+        overrides[f.name] = value
+    preset = overrides.pop("preset")
+    # --seed seeds the data, the model and the dithered code's noise alike.
+    return ZeroConfig.from_preset(preset, qgz_seed=args.seed, **overrides)
 
 
 def build_model(args: argparse.Namespace, vocab_size: int):

@@ -1,0 +1,385 @@
+"""Processes of a local multi-process job: start, watch, stop, relay output.
+
+:func:`launch` starts one child per simulated host with the environment of
+:func:`process_env`, relays each child's output line by line with its index as
+prefix (:class:`_Output`), waits for the children (:func:`_watch`) and, on the
+first failure, a timeout or a stop signal to the launcher, stops all of them
+(:func:`_stop`: SIGTERM to each child's process group, SIGKILL after a grace
+period). ``zeropp_jax.cli.launch`` is the command line around it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import BinaryIO, Sequence
+
+from zeropp_jax import distributed
+
+HOST = "127.0.0.1"
+POLL_S = 0.05
+# A process in a jax.distributed job takes SIGTERM as a preemption notice and
+# keeps running (JAX's preemption notifier catches it), so SIGKILL follows soon.
+DEFAULT_KILL_GRACE_S = 5.0
+# Exit status when --timeout expires (as timeout(1) does).
+TIMEOUT_EXIT = 124
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+_LINE_END = re.compile(rb"[\r\n]")
+
+
+def free_port(host: str = HOST) -> int:
+    """A TCP port that is free now, for the coordinator to bind.
+
+    Taken outside the kernel's ephemeral range where possible: the processes
+    need a few seconds to start, and meanwhile an ephemeral port could be
+    handed to another connection (gloo opens many).
+    """
+    low, high = _ephemeral_range()
+    candidates = [p for p in range(20000, 32768) if not low <= p <= high]
+    for port in random.sample(candidates, min(len(candidates), 50)):
+        if _bindable(host, port):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def process_env(
+    base: dict[str, str], *, coordinator: str, num_processes: int, process_id: int,
+    devices_per_process: int,
+) -> dict[str, str]:
+    """The environment of process ``process_id``."""
+    env = dict(base)
+    # Another launcher's variables would make JAX look for a cluster that is
+    # not there (zeropp's own variables take precedence, but JAX's auto-detect
+    # does not know them).
+    for name in ("SLURM_NTASKS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE"):
+        env.pop(name, None)
+    flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
+    flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+    env.update({
+        distributed.ENV_COORDINATOR: coordinator,
+        distributed.ENV_NUM_PROCESSES: str(num_processes),
+        distributed.ENV_PROCESS_ID: str(process_id),
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": " ".join(flags),
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+def describe_status(returncode: int) -> str:
+    """``exited with code 3`` / ``was killed by signal 9 (SIGKILL)``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "unknown signal"
+        return f"was killed by signal {-returncode} ({name})"
+    return f"exited with code {returncode}"
+
+
+def _exit_status(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class _Output:
+    """Copies one child pipe to our stream, prefixing every line.
+
+    A carriage return ends a line too (progress bars redraw in place), and is
+    kept, so a bar still redraws on a terminal.
+    """
+
+    def __init__(self, pipe: BinaryIO, out: BinaryIO, prefix: bytes, lock: threading.Lock):
+        self._pipe, self._out, self._prefix, self._lock = pipe, out, prefix, lock
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        pending = b""
+        read = getattr(self._pipe, "read1", self._pipe.read)
+        try:
+            while chunk := read(65536):
+                pending += chunk
+                pieces, pending = _split_lines(pending)
+                self._write(pieces)
+            if pending:
+                self._write([pending + b"\n"])
+        except (OSError, ValueError):  # pipe closed under us at shutdown
+            pass
+
+    def _write(self, pieces: list[bytes]) -> None:
+        if not pieces:
+            return
+        data = b"".join(self._prefix + p for p in pieces)
+        with self._lock:
+            try:
+                self._out.write(data)
+                self._out.flush()
+            except (OSError, ValueError):
+                pass
+
+
+def _split_lines(data: bytes) -> tuple[list[bytes], bytes]:
+    """Splits after each ``\\n`` or ``\\r``; returns (complete lines, rest)."""
+    pieces, start = [], 0
+    for match in _LINE_END.finditer(data):
+        pieces.append(data[start:match.end()])
+        start = match.end()
+    return pieces, data[start:]
+
+
+def _set_parent_death_signal() -> None:
+    """Linux: the child gets SIGTERM if the launcher dies (even by SIGKILL)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class _Stop(Exception):
+    """Raised in the main thread when the launcher gets SIGTERM / SIGHUP."""
+
+
+def launch(
+    command: Sequence[str],
+    num_processes: int,
+    *,
+    devices_per_process: int = 1,
+    timeout_s: float | None = None,
+    kill_grace_s: float = DEFAULT_KILL_GRACE_S,
+    port: int | None = None,
+    stdout: BinaryIO | None = None,
+    stderr: BinaryIO | None = None,
+) -> int:
+    """Runs ``command`` as ``num_processes`` local processes; returns an exit status.
+
+    Args:
+      command: program and arguments, the same for every process.
+      num_processes: how many processes (>= 1).
+      devices_per_process: simulated CPU devices in each process.
+      timeout_s: stop everything after this many seconds (status 124).
+      kill_grace_s: seconds from SIGTERM to SIGKILL when stopping processes.
+      port: coordinator port (default: a free one).
+      stdout, stderr: binary streams for the prefixed output (default: ours).
+
+    Returns:
+      0 if every process exited with status 0; otherwise the exit code of the
+      first process seen to fail (128 + N if it was killed by signal N), 124
+      on timeout, 130 on Ctrl-C.
+    """
+    if num_processes < 1:
+        raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+    if devices_per_process < 1:
+        raise ValueError(f"devices_per_process must be >= 1, got {devices_per_process}")
+    if not command:
+        raise ValueError("no command to run")
+    stdout = stdout or sys.stdout.buffer
+    stderr = stderr or sys.stderr.buffer
+    lock = threading.Lock()
+
+    def say(message: str) -> None:
+        with lock:
+            stderr.write(f"zeropp-launch: {message}\n".encode())
+            stderr.flush()
+
+    coordinator = f"{HOST}:{port or free_port()}"
+    procs: list[subprocess.Popen] = []
+    outputs: list[_Output] = []
+    received: list[int] = []
+    previous = _install_stop_handlers(received)
+    try:
+        for i in range(num_processes):
+            env = process_env(
+                os.environ, coordinator=coordinator, num_processes=num_processes,
+                process_id=i, devices_per_process=devices_per_process,
+            )
+            try:
+                procs.append(subprocess.Popen(
+                    list(command), env=env, stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    # Own process group: Ctrl-C reaches only the launcher, which
+                    # then stops each child's whole tree.
+                    start_new_session=True,
+                    preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,
+                ))
+            except OSError as e:
+                say(f"cannot start {command[0]!r}: {e}")
+                _stop(procs, kill_grace_s)
+                return 127 if isinstance(e, FileNotFoundError) else 126
+        # Readers start after every fork (preexec_fn and threads do not mix).
+        for i, p in enumerate(procs):
+            prefix = f"[{i}] ".encode()
+            outputs.append(_Output(p.stdout, stdout, prefix, lock))
+            outputs.append(_Output(p.stderr, stderr, prefix, lock))
+        say(
+            f"{num_processes} process(es) x {devices_per_process} CPU device(s), "
+            f"coordinator {coordinator}, pids "
+            + " ".join(f"[{i}]={p.pid}" for i, p in enumerate(procs))
+        )
+        status = _watch(procs, timeout_s, kill_grace_s, say, received)
+    except (KeyboardInterrupt, _Stop) as e:
+        what = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else "got a stop signal"
+        say(f"{what}; stopping all {len(procs)} process(es)")
+        _stop(procs, kill_grace_s)
+        status = 130
+    finally:
+        _restore_handlers(previous)
+        for p in procs:
+            if p.poll() is None:  # only on an unexpected error in the launcher
+                _signal(p, signal.SIGKILL)
+                p.wait()
+        for out in outputs:
+            out.thread.join(timeout=5)
+        for p in procs:
+            for pipe in (p.stdout, p.stderr):
+                if pipe is not None:
+                    pipe.close()
+    return status
+
+
+def _watch(procs, timeout_s, kill_grace_s, say, received=()) -> int:
+    """Waits for all processes; on the first failure stops the rest.
+
+    One thread per process waits for its exit, so exits are seen in the order
+    they happen: the process that failed first is named, not a peer that
+    failed a moment later because of it.
+    """
+    exits: queue.Queue[int] = queue.Queue()
+
+    def wait(i: int) -> None:
+        procs[i].wait()
+        exits.put(i)
+
+    for i in range(len(procs)):
+        threading.Thread(target=wait, args=(i,), daemon=True).start()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    exited: list[int] = []
+    while len(exited) < len(procs):
+        try:
+            # Short waits keep Ctrl-C and SIGTERM responsive.
+            i = exits.get(timeout=0.5 if deadline is None
+                          else max(min(0.5, deadline - time.monotonic()), 0.0))
+        except queue.Empty:
+            if received:
+                raise _stop_exception(received[0])
+            if deadline is not None and time.monotonic() >= deadline:
+                running = [j for j in range(len(procs)) if j not in exited]
+                say(
+                    f"timed out after {timeout_s:g} s; stopping process(es) "
+                    + ", ".join(map(str, running))
+                )
+                _stop(procs, kill_grace_s)
+                return TIMEOUT_EXIT
+            continue
+        exited.append(i)
+        code = procs[i].returncode
+        if code == 0:
+            continue
+        running = [j for j in range(len(procs)) if j not in exited]
+        say(
+            f"process {i} (pid {procs[i].pid}) {describe_status(code)}"
+            + (f"; stopping the other {len(running)} process(es)" if running else "")
+        )
+        _stop(procs, kill_grace_s)
+        stopped = (-signal.SIGTERM, -signal.SIGKILL)
+        others = [
+            f"[{j}] {describe_status(procs[j].returncode)}"
+            + (" (stopped by zeropp-launch)"
+               if j in running and procs[j].returncode in stopped else "")
+            for j in range(len(procs)) if j != i
+        ]
+        say(
+            f"FAILED: process {i} {describe_status(code)}"
+            + (f"; others: {', '.join(others)}" if others else "")
+        )
+        return _exit_status(code)
+    return 0
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    """Sends ``sig`` to the child's process group (the child and its children)."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def _stop(procs: Sequence[subprocess.Popen], kill_grace_s: float) -> None:
+    """SIGTERM to every running process, SIGKILL after the grace period."""
+    for p in procs:
+        _signal(p, signal.SIGTERM)
+        _signal(p, signal.SIGCONT)  # a stopped process handles SIGTERM only once continued
+    deadline = time.monotonic() + kill_grace_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    for p in procs:
+        _signal(p, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+
+
+def _install_stop_handlers(received: list):
+    """Ctrl-C, SIGTERM and SIGHUP to the launcher stop the children.
+
+    The handler raises in the main thread and also records the signal in
+    ``received``, which :func:`_watch` checks between waits: an exception
+    raised while Python runs a garbage-collection callback (JAX registers
+    one) is printed and swallowed, so raising alone can lose the signal.
+    SIGINT is handled explicitly even when the launcher was started with it
+    ignored (a background job of a non-interactive shell).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum, frame):
+        received.append(signum)
+        raise _stop_exception(signum)
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
+def _stop_exception(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else _Stop(signum)
+
+
+def _restore_handlers(previous) -> None:
+    for sig, old in previous.items():
+        signal.signal(sig, old)
