@@ -258,30 +258,44 @@ def flatten_unit(tree: Any, unit: UnitLayout) -> jax.Array:
     return jnp.concatenate(parts, axis=-1)
 
 
-def unflatten_unit(flat: jax.Array, unit: UnitLayout, dtype: Any = None) -> Any:
-    """Inverse of :func:`flatten_unit`.
+def unit_leaves(flat: Any, unit: UnitLayout, dtype: Any = None) -> list:
+    """The unit's leaves cut out of its flat vector, in tree order.
 
     Args:
-      flat: ``(..., padded)``; any leading axes (e.g. the layer axis of a
-        stacked unit) are kept on every leaf.
+      flat: ``(..., padded)`` ``jax.Array``, or a host ``np.ndarray`` (then
+        the leaves are numpy too, with no device round trip); any leading
+        axes (e.g. the layer axis of a stacked unit) are kept on every leaf.
       unit: the unit's layout.
       dtype: cast every leaf to this dtype; ``None`` keeps ``flat.dtype``.
         Pass ``"original"`` to restore each leaf's own dtype.
 
     Returns:
-      The unit's sub-pytree.
+      One array per leaf, shaped ``(..., *leaf.shape)``.
     """
     lead = flat.shape[:-1]
+    host = isinstance(flat, np.ndarray)
     leaves = []
     for spec in unit.leaves:
-        x = jax.lax.slice_in_dim(flat, spec.offset, spec.offset + spec.size, axis=-1)
-        x = jnp.reshape(x, lead + spec.shape)
+        start, end = spec.offset, spec.offset + spec.size
+        if host:
+            x = np.reshape(flat[..., start:end], lead + spec.shape)
+        else:
+            x = jnp.reshape(jax.lax.slice_in_dim(flat, start, end, axis=-1), lead + spec.shape)
         if dtype == "original":
             x = x.astype(spec.dtype)
         elif dtype is not None:
             x = x.astype(dtype)
         leaves.append(x)
-    return jax.tree_util.tree_unflatten(unit.treedef, leaves)
+    return leaves
+
+
+def unflatten_unit(flat: jax.Array, unit: UnitLayout, dtype: Any = None) -> Any:
+    """Inverse of :func:`flatten_unit`: the unit's sub-pytree.
+
+    The leaves are :func:`unit_leaves` (same arguments) put back into the
+    unit's tree structure.
+    """
+    return jax.tree_util.tree_unflatten(unit.treedef, unit_leaves(flat, unit, dtype))
 
 
 def split_units(params: Any, layout: ParamLayout) -> dict[str, Any]:
@@ -296,6 +310,24 @@ def join_units(trees: Mapping[str, Any], layout: ParamLayout) -> Any:
     if layout.whole_model:
         return trees[WHOLE_MODEL]
     return {u.name: trees[u.name] for u in layout.units}
+
+
+def params_shapes(layout: ParamLayout) -> Any:
+    """The full parameter pytree as ``jax.ShapeDtypeStruct`` leaves.
+
+    What :func:`unflatten_unit` gives back for every unit (original leaf
+    shapes and dtypes, stacked units with their layer axis), joined by
+    :func:`join_units`; computed without data.
+    """
+
+    def unflatten_all():
+        trees = {
+            u.name: unflatten_unit(jnp.zeros(u.global_shape, jnp.float32), u, "original")
+            for u in layout.units
+        }
+        return join_units(trees, layout)
+
+    return jax.eval_shape(unflatten_all)
 
 
 def padding_mask(unit: UnitLayout, shard_index: jax.Array, shard_size: int) -> jax.Array:

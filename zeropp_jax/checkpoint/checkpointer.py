@@ -1,303 +1,32 @@
-"""Checkpoints of a ZeRO-3 / ZeRO++ train state: save, resume, re-mesh, export.
+"""The :class:`Checkpointer`: save, list and restore the steps of one directory.
 
-:class:`Checkpointer` saves the whole :class:`~zeropp_jax.step.trainer.TrainState`
-with Orbax: the parameter shards, the optimizer state (including the qgZ
-error-feedback carry and the last gradient RMS), the step, and a JSON
-description of what was saved (format version, config, mesh, per-unit
-layout, whatever the caller adds, e.g. the model config and the seed).  One
-checkpoint is one directory ``DIR/<step>`` with three Orbax items::
-
-  DIR/<step>/params     the unit dict: float32 (padded,) / (L, padded)
-  DIR/<step>/opt_state  ZeroOptState(inner, qgz=QgzState(carry, grad_rms))
-  DIR/<step>/meta       JSON (see :func:`describe_checkpoint`)
-
-Every process writes its own shards (Orbax, OCDBT); a save is atomic: it is
-written under ``DIR/<step>.orbax-checkpoint-tmp*`` and renamed to
-``DIR/<step>`` only once complete, so a save that is killed half-way leaves
-the previous checkpoints as they were and is never listed (its temporary
-directory is removed by the next :class:`Checkpointer` on ``DIR``, before
-its first save).  With ``async_save``
-the step loop only waits for the device-to-host copy; the write runs in the
-background.
-
-Restore onto another mesh.  A unit's flat vector is padded to a multiple of
-``devices * align``, so shapes depend on the mesh and the config.  Restore
-reads each leaf in the way its shapes allow:
-
-* same shapes (same mesh; also ``2x4 -> 1x8 / 4x2`` when the padding and
-  the carry agree; also another process count): Orbax reads straight into
-  the target shardings, no host round trip;
-* parameter-shaped leaves (``params`` and every optimizer-state leaf under a
-  unit's name with the unit's stored shape: Adam's ``mu`` / ``nu``, ...)
-  whose padding or leaf offsets differ (another mesh; qwZ on one side only,
-  which aligns leaves to its block): read to host numpy, every leaf moved
-  from its stored offset to the trainer's, placed on the new mesh;
-* the qgZ carry ``(nodes, [L,] padded)``: row ``n`` is node ``n``'s deferred
-  gradient and only the sum over nodes matters, so with another node count
-  the rows are summed (nothing is lost) into the new node 0's row, zeros
-  elsewhere; with the same node count each row is re-padded.  A trainer
-  without error feedback (qgZ off, or a single node) drops the carry, with a
-  warning; a checkpoint without a carry starts the new one at zeros.
-
-Host memory of the conversion path: every process reads the *full* leaves
-it converts (e.g. params + Adam ``mu`` + ``nu`` = 3x the float32 model, plus
-``nodes``x the model for the carry) and holds them while placing the new
-shards, about twice that at the peak.
-
-Bad input.  A checkpoint whose units (names, numel, leaves) or optimizer
-state do not match the trainer raises :class:`CheckpointMismatchError`
-naming the step directory and the difference.  An unreadable checkpoint
-(missing files, corrupted data) raises :class:`CheckpointError` naming it;
-when no step is asked for, the newest *readable* checkpoint is used instead,
-with a warning naming the bad one, which is renamed to ``<step>.corrupt`` so
-later saves of those step numbers are possible.
-
-Export.  :func:`export_params` writes the full, unpadded parameters (each
-leaf in its original dtype) as one msgpack file that needs neither this
-library nor the model code::
-
-  import flax.serialization
-  with open("params.msgpack", "rb") as f:
-      data = f.read()
-  params = flax.serialization.msgpack_restore(data)  # nested dict of numpy arrays
-  # or, to get the original container types back from a template pytree:
-  params = flax.serialization.from_bytes(template_params, data)
-
-The tree is the parameters' ``flax.serialization.to_state_dict`` form: dicts
-stay dicts with ``str`` keys (Flax parameters come back exactly), lists and
-tuples become dicts keyed ``"0"``, ``"1"``, ..., named fields are keyed by
-name.
+One checkpoint is one directory ``DIR/<step>`` with three Orbax items
+(:mod:`~zeropp_jax.checkpoint.storage`).  A save is atomic; restore picks
+the newest readable step and moves unreadable ones aside as
+``<step>.corrupt``; the conversion onto another mesh is planned by
+:mod:`~zeropp_jax.checkpoint.remesh`.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import os
-import time
 import warnings
-from typing import Any, Mapping
+from typing import Mapping
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from zeropp_jax.layout import ParamLayout, UnitLayout, join_units
-from zeropp_jax.mesh import mesh_shape
-from zeropp_jax.step.trainer import Trainer, TrainState, ZeroOptState
+from zeropp_jax.checkpoint import storage
+from zeropp_jax.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from zeropp_jax.checkpoint.metadata import describe_checkpoint
+from zeropp_jax.checkpoint.remesh import plan_restore
+from zeropp_jax.step.state import TrainState
+from zeropp_jax.step.trainer import Trainer
 
-FORMAT = "zeropp_jax.checkpoint"
-FORMAT_VERSION = 1
-
-_PARAMS = "params"
-_OPT = "opt_state"
-_META = "meta"
-_CARRY = ("qgz", "carry")
 _CORRUPT_SUFFIX = ".corrupt"
 
-log = logging.getLogger(__name__)
 
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing files, corrupted, or not a zeropp_jax checkpoint."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """A readable checkpoint that does not fit the trainer (model or optimizer)."""
-
-
-# --------------------------------------------------------------- metadata
-def _key_name(key: Any) -> str:
-    """A key path entry as Orbax and ``flax.serialization`` name it."""
-    if isinstance(key, jax.tree_util.DictKey):
-        return str(key.key)
-    if isinstance(key, jax.tree_util.SequenceKey):
-        return str(key.idx)
-    if isinstance(key, jax.tree_util.GetAttrKey):
-        return key.name
-    if isinstance(key, jax.tree_util.FlattenedIndexKey):
-        return str(key.key)
-    raise TypeError(f"unsupported pytree key {key!r} ({type(key).__name__})")
-
-
-def _flat_with_keys(tree: Any) -> dict[tuple[str, ...], Any]:
-    """``{("inner", "1", "0", "mu", "blocks"): leaf, ...}`` in tree order."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {tuple(_key_name(k) for k in path): leaf for path, leaf in leaves}
-
-
-def _unit_leaf_keys(unit) -> list[list[str]]:
-    """State-dict key path of each leaf inside its unit, in tree order."""
-    skeleton = jax.tree_util.tree_unflatten(unit.treedef, list(range(len(unit.leaves))))
-    return [list(k) for k in _flat_with_keys(skeleton)]
-
-
-def layout_to_json(layout: ParamLayout) -> dict:
-    """The parameter layout as plain data (enough to unpad without the model)."""
-    units = []
-    for u in layout.units:
-        leaves = [
-            {
-                "path": spec.path,
-                "keys": keys,
-                "shape": list(spec.shape),
-                "dtype": np.dtype(spec.dtype).name,
-                "offset": spec.offset,
-                "size": spec.size,
-            }
-            for spec, keys in zip(u.leaves, _unit_leaf_keys(u))
-        ]
-        units.append({
-            "name": u.name, "numel": u.numel, "padded": u.padded, "stack": u.stack,
-            "leaves": leaves,
-        })
-    return {"whole_model": layout.whole_model, "n_devices": layout.n_devices, "units": units}
-
-
-def describe_checkpoint(trainer: Trainer, step: int, extra_metadata: Mapping | None = None) -> dict:
-    """The JSON stored with a checkpoint.
-
-    Args:
-      trainer: the trainer the state belongs to.
-      step: the optimizer step of the state.
-      extra_metadata: JSON-serializable caller data (model config, seed,
-        data position, ...), stored under ``"extra"``.
-
-    Returns:
-      A dict with ``format``, ``version``, ``step``, ``mesh``,
-      ``process_count``, ``config``, ``error_feedback``, ``layout`` (see
-      :func:`layout_to_json`), ``extra``, ``time`` and library versions.
-    """
-    nodes, local = mesh_shape(trainer.mesh)
-    meta = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "step": int(step),
-        "mesh": {"node": nodes, "local": local},
-        "process_count": jax.process_count(),
-        "config": trainer.config.describe(),
-        "qgz_active": trainer.qgz_active,
-        "error_feedback": trainer.error_feedback,
-        "layout": layout_to_json(trainer.layout),
-        "extra": dict(extra_metadata or {}),
-        "time": time.time(),
-        "versions": {"jax": jax.__version__, "orbax": getattr(ocp, "__version__", "?")},
-    }
-    try:
-        json.dumps(meta)
-    except TypeError as e:
-        raise ValueError(f"extra_metadata must be JSON-serializable: {e}") from None
-    return meta
-
-
-def params_shapes(layout: ParamLayout) -> Any:
-    """The full parameter pytree as ``jax.ShapeDtypeStruct`` leaves."""
-    trees = {}
-    for u in layout.units:
-        lead = () if u.stack is None else (u.stack,)
-        leaves = [jax.ShapeDtypeStruct(lead + s.shape, s.dtype) for s in u.leaves]
-        trees[u.name] = jax.tree_util.tree_unflatten(u.treedef, leaves)
-    return join_units(trees, layout)
-
-
-def _global_shape(unit_json: dict) -> tuple[int, ...]:
-    lead = () if unit_json["stack"] is None else (unit_json["stack"],)
-    return lead + (unit_json["padded"],)
-
-
-def _check_layout(saved: dict, layout: ParamLayout, where: str) -> None:
-    """Raises :class:`CheckpointMismatchError` unless the models agree."""
-    current = layout_to_json(layout)
-    old = {u["name"]: u for u in saved["units"]}
-    new = {u["name"]: u for u in current["units"]}
-    if list(old) != list(new):
-        missing, unexpected = sorted(set(new) - set(old)), sorted(set(old) - set(new))
-        raise CheckpointMismatchError(
-            f"{where}: the checkpoint's parameter units {list(old)} do not match the "
-            f"trainer's {list(new)} (missing in the checkpoint: {missing}, not in the "
-            f"model: {unexpected}); was it written for another model?"
-        )
-    if saved["whole_model"] != current["whole_model"]:
-        raise CheckpointMismatchError(
-            f"{where}: the checkpoint was written with per_layer="
-            f"{not saved['whole_model']}, the trainer uses per_layer={not current['whole_model']}"
-        )
-    for name, u in new.items():
-        o = old[name]
-        if (o["numel"], o["stack"]) != (u["numel"], u["stack"]):
-            raise CheckpointMismatchError(
-                f"{where}: unit {name!r} has {o['numel']} parameters per layer x "
-                f"{o['stack'] or 1} layers in the checkpoint but {u['numel']} x "
-                f"{u['stack'] or 1} in the trainer's model"
-            )
-        for lo, ln in zip(o["leaves"], u["leaves"]):
-            if (lo["path"], lo["shape"]) != (ln["path"], ln["shape"]):
-                raise CheckpointMismatchError(
-                    f"{where}: unit {name!r}: checkpoint leaf {lo['path']} {tuple(lo['shape'])} "
-                    f"does not match the model's leaf {ln['path']} {tuple(ln['shape'])}"
-                )
-        if len(o["leaves"]) != len(u["leaves"]):
-            raise CheckpointMismatchError(
-                f"{where}: unit {name!r} has {len(o['leaves'])} leaves in the checkpoint "
-                f"but {len(u['leaves'])} in the model"
-            )
-
-
-# -------------------------------------------------------------- re-padding
-def _repack(x: np.ndarray, old: dict, new: UnitLayout, dtype: Any) -> np.ndarray:
-    """Moves every leaf from its offset in the stored layout to the trainer's.
-
-    Args:
-      x: ``(..., old padded)`` host array of one unit.
-      old: the unit's stored layout (:func:`layout_to_json`).
-      new: the trainer's :class:`~zeropp_jax.layout.UnitLayout` (its
-        padding, and its leaf offsets when qwZ aligns leaves, may differ).
-
-    Returns:
-      ``(..., new.padded)`` in ``dtype``, zeros outside the leaves.
-    """
-    out = np.zeros(x.shape[:-1] + (new.padded,), dtype)
-    for lo, spec in zip(old["leaves"], new.leaves):
-        out[..., spec.offset:spec.offset + spec.size] = x[..., lo["offset"]:lo["offset"] + spec.size]
-    return out
-
-
-def _same_layout(old: dict, new: UnitLayout) -> bool:
-    """Whether a stored unit can be read as it is (same padding and offsets)."""
-    return old["padded"] == new.padded and [lo["offset"] for lo in old["leaves"]] == [
-        spec.offset for spec in new.leaves
-    ]
-
-
-def _read_as_stored(args: dict, key: tuple[str, ...], tgt: jax.ShapeDtypeStruct):
-    """Orbax reads ``key`` straight onto the target sharding; returns its maker."""
-    args[key] = ocp.ArrayRestoreArgs(sharding=tgt.sharding, global_shape=tgt.shape, dtype=tgt.dtype)
-    return lambda values: values[key]
-
-
-def _place(host: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
-    """Host array (the same on every process) -> global array on the target sharding."""
-    host = np.asarray(host, target.dtype)
-    if host.shape != target.shape:
-        raise AssertionError(f"internal error: {host.shape} != {target.shape}")
-    return jax.make_array_from_callback(target.shape, target.sharding, lambda idx: host[idx])
-
-
-def _abstract_state(trainer: Trainer) -> TrainState:
-    """The trainer's state shapes with concrete shardings on its mesh."""
-    abstract = trainer.abstract_state(params_shapes(trainer.layout))
-
-    def concrete(x):
-        spec = getattr(x.sharding, "spec", None) or P()
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(trainer.mesh, spec))
-
-    return jax.tree.map(concrete, abstract)
-
-
-# ----------------------------------------------------------- checkpointer
 class Checkpointer:
     """Saves and restores a trainer's :class:`~zeropp_jax.step.trainer.TrainState`.
 
@@ -349,7 +78,7 @@ class Checkpointer:
             create=not read_only,
         )
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_handlers=_item_handlers()
+            self.directory, options=options, item_handlers=storage.item_handlers()
         )
 
     # ------------------------------------------------------------- basics
@@ -423,16 +152,7 @@ class Checkpointer:
                 "resume from it, or save into another directory"
             )
         meta = describe_checkpoint(trainer, step, extra_metadata)
-        saved = self._manager.save(
-            step,
-            args=ocp.args.Composite(**{
-                _PARAMS: ocp.args.PyTreeSave(state.params),
-                _OPT: ocp.args.PyTreeSave(state.opt_state),
-                _META: ocp.args.JsonSave(meta),
-            }),
-            force=True,
-        )
-        if not saved:
+        if not storage.save_items(self._manager, step, state, meta):
             raise RuntimeError(f"Orbax declined to save step {step} in {self.directory}")
 
     # ------------------------------------------------------------ metadata
@@ -453,43 +173,11 @@ class Checkpointer:
             )
 
     def _read_meta(self, step: int) -> dict:
-        path = os.path.join(self.step_path(step), _META)
-        try:
-            meta = self._manager.restore(
-                step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
-            )[_META]
-        except Exception as e:  # noqa: BLE001 - any read failure means unreadable
-            raise CheckpointError(
-                f"checkpoint step {step}: cannot read its metadata {path} "
-                f"({type(e).__name__}: {e}); the checkpoint is incomplete or corrupted"
-            ) from e
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise CheckpointError(
-                f"checkpoint step {step}: {path} is not {FORMAT} metadata"
-            )
-        if meta.get("version") != FORMAT_VERSION:
-            raise CheckpointError(
-                f"checkpoint step {step}: format version {meta.get('version')} in {path}; "
-                f"this zeropp_jax reads version {FORMAT_VERSION}"
-            )
-        if meta.get("step") != step:
-            raise CheckpointError(
-                f"checkpoint step {step}: {path} says step {meta.get('step')}"
-            )
-        return meta
+        return storage.read_meta(self._manager, step, self.step_path(step))
 
-    def _item_trees(self, step: int) -> dict[str, Any]:
+    def _item_trees(self, step: int) -> dict:
         """Orbax's stored metadata tree (shapes, dtypes) of each array item."""
-        try:
-            items = self._manager.item_metadata(step)
-            trees = {name: items[name].tree for name in (_PARAMS, _OPT)}
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(
-                f"checkpoint step {step} in {self.step_path(step)}: cannot read the "
-                f"array metadata of its params/opt_state ({type(e).__name__}: {e}); "
-                "the checkpoint is incomplete or corrupted"
-            ) from e
-        return trees
+        return storage.read_item_trees(self._manager, step, self.step_path(step))
 
     def _check_files(self, step: int) -> dict:
         meta = self._read_meta(step)
@@ -498,7 +186,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------ restore
     def restore(self, trainer: Trainer, step: int | None = None) -> TrainState:
-        """Restores a state for ``trainer`` (any mesh; see the module doc).
+        """Restores a state for ``trainer`` (any mesh: :mod:`~zeropp_jax.checkpoint.remesh`).
 
         Args:
           trainer: the trainer to continue with; its mesh and config may
@@ -533,10 +221,7 @@ class Checkpointer:
 
         def read(s):
             meta = self._check_files(s)
-            tree = self._item_trees(s)[_PARAMS]
-            args = {k: _NUMPY for k in _flat_with_keys(tree)}
-            values = self._read(s, {_PARAMS: (tree, args)})[_PARAMS]
-            return values, meta
+            return storage.read_to_host(self._manager, s, self.step_path(s), storage.PARAMS), meta
 
         return self._newest_good(step, read, quarantine=False)
 
@@ -583,335 +268,9 @@ class Checkpointer:
             multihost_utils.sync_global_devices("zeropp_checkpoint_quarantine")
         self._manager.reload()
 
-    def _read(self, step: int, restore_args: dict) -> dict:
-        """Reads array items; ``restore_args``: item -> (stored tree, keyed args)."""
-        composite = {}
-        for name, (stored_tree, keyed) in restore_args.items():
-            item, args = _restore_item_and_args(stored_tree, keyed)
-            composite[name] = ocp.args.PyTreeRestore(item=item, restore_args=args)
-        try:
-            return self._manager.restore(step, args=ocp.args.Composite(**composite))
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(
-                f"checkpoint step {step}: cannot read the arrays under "
-                f"{self.step_path(step)} ({type(e).__name__}: {e}); the checkpoint "
-                "is incomplete or corrupted"
-            ) from e
-
     def _restore_step(self, trainer: Trainer, step: int) -> tuple[TrainState, dict]:
-        where = f"checkpoint {self.step_path(step)}"
         meta = self._check_files(step)
-        _check_layout(meta["layout"], trainer.layout, where)
-        _check_qgz_target(meta, trainer, where)
         stored = self._item_trees(step)
-        target = _abstract_state(trainer)
-        plan = _Plan(meta, trainer, where)
-        params_args, params_fill = plan.item(
-            _flat_with_keys(stored[_PARAMS]), _flat_with_keys(target.params), params=True
-        )
-        opt_args, opt_fill = plan.item(
-            _flat_with_keys(stored[_OPT]), _flat_with_keys(target.opt_state), params=False
-        )
-        if plan.dropped_carry:
-            _warn_dropped_carry(meta, trainer, where)
-        values = self._read(step, {
-            _PARAMS: (stored[_PARAMS], params_args),
-            _OPT: (stored[_OPT], opt_args),
-        })
-        params = params_fill(_flat_with_keys(values[_PARAMS]))
-        opt_state = opt_fill(_flat_with_keys(values[_OPT]))
-        step_array = _place(np.asarray(step, np.int32), target.step)
-        state = TrainState(
-            step_array,
-            jax.tree_util.tree_unflatten(jax.tree.structure(target.params), params),
-            jax.tree_util.tree_unflatten(jax.tree.structure(target.opt_state), opt_state),
-        )
-        if not isinstance(state.opt_state, ZeroOptState):
-            raise AssertionError("internal error: restored opt_state is not a ZeroOptState")
-        return state, meta
-
-
-def _item_handlers() -> dict:
-    return {
-        _PARAMS: ocp.PyTreeCheckpointHandler(),
-        _OPT: ocp.PyTreeCheckpointHandler(),
-        _META: ocp.JsonCheckpointHandler(),
-    }
-
-
-_NUMPY = ocp.RestoreArgs(restore_type=np.ndarray)
-
-
-def _restore_item_and_args(stored_tree: Any, keyed: dict[tuple[str, ...], Any]):
-    """Orbax ``item`` and ``restore_args`` shaped like the stored tree.
-
-    ``keyed`` maps each stored leaf's key to its restore args, or to ``None``
-    to skip reading it (the leaf comes back as a placeholder).
-    """
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(stored_tree)
-    items, args = [], []
-    for path, leaf in leaves:
-        a = keyed[tuple(_key_name(k) for k in path)]
-        items.append(ocp.PLACEHOLDER if a is None else leaf)
-        args.append(ocp.PLACEHOLDER if a is None else a)
-    return (
-        jax.tree_util.tree_unflatten(treedef, items),
-        jax.tree_util.tree_unflatten(treedef, args),
-    )
-
-
-def _check_qgz_target(meta: dict, trainer: Trainer, where: str) -> None:
-    """1-bit Adam's state (``m``, ``v``, carries) is not optax's: refuse a switch."""
-    stored = meta["config"].get("qgz_target", "gradient")  # written before the field
-    wanted = trainer.config.qgz_target
-    if stored != wanted:
-        raise CheckpointMismatchError(
-            f"{where} was written with qgz_target={stored!r} (preset "
-            f"{meta['config'].get('preset')!r}) and the trainer has qgz_target={wanted!r}: "
-            "their optimizer states differ (1-bit Adam's per-node m and v and two carries vs "
-            f"an optax state). Build the trainer with qgz_target={stored!r} "
-            f"(--qgz-target {stored}); the presets qgz and zeropp meant qgz_target='gradient' "
-            "before they ran 1-bit Adam"
-        )
-
-
-class _Plan:
-    """How each target leaf is made from the stored leaves of one checkpoint."""
-
-    def __init__(self, meta: dict, trainer: Trainer, where: str):
-        self.where = where
-        self.old_units = {u["name"]: u for u in meta["layout"]["units"]}
-        self.new_units = {u.name: u for u in trainer.layout.units}
-        self.old_nodes = int(meta["mesh"]["node"])
-        self.old_mesh = f"{meta['mesh']['node']}x{meta['mesh']['local']}"
-        self.dropped_carry = False
-
-    def _unit_of(self, key: tuple[str, ...], stored_shape, target_shape):
-        """The unit a parameter-shaped leaf belongs to, else ``None``."""
-        name = key[-1] if key else None
-        if name not in self.new_units:
-            return None
-        old, new = self.old_units[name], self.new_units[name]
-        if tuple(stored_shape) == _global_shape(old) and tuple(target_shape) == new.global_shape:
-            return name
-        return None
-
-    def _per_node_unit_of(self, key, stored_shape, target_shape):
-        """The unit of a ``(nodes, [L,] padded)`` leaf under a unit's name, else ``None``."""
-        name = key[-1] if key else None
-        if name not in self.new_units or len(stored_shape) < 2:
-            return None
-        old, new = self.old_units[name], self.new_units[name]
-        if (tuple(stored_shape[1:]) == _global_shape(old) and stored_shape[0] == self.old_nodes
-                and tuple(target_shape[1:]) == new.global_shape):
-            return name
-        return None
-
-    def _per_node_maker(self, key, unit, tgt, args):
-        old, new = self.old_units[unit], self.new_units[unit]
-        src_nodes, new_nodes = self.old_nodes, tgt.shape[0]
-        if src_nodes != new_nodes:
-            raise CheckpointMismatchError(
-                f"{self.where}: {'/'.join(key)} holds one row per node ({src_nodes} in the "
-                f"checkpoint, mesh {self.old_mesh}); the trainer has {new_nodes} nodes. "
-                "1-bit Adam's per-node state restores onto the same node count only"
-            )
-        if _same_layout(old, new):
-            return _read_as_stored(args, key, tgt)
-        args[key] = _NUMPY
-        return lambda values: _place(_repack(np.asarray(values[key]), old, new, tgt.dtype), tgt)
-
-    def item(self, stored: dict, target: dict, *, params: bool):
-        """Restore args per stored key, and a function making the target leaves.
-
-        Returns:
-          ``(args, fill)``: ``args`` maps every stored key to Orbax restore
-          args; ``fill(values)`` maps the restored values (by key) to the
-          target leaves in tree order.
-        """
-        what = "parameter" if params else "optimizer state"
-        args: dict[tuple[str, ...], Any] = {}
-        makers = []
-        carry_keys = [k for k in stored if k[:2] == _CARRY] if not params else []
-        for key, tgt in target.items():
-            name = "/".join(key)
-            if not params and key[:2] == _CARRY:
-                makers.append(self._carry_maker(key, tgt, stored, args))
-                continue
-            if key not in stored:
-                raise CheckpointMismatchError(
-                    f"{self.where}: the trainer's {what} leaf {name!r} {tgt.shape} is not in "
-                    f"the checkpoint (stored: {sorted('/'.join(k) for k in stored)[:8]}...); "
-                    "was it written with another optimizer?"
-                )
-            src = stored[key]
-            per_node = self._per_node_unit_of(key, src.shape, tgt.shape)
-            if per_node is not None:  # 1-bit Adam's m / v: one row per node
-                makers.append(self._per_node_maker(key, per_node, tgt, args))
-                continue
-            unit = self._unit_of(key, src.shape, tgt.shape)
-            same = unit is None or _same_layout(self.old_units[unit], self.new_units[unit])
-            if tuple(src.shape) == tuple(tgt.shape) and same:
-                makers.append(_read_as_stored(args, key, tgt))
-                continue
-            if unit is None:
-                raise CheckpointMismatchError(
-                    f"{self.where}: {what} leaf {name!r} has shape {tuple(src.shape)} in the "
-                    f"checkpoint (mesh {self.old_mesh}) but the trainer expects {tgt.shape}, "
-                    "and it is not a unit-shaped leaf that could be re-padded; was it "
-                    "written with another optimizer?"
-                )
-            args[key] = _NUMPY
-            old_unit, new_unit = self.old_units[unit], self.new_units[unit]
-
-            def make(values, key=key, tgt=tgt, old_unit=old_unit, new_unit=new_unit):
-                return _place(_repack(values[key], old_unit, new_unit, tgt.dtype), tgt)
-
-            makers.append(make)
-        unused = [k for k in stored if k not in target and k not in carry_keys]
-        if unused:
-            raise CheckpointMismatchError(
-                f"{self.where}: the checkpoint has {what} leaves the trainer does not: "
-                f"{['/'.join(k) for k in unused][:8]}; was it written with another optimizer?"
-            )
-        for k in carry_keys:
-            if k not in args:  # the trainer has no carry: do not read it
-                args[k] = None
-                self.dropped_carry = True
-
-        def fill(values):
-            return [make(values) for make in makers]
-
-        return args, fill
-
-    def _carry_maker(self, key, tgt, stored, args):
-        """The new qgZ carry of one unit from the stored one (see module doc)."""
-        unit = key[-1]
-        if key not in stored:
-            log.info("%s: no qgZ carry for unit %r; starting it at zeros", self.where, unit)
-            return lambda values: _place(np.zeros(tgt.shape, tgt.dtype), tgt)
-        src = stored[key]
-        old, new = self.old_units[unit], self.new_units[unit]
-        expected = (self.old_nodes,) + _global_shape(old)
-        if tuple(src.shape) != expected:
-            raise CheckpointMismatchError(
-                f"{self.where}: qgZ carry of unit {unit!r} has shape {tuple(src.shape)}, "
-                f"expected {expected} for mesh {self.old_mesh}"
-            )
-        if tuple(src.shape) == tuple(tgt.shape) and _same_layout(old, new):
-            return _read_as_stored(args, key, tgt)
-        args[key] = _NUMPY
-        new_nodes = tgt.shape[0]
-
-        def make(values):
-            carry = np.asarray(values[key], np.float32)
-            if new_nodes == self.old_nodes:
-                host = _repack(carry, old, new, tgt.dtype)
-            else:
-                total = carry.sum(axis=0, dtype=np.float64)
-                host = np.zeros(tgt.shape, tgt.dtype)
-                host[0] = _repack(total, old, new, tgt.dtype)
-            return _place(host, tgt)
-
-        return make
-
-
-def _warn_dropped_carry(meta: dict, trainer: Trainer, where: str) -> None:
-    if trainer.config.qgz == "off":
-        why = "its config has qgz='off'"
-    elif not trainer.qgz_active:
-        why = f"its mesh {trainer.nodes}x{trainer.local} has a single node (nothing crosses nodes)"
-    else:
-        why = "its config has qgz_error_feedback=False"
-    message = (
-        f"{where}: DROPPING the qgZ error-feedback carry (gradient that compression "
-        f"deferred on mesh {meta['mesh']['node']}x{meta['mesh']['local']}): the new "
-        f"trainer has no error feedback because {why}. Training continues, but the "
-        "deferred gradient is lost."
-    )
-    log.warning(message)
-    warnings.warn(message, stacklevel=4)
-
-
-# ------------------------------------------------------------------ export
-def _state_dict(units: Mapping[str, np.ndarray], layout_json: dict) -> dict:
-    """Unpadded nested dict (``to_state_dict`` form) from padded host units."""
-    tree: dict = {}
-    for u in layout_json["units"]:
-        flat = np.asarray(units[u["name"]])
-        lead = () if u["stack"] is None else (u["stack"],)
-        prefix = [] if layout_json["whole_model"] else [u["name"]]
-        for leaf in u["leaves"]:
-            x = flat[..., leaf["offset"]: leaf["offset"] + leaf["size"]]
-            x = np.reshape(x, lead + tuple(leaf["shape"])).astype(jax.numpy.dtype(leaf["dtype"]))
-            keys = prefix + leaf["keys"]
-            if not keys:  # the whole model is a single array
-                return x
-            node = tree
-            for k in keys[:-1]:
-                node = node.setdefault(k, {})
-            node[keys[-1]] = x
-    return tree
-
-
-def _host_units(trainer: Trainer, state_or_params: Any) -> dict[str, np.ndarray]:
-    flat = getattr(state_or_params, "params", state_or_params)
-    replicated = jax.tree.map(lambda _: NamedSharding(trainer.mesh, P()), flat)
-    with jax.set_mesh(trainer.mesh):
-        full = jax.jit(lambda x: x, out_shardings=replicated)(flat)
-    return {k: np.asarray(v.addressable_data(0)) for k, v in full.items()}
-
-
-def export_params(
-    source: Any,
-    out_path: str | os.PathLike,
-    *,
-    step: int | None = None,
-    trainer: Trainer | None = None,
-) -> dict:
-    """Writes the full, unpadded parameters as one msgpack file.
-
-    Load it with plain Flax (see the module doc)::
-
-      params = flax.serialization.msgpack_restore(open(out_path, "rb").read())
-
-    Args:
-      source: a checkpoint directory (no trainer or model code needed: the
-        layout comes from the checkpoint's metadata), or a
-        :class:`TrainState` / its ``params`` dict together with ``trainer``.
-      out_path: the file to write (replaced atomically).
-      step: the checkpoint step (default: the newest readable one); only
-        with a directory.
-      trainer: the trainer of an in-memory ``source``.
-
-    Returns:
-      ``{"path", "step", "params", "bytes"}``; ``step`` is ``None`` for an
-      in-memory state.
-    """
-    import flax.serialization
-
-    if isinstance(source, (str, os.PathLike)):
-        if trainer is not None:
-            raise ValueError("pass trainer only with an in-memory state, not a directory")
-        ckpt = Checkpointer(source, read_only=True)
-        try:
-            units, meta = ckpt.read_params(step)
-        finally:
-            ckpt.close()
-        layout_json, saved_step = meta["layout"], meta["step"]
-    else:
-        if trainer is None:
-            raise ValueError("exporting an in-memory state needs its trainer")
-        if step is not None:
-            raise ValueError("step applies only to a checkpoint directory")
-        units = _host_units(trainer, source)
-        layout_json, saved_step = layout_to_json(trainer.layout), None
-    tree = _state_dict(units, layout_json)
-    data = flax.serialization.msgpack_serialize(tree)
-    out_path = os.fspath(out_path)
-    tmp = f"{out_path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, out_path)
-    count = sum(int(np.size(x)) for x in jax.tree.leaves(tree))
-    return {"path": out_path, "step": saved_step, "params": count, "bytes": len(data)}
+        path = self.step_path(step)
+        restore_args, build = plan_restore(meta, stored, trainer, f"checkpoint {path}")
+        return build(storage.read_arrays(self._manager, step, path, restore_args), step), meta

@@ -1,0 +1,11 @@
+"""The two errors a checkpoint raises: unreadable, or readable but not fitting."""
+
+from __future__ import annotations
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing files, corrupted, or not a zeropp_jax checkpoint."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A readable checkpoint that does not fit the trainer (model or optimizer)."""

@@ -1,0 +1,130 @@
+"""Export of the full, unpadded parameters as one plain msgpack file.
+
+:func:`export_params` writes each leaf in its original dtype, in a file that
+needs neither this library nor the model code::
+
+  import flax.serialization
+  with open("params.msgpack", "rb") as f:
+      data = f.read()
+  params = flax.serialization.msgpack_restore(data)  # nested dict of numpy arrays
+  # or, to get the original container types back from a template pytree:
+  params = flax.serialization.from_bytes(template_params, data)
+
+The tree is the parameters' ``flax.serialization.to_state_dict`` form: dicts
+stay dicts with ``str`` keys (Flax parameters come back exactly), lists and
+tuples become dicts keyed ``"0"``, ``"1"``, ..., named fields are keyed by
+name.  Units appear in the layout's order, leaves in tree order.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Mapping
+
+import jax
+import numpy as np
+
+from zeropp_jax.checkpoint.checkpointer import Checkpointer
+from zeropp_jax.checkpoint.metadata import flat_with_keys, unit_from_json
+from zeropp_jax.layout import split_units, unit_leaves
+from zeropp_jax.step.trainer import Trainer
+
+
+def export_params(
+    source: Any,
+    out_path: str | os.PathLike,
+    *,
+    step: int | None = None,
+    trainer: Trainer | None = None,
+) -> dict:
+    """Writes the full, unpadded parameters as one msgpack file.
+
+    Load it with plain Flax (see :mod:`zeropp_jax.checkpoint.export`)::
+
+      params = flax.serialization.msgpack_restore(open(out_path, "rb").read())
+
+    Args:
+      source: a checkpoint directory (no trainer or model code needed: the
+        layout comes from the checkpoint's metadata), or a
+        :class:`TrainState` / its ``params`` dict together with ``trainer``.
+      out_path: the file to write (replaced atomically).
+      step: the checkpoint step (default: the newest readable one); only
+        with a directory.
+      trainer: the trainer of an in-memory ``source``.
+
+    Returns:
+      ``{"path", "step", "params", "bytes"}``; ``step`` is ``None`` for an
+      in-memory state.
+    """
+    import flax.serialization
+
+    if isinstance(source, (str, os.PathLike)):
+        if trainer is not None:
+            raise ValueError("pass trainer only with an in-memory state, not a directory")
+        ckpt = Checkpointer(source, read_only=True)
+        try:
+            units, meta = ckpt.read_params(step)
+        finally:
+            ckpt.close()
+        tree, saved_step = _stored_state_dict(units, meta["layout"]), meta["step"]
+    else:
+        if trainer is None:
+            raise ValueError("exporting an in-memory state needs its trainer")
+        if step is not None:
+            raise ValueError("step applies only to a checkpoint directory")
+        tree, saved_step = _gathered_state_dict(trainer, source), None
+    data = flax.serialization.msgpack_serialize(tree)
+    out_path = os.fspath(out_path)
+    tmp = f"{out_path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, out_path)
+    count = sum(int(np.size(x)) for x in jax.tree.leaves(tree))
+    return {"path": out_path, "step": saved_step, "params": count, "bytes": len(data)}
+
+
+def _stored_state_dict(units: Mapping[str, np.ndarray], layout_json: dict) -> Any:
+    """The state dict of padded host units read from a checkpoint.
+
+    The layout and the key paths come from the stored metadata, so no model
+    code is needed.
+    """
+
+    def items():
+        for u in layout_json["units"]:
+            prefix = [] if layout_json["whole_model"] else [u["name"]]
+            leaves = unit_leaves(np.asarray(units[u["name"]]), unit_from_json(u), "original")
+            for leaf, x in zip(u["leaves"], leaves):
+                yield prefix + leaf["keys"], x
+
+    return _nest(items())
+
+
+def _gathered_state_dict(trainer: Trainer, state_or_params: Any) -> Any:
+    """The state dict of a trainer's in-memory parameters (via ``gather_params``)."""
+    trees = split_units(trainer.gather_params(state_or_params), trainer.layout)
+
+    def items():
+        for u in trainer.layout.units:
+            prefix = [] if trainer.layout.whole_model else [u.name]
+            for keys, x in flat_with_keys(trees[u.name]).items():
+                yield prefix + list(keys), x
+
+    return _nest(items())
+
+
+def _nest(items: Iterable[tuple[list[str], np.ndarray]]) -> Any:
+    """Nested dicts from ``(key path, leaf)`` pairs, in their order.
+
+    A single leaf with an empty key path (the whole model is one array) is
+    returned as it is.
+    """
+    tree: dict = {}
+    for keys, x in items:
+        if not keys:
+            return x
+        node = tree
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = x
+    return tree

@@ -1,0 +1,318 @@
+"""The restore plan: how each leaf of a trainer's state is made from a checkpoint.
+
+A unit's flat vector is padded to a multiple of ``devices * align``, so
+shapes depend on the mesh and the config.  Restore reads each leaf in the
+way its shapes allow:
+
+* same shapes (same mesh; also ``2x4 -> 1x8 / 4x2`` when the padding and
+  the carry agree; also another process count): Orbax reads straight into
+  the target shardings, no host round trip;
+* parameter-shaped leaves (``params`` and every optimizer-state leaf under a
+  unit's name with the unit's stored shape: Adam's ``mu`` / ``nu``, ...)
+  whose padding or leaf offsets differ (another mesh; qwZ on one side only,
+  which aligns leaves to its block): read to host numpy, every leaf moved
+  from its stored offset to the trainer's, placed on the new mesh;
+* the qgZ carry ``(nodes, [L,] padded)``: row ``n`` is node ``n``'s deferred
+  gradient and only the sum over nodes matters, so with another node count
+  the rows are summed (nothing is lost) into the new node 0's row, zeros
+  elsewhere; with the same node count each row is re-padded.  A trainer
+  without error feedback (qgZ off, or a single node) drops the carry, with a
+  warning; a checkpoint without a carry starts the new one at zeros;
+* 1-bit Adam's per-node ``m`` / ``v`` ``(nodes, [L,] padded)``: re-padded
+  row by row onto the same node count only.
+
+Host memory of the conversion path: every process reads the *full* leaves
+it converts (e.g. params + Adam ``mu`` + ``nu`` = 3x the float32 model, plus
+``nodes``x the model for the carry) and holds them while placing the new
+shards, about twice that at the peak.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zeropp_jax.checkpoint.errors import CheckpointMismatchError
+from zeropp_jax.checkpoint.metadata import (
+    check_layout,
+    check_qgz_target,
+    flat_with_keys,
+    unit_from_json,
+)
+from zeropp_jax.checkpoint.storage import NUMPY, OPT, PARAMS
+from zeropp_jax.layout import UnitLayout, params_shapes
+from zeropp_jax.step.state import TrainState, ZeroOptState
+from zeropp_jax.step.trainer import Trainer
+
+_CARRY = ("qgz", "carry")
+
+log = logging.getLogger(__name__)
+
+
+def plan_restore(
+    meta: dict, stored: dict[str, Any], trainer: Trainer, where: str
+) -> tuple[dict, Callable[[dict, int], TrainState]]:
+    """Checks that a checkpoint fits ``trainer`` and plans how to read it.
+
+    Args:
+      meta: the checkpoint's JSON metadata.
+      stored: Orbax's stored metadata tree of each array item
+        (:func:`~zeropp_jax.checkpoint.storage.read_item_trees`).
+      trainer: the trainer to restore for (any mesh and config).
+      where: names the checkpoint in error messages.
+
+    Returns:
+      ``(restore_args, build)``: ``restore_args`` for
+      :func:`~zeropp_jax.checkpoint.storage.read_arrays`, and
+      ``build(values, step)`` making the :class:`TrainState` on the
+      trainer's mesh from what it read.
+
+    Raises:
+      CheckpointMismatchError: the checkpoint does not fit the trainer.
+    """
+    check_layout(meta["layout"], trainer.layout, where)
+    check_qgz_target(meta, trainer, where)
+    target = _abstract_state(trainer)
+    plan = _Plan(meta, trainer, where)
+    params_args, params_fill = plan.item(
+        flat_with_keys(stored[PARAMS]), flat_with_keys(target.params), params=True
+    )
+    opt_args, opt_fill = plan.item(
+        flat_with_keys(stored[OPT]), flat_with_keys(target.opt_state), params=False
+    )
+    if plan.dropped_carry:
+        _warn_dropped_carry(meta, trainer, where)
+
+    def build(values: dict, step: int) -> TrainState:
+        params = params_fill(flat_with_keys(values[PARAMS]))
+        opt_state = opt_fill(flat_with_keys(values[OPT]))
+        step_array = _place(np.asarray(step, np.int32), target.step)
+        state = TrainState(
+            step_array,
+            jax.tree_util.tree_unflatten(jax.tree.structure(target.params), params),
+            jax.tree_util.tree_unflatten(jax.tree.structure(target.opt_state), opt_state),
+        )
+        if not isinstance(state.opt_state, ZeroOptState):
+            raise AssertionError("internal error: restored opt_state is not a ZeroOptState")
+        return state
+
+    restore_args = {PARAMS: (stored[PARAMS], params_args), OPT: (stored[OPT], opt_args)}
+    return restore_args, build
+
+
+# -------------------------------------------------------------- re-padding
+def _repack(x: np.ndarray, old: UnitLayout, new: UnitLayout, dtype: Any) -> np.ndarray:
+    """Moves every leaf from its offset in the stored layout to the trainer's.
+
+    Args:
+      x: ``(..., old.padded)`` host array of one unit.
+      old: the unit's stored layout (:func:`unit_from_json`).
+      new: the trainer's layout of the unit (its padding, and its leaf
+        offsets when qwZ aligns leaves, may differ).
+
+    Returns:
+      ``(..., new.padded)`` in ``dtype``, zeros outside the leaves.
+    """
+    out = np.zeros(x.shape[:-1] + (new.padded,), dtype)
+    for lo, spec in zip(old.leaves, new.leaves):
+        out[..., spec.offset:spec.offset + spec.size] = x[..., lo.offset:lo.offset + spec.size]
+    return out
+
+
+def _same_layout(old: UnitLayout, new: UnitLayout) -> bool:
+    """Whether a stored unit can be read as it is (same padding and offsets)."""
+    return old.padded == new.padded and [lo.offset for lo in old.leaves] == [
+        spec.offset for spec in new.leaves
+    ]
+
+
+def _read_as_stored(args: dict, key: tuple[str, ...], tgt: jax.ShapeDtypeStruct):
+    """Orbax reads ``key`` straight onto the target sharding; returns its maker."""
+    args[key] = ocp.ArrayRestoreArgs(sharding=tgt.sharding, global_shape=tgt.shape, dtype=tgt.dtype)
+    return lambda values: values[key]
+
+
+def _place(host: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
+    """Host array (the same on every process) -> global array on the target sharding."""
+    host = np.asarray(host, target.dtype)
+    if host.shape != target.shape:
+        raise AssertionError(f"internal error: {host.shape} != {target.shape}")
+    return jax.make_array_from_callback(target.shape, target.sharding, lambda idx: host[idx])
+
+
+def _abstract_state(trainer: Trainer) -> TrainState:
+    """The trainer's state shapes with concrete shardings on its mesh."""
+    abstract = trainer.abstract_state(params_shapes(trainer.layout))
+
+    def concrete(x):
+        spec = getattr(x.sharding, "spec", None) or P()
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(trainer.mesh, spec))
+
+    return jax.tree.map(concrete, abstract)
+
+
+# -------------------------------------------------------------------- plan
+class _Plan:
+    """How each target leaf is made from the stored leaves of one checkpoint."""
+
+    def __init__(self, meta: dict, trainer: Trainer, where: str):
+        self.where = where
+        self.old_units = {u["name"]: unit_from_json(u) for u in meta["layout"]["units"]}
+        self.new_units = {u.name: u for u in trainer.layout.units}
+        self.old_nodes = int(meta["mesh"]["node"])
+        self.old_mesh = f"{meta['mesh']['node']}x{meta['mesh']['local']}"
+        self.dropped_carry = False
+
+    def _unit_of(self, key: tuple[str, ...], stored_shape, target_shape):
+        """The unit a parameter-shaped leaf belongs to, else ``None``."""
+        name = key[-1] if key else None
+        if name not in self.new_units:
+            return None
+        old, new = self.old_units[name], self.new_units[name]
+        if tuple(stored_shape) == old.global_shape and tuple(target_shape) == new.global_shape:
+            return name
+        return None
+
+    def _per_node_unit_of(self, key, stored_shape, target_shape):
+        """The unit of a ``(nodes, [L,] padded)`` leaf under a unit's name, else ``None``."""
+        name = key[-1] if key else None
+        if name not in self.new_units or len(stored_shape) < 2:
+            return None
+        old, new = self.old_units[name], self.new_units[name]
+        if (tuple(stored_shape[1:]) == old.global_shape and stored_shape[0] == self.old_nodes
+                and tuple(target_shape[1:]) == new.global_shape):
+            return name
+        return None
+
+    def _per_node_maker(self, key, unit, tgt, args):
+        old, new = self.old_units[unit], self.new_units[unit]
+        src_nodes, new_nodes = self.old_nodes, tgt.shape[0]
+        if src_nodes != new_nodes:
+            raise CheckpointMismatchError(
+                f"{self.where}: {'/'.join(key)} holds one row per node ({src_nodes} in the "
+                f"checkpoint, mesh {self.old_mesh}); the trainer has {new_nodes} nodes. "
+                "1-bit Adam's per-node state restores onto the same node count only"
+            )
+        if _same_layout(old, new):
+            return _read_as_stored(args, key, tgt)
+        args[key] = NUMPY
+        return lambda values: _place(_repack(np.asarray(values[key]), old, new, tgt.dtype), tgt)
+
+    def item(self, stored: dict, target: dict, *, params: bool):
+        """Restore args per stored key, and a function making the target leaves.
+
+        Returns:
+          ``(args, fill)``: ``args`` maps every stored key to Orbax restore
+          args; ``fill(values)`` maps the restored values (by key) to the
+          target leaves in tree order.
+        """
+        what = "parameter" if params else "optimizer state"
+        args: dict[tuple[str, ...], Any] = {}
+        makers = []
+        carry_keys = [k for k in stored if k[:2] == _CARRY] if not params else []
+        for key, tgt in target.items():
+            name = "/".join(key)
+            if not params and key[:2] == _CARRY:
+                makers.append(self._carry_maker(key, tgt, stored, args))
+                continue
+            if key not in stored:
+                raise CheckpointMismatchError(
+                    f"{self.where}: the trainer's {what} leaf {name!r} {tgt.shape} is not in "
+                    f"the checkpoint (stored: {sorted('/'.join(k) for k in stored)[:8]}...); "
+                    "was it written with another optimizer?"
+                )
+            src = stored[key]
+            per_node = self._per_node_unit_of(key, src.shape, tgt.shape)
+            if per_node is not None:  # 1-bit Adam's m / v: one row per node
+                makers.append(self._per_node_maker(key, per_node, tgt, args))
+                continue
+            unit = self._unit_of(key, src.shape, tgt.shape)
+            same = unit is None or _same_layout(self.old_units[unit], self.new_units[unit])
+            if tuple(src.shape) == tuple(tgt.shape) and same:
+                makers.append(_read_as_stored(args, key, tgt))
+                continue
+            if unit is None:
+                raise CheckpointMismatchError(
+                    f"{self.where}: {what} leaf {name!r} has shape {tuple(src.shape)} in the "
+                    f"checkpoint (mesh {self.old_mesh}) but the trainer expects {tgt.shape}, "
+                    "and it is not a unit-shaped leaf that could be re-padded; was it "
+                    "written with another optimizer?"
+                )
+            args[key] = NUMPY
+            old_unit, new_unit = self.old_units[unit], self.new_units[unit]
+
+            def make(values, key=key, tgt=tgt, old_unit=old_unit, new_unit=new_unit):
+                return _place(_repack(values[key], old_unit, new_unit, tgt.dtype), tgt)
+
+            makers.append(make)
+        unused = [k for k in stored if k not in target and k not in carry_keys]
+        if unused:
+            raise CheckpointMismatchError(
+                f"{self.where}: the checkpoint has {what} leaves the trainer does not: "
+                f"{['/'.join(k) for k in unused][:8]}; was it written with another optimizer?"
+            )
+        for k in carry_keys:
+            if k not in args:  # the trainer has no carry: do not read it
+                args[k] = None
+                self.dropped_carry = True
+
+        def fill(values):
+            return [make(values) for make in makers]
+
+        return args, fill
+
+    def _carry_maker(self, key, tgt, stored, args):
+        """The new qgZ carry of one unit from the stored one (see module doc)."""
+        unit = key[-1]
+        if key not in stored:
+            log.info("%s: no qgZ carry for unit %r; starting it at zeros", self.where, unit)
+            return lambda values: _place(np.zeros(tgt.shape, tgt.dtype), tgt)
+        src = stored[key]
+        old, new = self.old_units[unit], self.new_units[unit]
+        expected = (self.old_nodes,) + old.global_shape
+        if tuple(src.shape) != expected:
+            raise CheckpointMismatchError(
+                f"{self.where}: qgZ carry of unit {unit!r} has shape {tuple(src.shape)}, "
+                f"expected {expected} for mesh {self.old_mesh}"
+            )
+        if tuple(src.shape) == tuple(tgt.shape) and _same_layout(old, new):
+            return _read_as_stored(args, key, tgt)
+        args[key] = NUMPY
+        new_nodes = tgt.shape[0]
+
+        def make(values):
+            carry = np.asarray(values[key], np.float32)
+            if new_nodes == self.old_nodes:
+                host = _repack(carry, old, new, tgt.dtype)
+            else:
+                total = carry.sum(axis=0, dtype=np.float64)
+                host = np.zeros(tgt.shape, tgt.dtype)
+                host[0] = _repack(total, old, new, tgt.dtype)
+            return _place(host, tgt)
+
+        return make
+
+
+def _warn_dropped_carry(meta: dict, trainer: Trainer, where: str) -> None:
+    if trainer.config.qgz == "off":
+        why = "its config has qgz='off'"
+    elif not trainer.qgz_active:
+        why = f"its mesh {trainer.nodes}x{trainer.local} has a single node (nothing crosses nodes)"
+    else:
+        why = "its config has qgz_error_feedback=False"
+    message = (
+        f"{where}: DROPPING the qgZ error-feedback carry (gradient that compression "
+        f"deferred on mesh {meta['mesh']['node']}x{meta['mesh']['local']}): the new "
+        f"trainer has no error feedback because {why}. Training continues, but the "
+        "deferred gradient is lost."
+    )
+    log.warning(message)
+    # stacklevel 5: Checkpointer._newest_good, the loop over steps that restores.
+    warnings.warn(message, stacklevel=5)

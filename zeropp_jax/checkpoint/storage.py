@@ -1,0 +1,130 @@
+"""The three Orbax items of one step directory: write them, read them back.
+
+``DIR/<step>/{params, opt_state, meta}``: two PyTree items and one JSON
+item.  Every read failure becomes a :class:`CheckpointError` naming the
+step directory, so callers can tell "unreadable" from "does not fit".
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from zeropp_jax.checkpoint.errors import CheckpointError
+from zeropp_jax.checkpoint.metadata import check_meta, flat_with_keys, key_name
+from zeropp_jax.step.state import TrainState
+
+PARAMS = "params"
+OPT = "opt_state"
+META = "meta"
+
+# Restore args reading a stored leaf to host numpy (whatever its sharding).
+NUMPY = ocp.RestoreArgs(restore_type=np.ndarray)
+
+
+def item_handlers() -> dict:
+    """Orbax handlers of the three items (for ``CheckpointManager``)."""
+    return {
+        PARAMS: ocp.PyTreeCheckpointHandler(),
+        OPT: ocp.PyTreeCheckpointHandler(),
+        META: ocp.JsonCheckpointHandler(),
+    }
+
+
+def save_items(manager: ocp.CheckpointManager, step: int, state: TrainState, meta: dict) -> bool:
+    """Starts writing ``state`` and ``meta`` as step ``step``; ``False`` if Orbax declined."""
+    return manager.save(
+        step,
+        args=ocp.args.Composite(**{
+            PARAMS: ocp.args.PyTreeSave(state.params),
+            OPT: ocp.args.PyTreeSave(state.opt_state),
+            META: ocp.args.JsonSave(meta),
+        }),
+        force=True,
+    )
+
+
+def read_meta(manager: ocp.CheckpointManager, step: int, step_dir: str) -> dict:
+    """The checked JSON metadata of step ``step`` (see :func:`check_meta`)."""
+    path = os.path.join(step_dir, META)
+    try:
+        meta = manager.restore(
+            step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
+        )[META]
+    except Exception as e:  # noqa: BLE001 - any read failure means unreadable
+        raise CheckpointError(
+            f"checkpoint step {step}: cannot read its metadata {path} "
+            f"({type(e).__name__}: {e}); the checkpoint is incomplete or corrupted"
+        ) from e
+    return check_meta(meta, step, path)
+
+
+def read_item_trees(manager: ocp.CheckpointManager, step: int, step_dir: str) -> dict[str, Any]:
+    """Orbax's stored metadata tree (shapes, dtypes) of each array item."""
+    try:
+        items = manager.item_metadata(step)
+        trees = {name: items[name].tree for name in (PARAMS, OPT)}
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(
+            f"checkpoint step {step} in {step_dir}: cannot read the "
+            f"array metadata of its params/opt_state ({type(e).__name__}: {e}); "
+            "the checkpoint is incomplete or corrupted"
+        ) from e
+    return trees
+
+
+def read_arrays(
+    manager: ocp.CheckpointManager, step: int, step_dir: str, restore_args: dict
+) -> dict:
+    """Reads array items.
+
+    Args:
+      restore_args: item name -> ``(stored tree, keyed args)``; ``keyed``
+        maps each stored leaf's key (:func:`flat_with_keys
+        <zeropp_jax.checkpoint.metadata.flat_with_keys>`) to its Orbax
+        restore args, or to ``None`` to skip it.
+
+    Returns:
+      item name -> the restored tree (skipped leaves are placeholders).
+    """
+    composite = {}
+    for name, (stored_tree, keyed) in restore_args.items():
+        item, args = _item_and_args(stored_tree, keyed)
+        composite[name] = ocp.args.PyTreeRestore(item=item, restore_args=args)
+    try:
+        return manager.restore(step, args=ocp.args.Composite(**composite))
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(
+            f"checkpoint step {step}: cannot read the arrays under "
+            f"{step_dir} ({type(e).__name__}: {e}); the checkpoint "
+            "is incomplete or corrupted"
+        ) from e
+
+
+def read_to_host(manager: ocp.CheckpointManager, step: int, step_dir: str, name: str) -> Any:
+    """Reads every leaf of array item ``name`` to host numpy (its stored shapes)."""
+    tree = read_item_trees(manager, step, step_dir)[name]
+    args = {k: NUMPY for k in flat_with_keys(tree)}
+    return read_arrays(manager, step, step_dir, {name: (tree, args)})[name]
+
+
+def _item_and_args(stored_tree: Any, keyed: dict[tuple[str, ...], Any]):
+    """Orbax ``item`` and ``restore_args`` shaped like the stored tree.
+
+    ``keyed`` maps each stored leaf's key to its restore args, or to ``None``
+    to skip reading it (the leaf comes back as a placeholder).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(stored_tree)
+    items, args = [], []
+    for path, leaf in leaves:
+        a = keyed[tuple(key_name(k) for k in path)]
+        items.append(ocp.PLACEHOLDER if a is None else leaf)
+        args.append(ocp.PLACEHOLDER if a is None else a)
+    return (
+        jax.tree_util.tree_unflatten(treedef, items),
+        jax.tree_util.tree_unflatten(treedef, args),
+    )
