@@ -2,17 +2,19 @@
 
 One file per op, each beside a pure-``jnp`` ``<op>_reference`` that defines
 its numerics, serves as the fall-back where no GPU is present, and is what
-the kernel tests compare against. The wire format and its numerics are
-:mod:`zeropp_jax.wire.quantization`'s.
+the kernel tests compare against. The references, the wire format and its
+numerics, live in :mod:`pallas_kernels.references` (``quantization``,
+``packing``, ``dither``); ``zeropp_jax.wire`` re-exports them. This package
+imports nothing from ``zeropp_jax``.
 
 * :func:`quantize` / :func:`dequantize` (``quantize.py``): int8 / int4
   block-wise absmax (qwZ). References: :func:`quantize_reference`,
-  :func:`dequantize_reference` (= :mod:`zeropp_jax.wire.quantization`'s).
+  :func:`dequantize_reference` (= :mod:`pallas_kernels.references.quantization`'s).
 * :func:`compress_1bit_ef` (``onebit.py``): ``g + carry`` -> 1-bit signs,
   per-block mean-|x| scales and the new error-feedback carry, in one pass.
 * :func:`quantize_dithered` (``dither.py``): unbiased 1-bit codes with
   subtractive dither (block absmax scales), in one pass. Reference:
-  :func:`quantize_dithered_reference` (= :mod:`zeropp_jax.wire.dither`'s).
+  :func:`quantize_dithered_reference` (= :mod:`pallas_kernels.references.dither`'s).
 * :func:`dequantize_sum` (``dequant_sum.py``): dequantize ``k`` received
   chunks (1, 4 or 8 bits) and sum them in float32, in one pass (qgZ).
 

@@ -2,40 +2,27 @@
 
 Which backend, and why
 ----------------------
-Since jax 0.10 ``pl.pallas_call`` lowers to **Mosaic GPU** by default on
-NVIDIA GPUs, and jax 0.11 deprecates the Triton backend. These kernels
-nevertheless ask for **Triton**, by passing ``pltriton.CompilerParams``
-(which selects Triton whatever ``jax_pallas_use_mosaic_gpu`` says):
+``pl.pallas_call`` lowers to Mosaic GPU by default on NVIDIA GPUs. These
+kernels ask for **Triton** instead, by passing ``pltriton.CompilerParams``
+(which selects Triton whatever ``jax_pallas_use_mosaic_gpu`` says), because
+they are written in plain ``jnp`` and need what Mosaic GPU's ``pallas_call``
+lowering of plain ``jnp`` does not provide:
 
-* The kernels need per-row reductions of a tile (one scale per quantization
-  block) and reductions over a small minor axis (2 nibbles -> a byte, 8 signs
-  -> a byte). Mosaic GPU's ``pallas_call`` lowering of plain ``jnp`` code puts
-  arrays in the ``WG_STRIDED`` layout, where it only reduces over *all* axes
-  ("No support for axes yet"), and it neither reshapes tiled layouts along
-  the minor axis nor slices refs with a stride. Expressing these kernels for
-  Mosaic GPU needs hand-picked ``plgpu.Layout.TILED`` register layouts and
-  ``plgpu.load`` (``plgpu.kernel`` style), which do not run in interpret mode
-  on CPU. Checked with jax 0.10.2 by cross-lowering for ``cuda`` on a CPU
-  machine (``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))``):
-  the Mosaic GPU lowering of the 8-bit kernel fails on ``jnp.isfinite``
-  (no ``is_finite`` rule) and, without it, on the per-block ``max`` ("No
-  support for axes yet"); the dequantize kernel fails on its 32-element
-  scale tile ("must have a number of elements that is a multiple of 128").
-  The Triton lowering of every kernel here succeeds (the tests check this on
-  CPU, see ``test_kernels_lower_for_gpu``).
-* ``pl.pallas_call`` for Mosaic GPU itself already warns (jax 0.10.2) that it
-  is deprecated in favour of ``plgpu.kernel``.
+* per-row reductions of a tile (one scale per quantization block) and
+  reductions over a small minor axis (2 nibbles -> a byte, 8 signs -> a
+  byte): that lowering puts arrays in the ``WG_STRIDED`` layout, where it
+  reduces only over *all* axes;
+* reshapes of tiled layouts along the minor axis and strided ref slices;
+* ``jnp.isfinite`` and scale tiles of fewer than 128 elements.
 
-So Triton is the only backend on which these plain-``jnp`` kernels lower
-today. The Pallas changelog for jax 0.11.0 says: "The Triton backend is
-deprecated and will be removed in a future version of JAX. To keep using
-Pallas on GPU, please migrate to the Mosaic GPU backend." When it is
-removed, this module and the kernels' in-tile reductions and packing are
-what change (``plgpu.kernel`` with explicit ``TILED`` layouts). NOT VERIFIED
-HERE (no GPU in this session): that jax 0.11.x still accepts
-``pltriton.CompilerParams`` on the GPU, and that the Triton IR compiles and
-runs on the H200 with the results the tests expect;
-``benchmarks/gpu_check.sh`` checks both.
+Expressing the kernels for Mosaic GPU needs hand-picked
+``plgpu.Layout.TILED`` register layouts and ``plgpu.load`` (``plgpu.kernel``
+style), which do not run in interpret mode on CPU. The Triton lowering of
+every kernel is checked on CPU by cross-lowering for ``cuda``
+(``test_kernels_lower_for_gpu``); ``benchmarks/gpu_check.sh`` compiles and
+runs them on a GPU. The Triton backend is deprecated since jax 0.11: when it
+is removed, this module and the kernels' in-tile reductions and packing are
+what change (``plgpu.kernel`` with explicit ``TILED`` layouts).
 
 Triton quirks handled here
 --------------------------

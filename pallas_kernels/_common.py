@@ -1,7 +1,7 @@
 """Helpers shared by the kernels: argument checks, tiling, packing in a tile.
 
 Layout used by every kernel. The wire format (see
-:mod:`zeropp_jax.wire.quantization`) works block-wise on the last axis and blocks
+:mod:`pallas_kernels.references.quantization`) works block-wise on the last axis and blocks
 never straddle rows, so an array ``(..., n)`` is the same memory as
 ``(num_blocks, block)`` with ``num_blocks = prod(...) * n // block``: leading
 dimensions and blocks are flattened into one axis by a free reshape, and a
@@ -30,10 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.config import DEFAULT_CONFIG, KernelConfig
-from zeropp_jax.wire.quantization import check_scale_dtype  # noqa: F401  (one check for both paths)
-
-
-
+from pallas_kernels.references.quantization import Quantized
 
 # ---------------------------------------------------------------------------
 # Argument checks (trace time; ValueError with a hint, like the reference).
@@ -73,7 +70,7 @@ def check_block(block) -> int:
         raise ValueError(
             f"the Pallas kernels need block to be a power of two >= 8 (Triton tiles are powers "
             f"of two), got {block!r}; use 64, 256, 2048, ... or the jnp reference "
-            "(zeropp_jax.wire.quantization) for other block sizes."
+            "(pallas_kernels.references.quantization) for other block sizes."
         )
     return int(block)
 
@@ -150,8 +147,6 @@ def quantized_outputs(nb: int, tb: int, bits: int, block: int, scale_dtype, like
 def as_quantized(values: jax.Array, scales: jax.Array, shape: tuple[int, ...], bits: int,
                  block: int):
     """The kernel's ``(nb, ·)`` values and ``(nb,)`` scales as a ``Quantized`` of ``shape``."""
-    from zeropp_jax.wire.quantization import Quantized
-
     lead, n = shape[:-1], shape[-1]
     return Quantized(
         values=values.reshape(*lead, n * bits // 8), scales=scales.reshape(*lead, n // block)

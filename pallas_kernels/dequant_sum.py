@@ -39,9 +39,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend, _common
 from pallas_kernels.config import KernelConfig
-from zeropp_jax.wire.quantization import Quantized
-from zeropp_jax.wire.quantization import dequantize as _dequantize
-from zeropp_jax.wire.quantization import ordered_chunk_sum
+from pallas_kernels.references.quantization import Quantized
+from pallas_kernels.references.quantization import dequantize as _dequantize
+from pallas_kernels.references.quantization import ordered_chunk_sum
 
 __all__ = ["dequantize_sum", "dequantize_sum_kernel", "dequantize_sum_reference"]
 

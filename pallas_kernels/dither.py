@@ -1,17 +1,17 @@
 """Unbiased 1-bit codes with subtractive dither, in one pass (qgZ ``dither``).
 
-The code is :mod:`zeropp_jax.wire.dither`'s: per block ``s = max|x|`` (rounded up
-to ``scale_dtype``), bit ``x + s * xi >= 0``, packed eight per byte. The
-reference (:func:`quantize_dithered_reference`) is that module's
-:func:`~zeropp_jax.wire.dither.quantize_dithered`; the kernel reads ``x`` and the
-dither ``xi`` once and writes the packed bits and scales once. A block
-maximum is exact in any order, so scales are bit-identical to the reference
-on every backend, and so are the bits unless a compiler contracts
-``x + s * xi`` into a fused multiply-add and the sum lies within one rounding
-of zero (the bit is then either, and the receiver decodes what was sent).
-The scale is computed by the reference's own
-:func:`~zeropp_jax.wire.dither.block_scales`: a block holding NaN or inf gets
-scale NaN, found with ``isfinite``, not by relying on the max.
+The code is :mod:`pallas_kernels.references.dither`'s: per block
+``s = max|x|`` (rounded up to ``scale_dtype``), bit ``x + s * xi >= 0``,
+packed eight per byte. The reference (:func:`quantize_dithered_reference`) is
+that module's :func:`~pallas_kernels.references.dither.quantize_dithered`;
+the kernel reads ``x`` and the dither ``xi`` once and writes the packed bits
+and scales once. A block maximum is exact in any order, so scales are
+bit-identical to the reference on every backend, and so are the bits unless
+a compiler contracts ``x + s * xi`` into a fused multiply-add and the sum
+lies within one rounding of zero (the bit is then either, and the receiver
+decodes what was sent). The scale is computed by the reference's own
+:func:`~pallas_kernels.references.dither.block_scales`: a block holding NaN
+or inf gets scale NaN, found with ``isfinite``, not by relying on the max.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend, _common
 from pallas_kernels.config import KernelConfig
-from zeropp_jax.wire.dither import block_scales, check_dither_input
-from zeropp_jax.wire.dither import quantize_dithered as quantize_dithered_reference
-from zeropp_jax.wire.quantization import Quantized
+from pallas_kernels.references.dither import block_scales, check_dither_input
+from pallas_kernels.references.dither import quantize_dithered as quantize_dithered_reference
+from pallas_kernels.references.quantization import Quantized, check_scale_dtype
 
 __all__ = ["quantize_dithered", "quantize_dithered_kernel", "quantize_dithered_reference"]
 
@@ -66,7 +66,7 @@ def quantize_dithered(
       ``(..., n // block)`` block absmax.
     """
     block = _common.check_block(block)
-    scale_dtype = _common.check_scale_dtype(scale_dtype)
+    scale_dtype = check_scale_dtype(scale_dtype)
     config = _common.get_config(config)
     x, xi = check_dither_input(x, xi)
     _common.check_n(x.shape[-1], block, "x")

@@ -8,7 +8,7 @@ step's gradient::
     new_carry = x - dequantize(q)               # float32
 
 The jnp version (:func:`compress_1bit_ef_reference`, written with
-:mod:`zeropp_jax.wire.quantization`) leaves XLA to decide how many passes this
+:mod:`pallas_kernels.references.quantization`) leaves XLA to decide how many passes this
 takes; the kernel reads ``g`` and ``carry`` once and writes the packed signs,
 the scales and the new carry once.
 
@@ -43,9 +43,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend, _common
 from pallas_kernels.config import KernelConfig
-from zeropp_jax.wire.quantization import Quantized
-from zeropp_jax.wire.quantization import dequantize as _dequantize
-from zeropp_jax.wire.quantization import quantize as _quantize
+from pallas_kernels.references.quantization import Quantized, check_scale_dtype
+from pallas_kernels.references.quantization import dequantize as _dequantize
+from pallas_kernels.references.quantization import quantize as _quantize
 
 __all__ = ["compress_1bit_ef", "compress_1bit_ef_kernel", "compress_1bit_ef_reference"]
 
@@ -127,7 +127,7 @@ def compress_1bit_ef(
       >>> q, carry = compress_1bit_ef(g, carry, block=256)  # doctest: +SKIP
     """
     block = _common.check_block(block)
-    scale_dtype = _common.check_scale_dtype(scale_dtype)
+    scale_dtype = check_scale_dtype(scale_dtype)
     config = _common.get_config(config)
     g, carry = jnp.asarray(g), jnp.asarray(carry)
     _common.check_float_input(g, "g")

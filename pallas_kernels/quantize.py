@@ -1,7 +1,7 @@
 """Block-wise int8 / int4 quantize and dequantize as Pallas kernels (qwZ).
 
-Numerics are those of :func:`zeropp_jax.wire.quantization.quantize` /
-:func:`~zeropp_jax.wire.quantization.dequantize` (the references, re-exported here
+Numerics are those of :func:`pallas_kernels.references.quantization.quantize` /
+:func:`~pallas_kernels.references.quantization.dequantize` (the references, re-exported here
 as ``quantize_reference`` / ``dequantize_reference``), bit for bit:
 
 * per block: ``absmax = max|x|`` (float32), ``scale = absmax / qmax`` (IEEE
@@ -29,10 +29,10 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend, _common
 from pallas_kernels.config import KernelConfig
-from zeropp_jax.wire import quantization
-from zeropp_jax.wire.quantization import Quantized
-from zeropp_jax.wire.quantization import dequantize as dequantize_reference
-from zeropp_jax.wire.quantization import quantize as quantize_reference
+from pallas_kernels.references import quantization
+from pallas_kernels.references.quantization import Quantized, check_scale_dtype
+from pallas_kernels.references.quantization import dequantize as dequantize_reference
+from pallas_kernels.references.quantization import quantize as quantize_reference
 
 __all__ = [
     "quantize",
@@ -87,7 +87,7 @@ def quantize(
     """Quantizes ``x`` block-wise along its last axis (Pallas kernel).
 
     Same contract and bit-identical results as
-    :func:`zeropp_jax.wire.quantization.quantize` for ``bits`` 8 and 4.
+    :func:`pallas_kernels.references.quantization.quantize` for ``bits`` 8 and 4.
 
     Args:
       x: floating array ``(..., n)`` (float32, bfloat16, float16);
@@ -109,7 +109,7 @@ def quantize(
     """
     bits = _common.check_bits(bits, _BITS)
     block = _common.check_block(block)
-    scale_dtype = _common.check_scale_dtype(scale_dtype)
+    scale_dtype = check_scale_dtype(scale_dtype)
     config = _common.get_config(config)
     x = jnp.asarray(x)
     _common.check_float_input(x, "x")
@@ -160,7 +160,7 @@ def dequantize(
 ) -> jax.Array:
     """Inverse of :func:`quantize` (Pallas kernel).
 
-    Bit-identical to :func:`zeropp_jax.wire.quantization.dequantize` for ``bits``
+    Bit-identical to :func:`pallas_kernels.references.quantization.dequantize` for ``bits``
     8 and 4.
 
     Args:

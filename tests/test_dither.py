@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels as pk
 import zeropp_jax as zp
-from zeropp_jax.wire import dither
+from zeropp_jax.wire import dither, quantization
 from zeropp_jax.wire.qgz import cross_node_reduce
 
 from _util import mesh_of, tiny_batches, zero_run
@@ -84,8 +84,8 @@ def test_code_is_unbiased():
     bound = 5 * s / np.sqrt(3 * draws)
     assert (np.abs(mean - np.asarray(x)).reshape(4, 2, 32) < bound).all()
     # while the plain sign code is biased: mean|x| * sign(x) != x
-    sign = zp.quantization.dequantize(
-        zp.quantization.quantize(x, bits=1, block=32), bits=1, block=32, dtype=jnp.float32
+    sign = quantization.dequantize(
+        quantization.quantize(x, bits=1, block=32), bits=1, block=32, dtype=jnp.float32
     )
     assert np.abs(np.asarray(sign) - np.asarray(x)).max() > 10 * bound.max()
 

@@ -43,8 +43,9 @@ import pytest
 
 import pallas_kernels as pk
 from pallas_kernels import _common
-from zeropp_jax.wire import quantization as qz
-from zeropp_jax.wire.quantization import Quantized
+from pallas_kernels.references import packing
+from pallas_kernels.references import quantization as qz
+from pallas_kernels.references.quantization import Quantized
 
 try:  # The GPU image may lack hypothesis; the property test is then skipped.
     from hypothesis import HealthCheck, given, settings
@@ -170,7 +171,7 @@ def assert_onebit_close(x, q, carry, r, block, scale_dtype):
     # computed by XLA on the same device (which may flush subnormals, as the
     # kernel's arithmetic does there).
     s = jnp.repeat(jnp.asarray(q.scales).astype(jnp.float32), block, axis=-1)
-    signs = qz.unpack_bits(q.values)
+    signs = packing.unpack_bits(q.values)
     assert_same(carry, jax.jit(lambda x, s, b: x - jnp.where(b, s, -s))(x, s, signs))
 
 
@@ -214,7 +215,7 @@ def test_quantize_rounds_half_to_even(mode, bits):
     q = pk.quantize(x, bits=bits, block=block, interpret=_interp(mode))
     r = pk.quantize_reference(x, bits=bits, block=block)
     assert_quantized_same(q, r)
-    codes = q.values if bits == 8 else qz.unpack_int4(q.values)
+    codes = q.values if bits == 8 else packing.unpack_int4(q.values)
     np.testing.assert_array_equal(np.asarray(codes[0, 1:8]), np.round(row[1:8]).astype(np.int8))
 
 

@@ -1,5 +1,8 @@
 """Tests for the pure-jnp block-wise quantization (zeropp_jax.wire.quantization)."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -389,6 +392,20 @@ def test_jit_and_vmap(bits):
 def test_pallas_reference_aliases():
     assert pallas_kernels.quantize_reference is quantize
     assert pallas_kernels.dequantize_reference is dequantize
+    # The references live in pallas_kernels; zeropp_jax.wire re-exports them.
+    from pallas_kernels.references import dither as dither_reference
+    from pallas_kernels.references import quantization as reference
+    from zeropp_jax.wire import dither
+
+    assert Quantized is reference.Quantized and quantize is reference.quantize
+    assert dither.quantize_dithered is dither_reference.quantize_dithered
+    assert pallas_kernels.quantize_dithered_reference is dither.quantize_dithered
+
+
+def test_pallas_kernels_imports_nothing_from_zeropp_jax():
+    code = "import sys, pallas_kernels; print([m for m in sys.modules if m.startswith('zeropp_jax')])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 # ---------------------------------------------------------------------------

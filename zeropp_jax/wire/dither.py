@@ -16,16 +16,21 @@ of a key both ends know (:func:`uniform_noise`), so no extra bytes travel.
 For ``|x| <= s`` (always, up to the rounding of a bfloat16 scale, which is
 rounded *up*) this is subtractive dither: ``value - x`` is uniform on
 ``(-s, s)`` and independent of ``x``, so ``E[value] = x``. The noise is
-larger than the scaled sign's error, but white and unbiased; on the example
-GPT with Adam, without error feedback, it trains within 1% of full precision
-on seed 0 (+0.37%) but not on seeds 1 and 2 (+1.15%, +3.67%;
-benchmarks/RESULTS.md), where the scaled sign with error feedback lags by 8%.
-Error feedback cannot be combined with it: the fed-back error is as large as
-the scale, which grows with the carry (in a simulator of qgZ the carry
-reached 10x the gradient, benchmarks/RESULTS.md); :class:`zeropp_jax.ZeroConfig`
-refuses that combination.
+larger than the scaled sign's error, but white and unbiased; how the example
+GPT trains with it, without error feedback and across seeds, is in
+benchmarks/RESULTS.md. Error feedback cannot be combined with it: the
+fed-back error is as large as the scale, which grows with the carry (measured:
+benchmarks/RESULTS.md); :class:`zeropp_jax.ZeroConfig` refuses that
+combination.
 
-Both functions work on the last axis of ``(..., n)`` arrays, ``n`` a multiple
+The sender, :func:`quantize_dithered` (with :func:`block_scales` and
+:func:`check_dither_input`), is plain ``jnp`` in
+:mod:`pallas_kernels.references.dither`, beside the Pallas kernel checked
+against it, and re-exported here. This module adds the shared noise
+(:func:`stream_key`, :func:`uniform_noise`, :func:`element_counters`) and the
+receiver, :func:`dequantize_dithered`.
+
+All functions work on the last axis of ``(..., n)`` arrays, ``n`` a multiple
 of ``block``, ``block`` a multiple of 8; bits are packed as in
 :func:`zeropp_jax.wire.quantization.pack_bits`. A block of zeros gives zeros; a
 block holding inf or NaN gets scale NaN and decodes to NaN.
@@ -40,8 +45,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeropp_jax.wire import quantization
-from zeropp_jax.wire.quantization import Quantized
+from pallas_kernels.references.dither import block_scales as block_scales
+from pallas_kernels.references.dither import check_dither_input as check_dither_input
+from pallas_kernels.references.dither import quantize_dithered as quantize_dithered
+from pallas_kernels.references.packing import unpack_bits
+from pallas_kernels.references.quantization import Quantized, check_quantized
 
 __all__ = [
     "mix32", "stream_key", "uniform_noise", "element_counters", "block_scales", "check_dither_input",
@@ -122,70 +130,6 @@ def element_counters(shape: tuple[int, ...], row: jax.Array | None = None) -> ja
     return index
 
 
-def block_scales(xb: jax.Array, scale_dtype) -> jax.Array:
-    """Scales of float32 blocks ``(..., block)``: ``(..., 1)`` in ``scale_dtype``.
-
-    The block's max|x|, rounded *up* to ``scale_dtype`` so that ``|x| <= s``
-    holds for the scale the receiver sees, or NaN if the block holds inf or
-    NaN. Plain ``jnp`` that the Pallas kernel calls too: non-finite values
-    are found with ``isfinite`` (GPU max reductions may drop NaN), and the
-    bfloat16 round-up is integer arithmetic on the float32 bits (Triton has
-    no bfloat16 ``nextafter``): adding ``0xFFFF`` and clearing the low 16 bits
-    is the ceiling on bfloat16's grid for a finite value >= 0.
-    """
-    bad = jnp.max(jnp.where(jnp.isfinite(xb), 0, 1), axis=-1, keepdims=True)
-    absmax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
-    if jnp.dtype(scale_dtype) == jnp.dtype(jnp.bfloat16):
-        bits = jax.lax.bitcast_convert_type(absmax, jnp.uint32)
-        bits = (bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000)
-        absmax = jax.lax.bitcast_convert_type(bits, jnp.float32)  # exact in bfloat16
-    return jnp.where(bad == 0, absmax, jnp.nan).astype(scale_dtype)
-
-
-def check_dither_input(x, xi):
-    """``(x, xi)`` as arrays: ``x`` floating ``(..., n)``, ``xi`` float32 of its shape.
-
-    Shared by the reference and the Pallas kernel; raises ValueError otherwise.
-    """
-    x, xi = jnp.asarray(x), jnp.asarray(xi)
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim < 1:
-        raise ValueError(f"x must be a floating array (..., n), got {x.dtype} {x.shape}.")
-    if xi.dtype != jnp.float32 or xi.shape != x.shape:
-        raise ValueError(
-            f"xi must be float32 with x's shape {x.shape} (from uniform_noise), "
-            f"got {xi.dtype} {xi.shape}."
-        )
-    return x, xi
-
-
-@functools.partial(jax.jit, static_argnames=("block", "scale_dtype"))
-def quantize_dithered(
-    x: jax.typing.ArrayLike, xi: jax.typing.ArrayLike, *, block: int, scale_dtype=jnp.float32
-) -> Quantized:
-    """Unbiased 1-bit codes of ``x`` (the reference; see the module docstring).
-
-    Args:
-      x: floating ``(..., n)``, computed in float32.
-      xi: float32 ``(..., n)`` dither from :func:`uniform_noise`.
-      block: elements per scale (a multiple of 8).
-      scale_dtype: float32 or bfloat16.
-
-    Returns:
-      ``Quantized``: uint8 ``(..., n // 8)`` packed bits, ``scale_dtype``
-      ``(..., n // block)`` block absmax.
-    """
-    x, xi = check_dither_input(x, xi)
-    block = quantization._check_block(block)
-    quantization._check_n(x.shape[-1], block)
-    scale_dtype = quantization.check_scale_dtype(scale_dtype)
-    lead, n = x.shape[:-1], x.shape[-1]
-    xb = x.astype(jnp.float32).reshape(*lead, n // block, block)
-    scale = block_scales(xb, scale_dtype)  # (..., nb, 1)
-    bits = xb + scale.astype(jnp.float32) * xi.reshape(xb.shape) >= 0
-    values = quantization.pack_bits(bits).reshape(*lead, n // 8)
-    return Quantized(values=values, scales=scale[..., 0])
-
-
 @functools.partial(jax.jit, static_argnames=("block", "dtype"))
 def dequantize_dithered(
     q: Quantized, xi: jax.typing.ArrayLike, *, block: int, dtype=jnp.float32
@@ -201,12 +145,12 @@ def dequantize_dithered(
     Returns:
       ``dtype`` ``(..., n)``.
     """
-    values, scales, dtype = quantization.check_quantized(q, bits=1, block=block, dtype=dtype)
+    values, scales, dtype = check_quantized(q, bits=1, block=block, dtype=dtype)
     lead, n = values.shape[:-1], values.shape[-1] * 8
     xi = jnp.asarray(xi)
     if xi.dtype != jnp.float32 or xi.shape != (*lead, n):
         raise ValueError(f"xi must be float32 {(*lead, n)}, got {xi.dtype} {xi.shape}.")
-    signs = quantization.unpack_bits(values).reshape(*lead, n // block, block)
+    signs = unpack_bits(values).reshape(*lead, n // block, block)
     s = scales.astype(jnp.float32)[..., None]
     out = s * (jnp.where(signs, 1.0, -1.0) - xi.reshape(signs.shape))
     return out.reshape(*lead, n).astype(dtype)

@@ -2,9 +2,10 @@
 
 The five operations on the compression hot path (quantize, dequantize, 1-bit
 compress with fused error feedback, the dithered 1-bit code, dequantize-and-sum
-of received chunks) exist twice: as plain ``jnp`` in
-:mod:`zeropp_jax.wire.quantization` and :mod:`zeropp_jax.wire.dither` (the source of
-truth, fused by XLA) and as Pallas kernels in :mod:`pallas_kernels`. The
+of received chunks) exist twice: as plain ``jnp`` references (the source of
+truth, fused by XLA; :mod:`pallas_kernels.references`, re-exported by
+:mod:`zeropp_jax.wire.quantization` and :mod:`zeropp_jax.wire.dither`) and as
+Pallas kernels in :mod:`pallas_kernels`. The
 receive side of the dithered code (regenerate each sender's dither, decode,
 sum) is ``jnp`` in both sets: it is one elementwise fusion for XLA. The
 Pallas sender kernel takes the dither as an input array, so on that path the
@@ -29,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
 from zeropp_jax.wire import dither, quantization
 from zeropp_jax.wire.quantization import Quantized
 
@@ -54,8 +56,6 @@ class Kernels:
     def quantize(self, x: jax.Array, *, bits: int, block: int, scale_dtype: Any) -> Quantized:
         """Block-wise ``bits``-bit codes and scales of ``x`` ``(..., n)``."""
         if self._pallas and bits in (4, 8):
-            import pallas_kernels
-
             return pallas_kernels.quantize(
                 x, bits=bits, block=block, scale_dtype=scale_dtype, interpret=self._interpret
             )
@@ -64,8 +64,6 @@ class Kernels:
     def dequantize(self, q: Quantized, *, bits: int, block: int, dtype: Any) -> jax.Array:
         """Values ``(..., n)`` in ``dtype`` from codes and scales."""
         if self._pallas and bits in (4, 8):
-            import pallas_kernels
-
             return pallas_kernels.dequantize(
                 q, bits=bits, block=block, dtype=dtype, interpret=self._interpret
             )
@@ -76,8 +74,6 @@ class Kernels:
     ) -> tuple[Quantized, jax.Array]:
         """``x = g + carry`` -> (1-bit ``Quantized``, new carry ``x - deq``)."""
         if self._pallas:
-            import pallas_kernels
-
             return pallas_kernels.compress_1bit_ef(
                 g, carry, block=block, scale_dtype=scale_dtype, interpret=self._interpret
             )
@@ -91,8 +87,6 @@ class Kernels:
     ) -> Quantized:
         """Unbiased 1-bit codes of ``x`` with dither ``xi`` (:mod:`zeropp_jax.wire.dither`)."""
         if self._pallas:
-            import pallas_kernels
-
             return pallas_kernels.quantize_dithered(
                 x, xi, block=block, scale_dtype=scale_dtype, interpret=self._interpret
             )
@@ -101,13 +95,9 @@ class Kernels:
     def dequantize_sum(self, q: Quantized, *, bits: int, block: int) -> jax.Array:
         """float32 ``(..., m)``: the ``k`` chunks of ``q`` ``(..., k, ·)`` summed."""
         if self._pallas:
-            import pallas_kernels
-
             return pallas_kernels.dequantize_sum(
                 q, bits=bits, block=block, interpret=self._interpret
             )
-        import pallas_kernels
-
         return pallas_kernels.dequantize_sum_reference(q, bits=bits, block=block)
 
 

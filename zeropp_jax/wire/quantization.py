@@ -1,63 +1,36 @@
-"""Block-wise quantization in pure ``jnp``: the source of truth for the project.
+"""Block-wise quantization of parameters (qwZ) and gradients (qgZ): the wire format.
 
-ZeRO++ sends parameters (qwZ) and gradients (qgZ) over the wire in a few bits
-per element plus one floating-point scale per block of ``block`` consecutive
-elements. This module defines that wire format and its exact numerics; the GPU
-Pallas kernels in ``pallas_kernels`` are checked against it.
-
-Everything works on the LAST axis of ``x`` (shape ``(..., n)``), with any
-number of leading batch dimensions. ``n`` must be a multiple of ``block`` and
-``block`` a multiple of 8, so a packed byte never straddles two blocks.
-
-Schemes (computation is always in float32, whatever the input dtype; bfloat16
-and float16 inputs are up-cast exactly, never reinterpreted):
-
-* ``bits=8``: symmetric absmax. ``scale = max|x| / 127`` per block,
-  ``code = clip(round(x / scale), -127, 127)`` stored as int8 ``(..., n)``;
-  ``dequant = code * scale``. The code -128 is never produced, so the range is
-  symmetric.
-* ``bits=4``: the same with ``qmax = 7``; codes in ``[-7, 7]`` are stored as
-  **two's-complement nibbles**, two per byte: element ``2i`` in the low nibble
-  and ``2i+1`` in the high nibble of byte ``i`` (uint8 ``(..., n // 2)``).
-* ``bits=1``: scaled sign. ``scale = mean|x|`` per block (for a fixed sign
-  pattern this is the scale minimising the L2 error), bit = 1 where
-  ``x >= 0`` (so ``-0.0`` counts as positive) else 0, eight per byte with
-  element ``8i+j`` in bit ``j`` (least significant first) of byte ``i`` (uint8
-  ``(..., n // 8)``). ``dequant = +scale`` or ``-scale``.
-
-Rounding is round-half-to-even (``jnp.round``, the IEEE default, which is what
-``rint`` gives in a GPU kernel). Codes are computed by dividing by the scale
-*as stored*: with ``scale_dtype=jnp.bfloat16`` the scale is rounded to
-bfloat16 first, so the error bound below holds against the stored scale.
-
-Error bound (bits 8 and 4): ``|x - dequant(quantize(x))| <= scale / 2`` per
-element, up to float32 rounding. With a bfloat16 scale rounded down, the
-largest element can land up to ``qmax * 2**-8`` steps (< 0.5) past ``qmax``;
-it is clipped to ``qmax`` and the bound still holds.
-
-Special values:
-
-* A block of zeros gets scale 0 and dequantizes to exact zeros; the division
-  is guarded, so no NaN appears.
-* A block holding a non-finite value (inf or NaN) gets scale NaN and codes 0,
-  so the whole dequantized block is NaN. A non-finite parameter or gradient is
-  therefore reported downstream (e.g. by a loss-scaler's finiteness check)
-  instead of being turned silently into finite garbage. Other blocks are
-  unaffected.
-* Scales are float32 or bfloat16 (both have float32's exponent range).
-  float16 scales are refused: they overflow for ``max|x| > 65504 * qmax``.
-  A block whose scale underflows to zero (``max|x|`` below about 1e-36)
-  dequantizes to zeros.
+The format and its exact numerics (int8 / int4 absmax, 1-bit scaled sign, one
+float32 or bfloat16 scale per block of ``block`` elements on the last axis)
+are defined in pure ``jnp`` by :mod:`pallas_kernels.references.quantization`
+and :mod:`pallas_kernels.references.packing`, beside the Pallas kernels that
+are checked against them; read that module's docstring for the layouts, the
+rounding and the handling of zero and non-finite blocks. This module
+re-exports them under the names the library uses and adds the reporting
+helpers :func:`wire_bytes` and :func:`quantization_error`.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.references.packing import pack_bits as pack_bits
+from pallas_kernels.references.packing import pack_int4 as pack_int4
+from pallas_kernels.references.packing import unpack_bits as unpack_bits
+from pallas_kernels.references.packing import unpack_int4 as unpack_int4
+from pallas_kernels.references.quantization import Quantized as Quantized
+from pallas_kernels.references.quantization import check_bits as check_bits
+from pallas_kernels.references.quantization import check_block as check_block
+from pallas_kernels.references.quantization import check_n as check_n
+from pallas_kernels.references.quantization import check_quantized as check_quantized
+from pallas_kernels.references.quantization import check_scale_dtype as check_scale_dtype
+from pallas_kernels.references.quantization import dequantize as dequantize
+from pallas_kernels.references.quantization import ordered_chunk_sum as ordered_chunk_sum
+from pallas_kernels.references.quantization import quantize as quantize
 
 __all__ = [
     "Quantized",
@@ -70,352 +43,9 @@ __all__ = [
     "wire_bytes",
     "ordered_chunk_sum",
     "quantization_error",
+    "check_scale_dtype",
+    "check_quantized",
 ]
-
-_VALID_BITS = (1, 4, 8)
-_QMAX = {8: 127, 4: 7}
-_VALID_SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-
-
-class Quantized(NamedTuple):
-    """A block-quantized array ``(..., n)`` as it travels on the wire.
-
-    Plain data (a pytree): ``values`` and ``scales`` can be sent as two
-    collectives. Decode with :func:`dequantize` using the same ``bits`` and
-    ``block``; the layouts are given in the module docstring.
-    """
-
-    values: jax.Array  # (..., n) int8 if bits=8; (..., n//2) uint8 if bits=4; (..., n//8) uint8 if bits=1
-    scales: jax.Array  # (..., n//block), scale_dtype (float32 or bfloat16)
-
-
-# --------------------------------------------------------------------------
-# Argument checks (run at trace time; all raise ValueError with a hint).
-# --------------------------------------------------------------------------
-
-
-def _check_bits(bits) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or bits not in _VALID_BITS:
-        raise ValueError(f"bits must be one of {_VALID_BITS}, got {bits!r}.")
-    return int(bits)
-
-
-def _check_block(block) -> int:
-    if isinstance(block, bool) or not isinstance(block, (int, np.integer)):
-        raise ValueError(
-            f"block must be a Python int that is a positive multiple of 8 (e.g. 64, 256, 2048), "
-            f"got {block!r}."
-        )
-    if block < 8 or block % 8 != 0:
-        lower = max(8, (block // 8) * 8)
-        raise ValueError(
-            f"block must be a positive multiple of 8 (so packed bytes never straddle blocks), "
-            f"got {block}; try {lower} or {lower + 8}."
-        )
-    return int(block)
-
-
-def check_scale_dtype(scale_dtype) -> jnp.dtype:
-    """The scale dtype as a ``jnp.dtype``: float32 or bfloat16, else ValueError."""
-    try:
-        dt = jnp.dtype(scale_dtype)
-    except TypeError as e:
-        raise ValueError(f"scale_dtype must be float32 or bfloat16, got {scale_dtype!r}.") from e
-    if dt not in _VALID_SCALE_DTYPES:
-        raise ValueError(
-            f"scale_dtype must be float32 or bfloat16 (float32's exponent range), got {dt}; "
-            "float16 scales overflow for large blocks and other types lose the error bound."
-        )
-    return dt
-
-
-def _check_n(n: int, block: int, what: str = "x") -> None:
-    if n % block != 0:
-        padded = -(-n // block) * block
-        raise ValueError(
-            f"the last axis of {what} has length n={n}, which is not a multiple of block={block}; "
-            f"pad it to {padded} or choose a block that divides n."
-        )
-
-
-# --------------------------------------------------------------------------
-# Packing helpers.
-# --------------------------------------------------------------------------
-
-
-@jax.jit
-def pack_int4(codes: jax.typing.ArrayLike) -> jax.Array:
-    """Packs signed 4-bit codes two per byte along the last axis.
-
-    Element ``2i`` goes to the low nibble and ``2i+1`` to the high nibble of
-    byte ``i``, each as a two's-complement nibble (``-1 -> 0xF``,
-    ``-8 -> 0x8``). Codes outside ``[-8, 7]`` keep only their low 4 bits.
-
-    Args:
-      codes: integer array ``(..., m)`` with ``m`` even, values in ``[-8, 7]``.
-
-    Returns:
-      uint8 array ``(..., m // 2)``.
-
-    Example:
-      >>> pack_int4(jnp.array([1, -2], jnp.int8))  # [0xE1]
-      Array([225], dtype=uint8)
-    """
-    codes = jnp.asarray(codes)
-    if not jnp.issubdtype(codes.dtype, jnp.integer):
-        raise ValueError(f"pack_int4 expects integer codes, got dtype {codes.dtype}.")
-    if codes.ndim < 1 or codes.shape[-1] % 2 != 0:
-        raise ValueError(
-            f"pack_int4 needs an even-length last axis, got shape {codes.shape}; pad by one code."
-        )
-    # int8 -> uint8 by bit pattern, so negative codes become two's-complement nibbles.
-    u = jax.lax.bitcast_convert_type(codes.astype(jnp.int8), jnp.uint8)
-    u = u.reshape(*u.shape[:-1], u.shape[-1] // 2, 2)
-    low = u[..., 0] & np.uint8(0x0F)
-    high = (u[..., 1] & np.uint8(0x0F)) << np.uint8(4)
-    return low | high
-
-
-@jax.jit
-def unpack_int4(packed: jax.typing.ArrayLike) -> jax.Array:
-    """Inverse of :func:`pack_int4`.
-
-    Args:
-      packed: uint8 array ``(..., m)``.
-
-    Returns:
-      int8 array ``(..., 2 * m)`` with values in ``[-8, 7]``.
-    """
-    packed = jnp.asarray(packed)
-    if packed.dtype != jnp.uint8:
-        raise ValueError(f"unpack_int4 expects uint8 bytes, got dtype {packed.dtype}.")
-    if packed.ndim < 1:
-        raise ValueError("unpack_int4 expects at least one axis, got a scalar.")
-    # Move each nibble to the top of an int8, then an arithmetic shift sign-extends it.
-    low = jax.lax.bitcast_convert_type(packed << np.uint8(4), jnp.int8) >> np.int8(4)
-    high = jax.lax.bitcast_convert_type(packed & np.uint8(0xF0), jnp.int8) >> np.int8(4)
-    out = jnp.stack([low, high], axis=-1)
-    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-
-
-@jax.jit
-def pack_bits(bits_bool: jax.typing.ArrayLike) -> jax.Array:
-    """Packs booleans eight per byte along the last axis.
-
-    Element ``8i+j`` goes to bit ``j`` (``1 << j``) of byte ``i``, i.e.
-    ``np.packbits(..., bitorder="little")``.
-
-    Args:
-      bits_bool: bool array ``(..., m)`` with ``m % 8 == 0`` (nonzero numbers
-        count as True).
-
-    Returns:
-      uint8 array ``(..., m // 8)``.
-
-    Example:
-      >>> pack_bits(jnp.array([1, 0, 0, 0, 0, 0, 0, 1], bool))  # [0x81]
-      Array([129], dtype=uint8)
-    """
-    b = jnp.asarray(bits_bool)
-    if b.ndim < 1 or b.shape[-1] % 8 != 0:
-        raise ValueError(
-            f"pack_bits needs a last axis whose length is a multiple of 8, got shape {b.shape}."
-        )
-    b = b.astype(jnp.bool_).astype(jnp.uint8)
-    b = b.reshape(*b.shape[:-1], b.shape[-1] // 8, 8)
-    weights = jnp.left_shift(jnp.uint8(1), jnp.arange(8, dtype=jnp.uint8))  # 1, 2, 4, ..., 128
-    weights = weights.reshape((1,) * (b.ndim - 1) + (8,))  # explicit rank: promotion is "raise"
-    # Each bit has its own position, so the sum never carries.
-    return jnp.sum(b * weights, axis=-1, dtype=jnp.uint8)
-
-
-@jax.jit
-def unpack_bits(packed: jax.typing.ArrayLike) -> jax.Array:
-    """Inverse of :func:`pack_bits`.
-
-    Args:
-      packed: uint8 array ``(..., m)``.
-
-    Returns:
-      bool array ``(..., 8 * m)``.
-    """
-    packed = jnp.asarray(packed)
-    if packed.dtype != jnp.uint8:
-        raise ValueError(f"unpack_bits expects uint8 bytes, got dtype {packed.dtype}.")
-    if packed.ndim < 1:
-        raise ValueError("unpack_bits expects at least one axis, got a scalar.")
-    shifts = jnp.arange(8, dtype=jnp.uint8).reshape((1,) * packed.ndim + (8,))
-    b = (packed[..., None] >> shifts) & np.uint8(1)
-    return b.astype(jnp.bool_).reshape(*packed.shape[:-1], packed.shape[-1] * 8)
-
-
-# --------------------------------------------------------------------------
-# Quantize / dequantize.
-# --------------------------------------------------------------------------
-
-
-@functools.partial(jax.jit, static_argnames=("bits", "block", "scale_dtype"))
-def quantize(
-    x: jax.typing.ArrayLike,
-    *,
-    bits: int,
-    block: int,
-    scale_dtype=jnp.float32,
-) -> Quantized:
-    """Quantizes ``x`` block-wise along its last axis.
-
-    See the module docstring for the exact scheme, the nibble/bit layouts and
-    the handling of zero and non-finite blocks.
-
-    Args:
-      x: floating array ``(..., n)`` (float32, bfloat16, float16, ...; the
-        computation is done in float32). ``n % block == 0``.
-      bits: 8 (int8 codes), 4 (packed int4 codes) or 1 (packed signs).
-      block: elements per scale; a multiple of 8, at least 8.
-      scale_dtype: float32 (default) or bfloat16.
-
-    Returns:
-      ``Quantized(values, scales)``: ``values`` is int8 ``(..., n)`` for
-      bits=8, uint8 ``(..., n // 2)`` for bits=4, uint8 ``(..., n // 8)`` for
-      bits=1; ``scales`` is ``scale_dtype`` ``(..., n // block)``.
-
-    Example:
-      >>> x = jnp.linspace(-1.0, 1.0, 256).reshape(2, 128)
-      >>> q = quantize(x, bits=8, block=64)
-      >>> q.values.shape, q.scales.shape
-      ((2, 128), (2, 2))
-      >>> x_hat = dequantize(q, bits=8, block=64, dtype=jnp.float32)
-    """
-    bits = _check_bits(bits)
-    block = _check_block(block)
-    scale_dtype = check_scale_dtype(scale_dtype)
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(
-            f"quantize expects a floating array (float32, bfloat16 or float16), got dtype {x.dtype}; "
-            "cast it first."
-        )
-    if x.ndim < 1:
-        raise ValueError("quantize expects an array with at least one axis (..., n), got a scalar.")
-    n = x.shape[-1]
-    _check_n(n, block)
-    lead = x.shape[:-1]
-
-    # Exact up-cast: bfloat16 and float16 are both subsets of float32.
-    xb = x.astype(jnp.float32).reshape(*lead, n // block, block)
-    absmax = jnp.max(jnp.abs(xb), axis=-1)  # (..., nb); NaN if the block has a NaN, inf if inf
-    finite = jnp.isfinite(absmax)
-
-    if bits == 1:
-        # Divide before summing so a block of large finite values cannot overflow.
-        scale = jnp.sum(jnp.abs(xb) / block, axis=-1)
-        scale = jnp.where(finite, scale, jnp.nan).astype(scale_dtype)
-        values = pack_bits(xb >= 0).reshape(*lead, n // 8)
-        return Quantized(values=values, scales=scale)
-
-    qmax = _QMAX[bits]
-    scale = jnp.where(finite, absmax / qmax, jnp.nan).astype(scale_dtype)
-    # Codes come from the scale as stored (rounded to scale_dtype), so the
-    # error bound holds against what the receiver sees.
-    s = scale.astype(jnp.float32)[..., None]
-    usable = finite[..., None] & (s > 0)
-    safe_s = jnp.where(usable, s, 1.0)  # zero blocks: avoid 0/0
-    codes = jnp.clip(jnp.round(xb / safe_s), -qmax, qmax)
-    # Non-finite blocks: codes 0 (NaN scale makes the block NaN on dequant);
-    # underflowed scales: codes 0 (the block dequantizes to zeros).
-    codes = jnp.where(usable, codes, 0.0).astype(jnp.int8).reshape(*lead, n)
-    values = codes if bits == 8 else pack_int4(codes)
-    return Quantized(values=values, scales=scale)
-
-
-def check_quantized(q: Quantized, *, bits: int, block: int, dtype: Any):
-    """Validates a payload for dequantization (shared with the Pallas kernel).
-
-    Returns:
-      ``(values, scales, dtype)`` as arrays and a ``jnp.dtype``.
-
-    Raises:
-      ValueError: naming what does not match ``bits``, ``block`` or ``dtype``.
-    """
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"dequantize needs a floating output dtype, got {dtype}.")
-    values, scales = jnp.asarray(q.values), jnp.asarray(q.scales)
-    want = jnp.int8 if bits == 8 else jnp.uint8
-    if values.dtype != want:
-        raise ValueError(
-            f"for bits={bits}, q.values must be {jnp.dtype(want)}, got {values.dtype}; "
-            "were bits passed the same as to quantize?"
-        )
-    if values.ndim < 1:
-        raise ValueError("q.values must have at least one axis, got a scalar.")
-    if not jnp.issubdtype(scales.dtype, jnp.floating):
-        raise ValueError(f"q.scales must be floating, got {scales.dtype}.")
-    n = values.shape[-1] * (8 // bits)
-    _check_n(n, block, what="the dequantized array")
-    lead = values.shape[:-1]
-    if scales.shape != (*lead, n // block):
-        raise ValueError(
-            f"q.scales has shape {scales.shape} but values {values.shape} with bits={bits}, "
-            f"block={block} need {(*lead, n // block)}; were bits and block the same as in quantize?"
-        )
-    return values, scales, dtype
-
-
-@functools.partial(jax.jit, static_argnames=("bits", "block", "dtype"))
-def dequantize(q: Quantized, *, bits: int, block: int, dtype) -> jax.Array:
-    """Inverse of :func:`quantize`.
-
-    Args:
-      q: ``Quantized`` from :func:`quantize` with the same ``bits`` and
-        ``block``.
-      bits: 8, 4 or 1.
-      block: elements per scale.
-      dtype: floating output dtype (e.g. ``jnp.bfloat16``); the product is
-        computed in float32 and cast once.
-
-    Returns:
-      ``dtype`` array ``(..., n)``. Blocks with a NaN scale are all NaN;
-      blocks with a zero scale are all zeros.
-
-    Example:
-      >>> q = quantize(jnp.ones((4, 64)), bits=4, block=32)
-      >>> dequantize(q, bits=4, block=32, dtype=jnp.bfloat16).shape
-      (4, 64)
-    """
-    bits = _check_bits(bits)
-    block = _check_block(block)
-    values, scales, dtype = check_quantized(q, bits=bits, block=block, dtype=dtype)
-    n = values.shape[-1] * (8 // bits)
-    lead = values.shape[:-1]
-
-    s = scales.astype(jnp.float32)[..., None]  # (..., nb, 1)
-    if bits == 1:
-        signs = unpack_bits(values).reshape(*lead, n // block, block)
-        out = jnp.where(signs, s, -s)
-    else:
-        codes = values if bits == 8 else unpack_int4(values)
-        out = codes.astype(jnp.float32).reshape(*lead, n // block, block) * s
-    return out.reshape(*lead, n).astype(dtype)
-
-
-def ordered_chunk_sum(d: jax.Array) -> jax.Array:
-    """``sum(d, axis=-2)`` as the chain ``((0 + d_0) + d_1) + ...`` in chunk order.
-
-    The summation order of every qgZ receiver (the references and the Pallas
-    dequantize-and-sum kernel): ``jnp.sum`` leaves the order to XLA, a chain
-    of adds fixes it on every backend. ``d``: decoded chunks ``(..., k, m)``
-    -> ``(..., m)``, same dtype.
-    """
-    acc = jnp.zeros(d.shape[:-2] + d.shape[-1:], d.dtype)
-    for c in range(d.shape[-2]):
-        acc = acc + d[..., c, :]
-    return acc
-
-
-# --------------------------------------------------------------------------
-# Reporting helpers.
-# --------------------------------------------------------------------------
 
 
 def wire_bytes(n: int, *, bits: int, block: int, scale_dtype=jnp.float32) -> int:
@@ -434,12 +64,12 @@ def wire_bytes(n: int, *, bits: int, block: int, scale_dtype=jnp.float32) -> int
       >>> wire_bytes(4096, bits=8, block=256)  # 4096 + 16 * 4
       4160
     """
-    bits = _check_bits(bits)
-    block = _check_block(block)
+    bits = check_bits(bits)
+    block = check_block(block)
     scale_dtype = check_scale_dtype(scale_dtype)
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
         raise ValueError(f"n must be a non-negative int, got {n!r}.")
-    _check_n(int(n), block, what="the array")
+    check_n(int(n), block, what="the array")
     return int(n) * bits // 8 + (int(n) // block) * scale_dtype.itemsize
 
 
