@@ -108,6 +108,7 @@ def carry_sum(carry: dict, tr) -> dict:
 # --- exact resume -------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["zero3", "zeropp"])
 def test_resume_is_exact(runs, preset):
     run = runs[preset]
@@ -131,6 +132,7 @@ def test_resume_is_exact(runs, preset):
     np.testing.assert_array_equal(losses, run["losses"][RESUME:])
 
 
+@pytest.mark.slow
 def test_metadata(runs):
     meta = Checkpointer(runs["zeropp"]["dir"]).metadata()
     assert meta["step"] == RESUME and meta["mesh"] == {"node": 2, "local": 4}
@@ -146,6 +148,7 @@ def test_metadata(runs):
 # --- another mesh -------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [(1, 8), (4, 2), (1, 1)])
 def test_zero3_restores_onto_another_mesh(runs, mesh):
     run = runs["zero3"]
@@ -160,6 +163,7 @@ def test_zero3_restores_onto_another_mesh(runs, mesh):
     np.testing.assert_allclose(losses, run["losses"][RESUME:], rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [(4, 2), (1, 8), (1, 1)])
 def test_zeropp_restores_onto_another_mesh(runs, mesh):
     run = runs["zeropp"]
@@ -194,6 +198,7 @@ def test_zeropp_restores_onto_another_mesh(runs, mesh):
     np.testing.assert_allclose(losses, run["losses"][RESUME:], rtol=rtol)
 
 
+@pytest.mark.slow
 def test_carry_starts_at_zero_when_the_checkpoint_has_none(runs):
     tr = trainer("zeropp", 2, 4)
     state = Checkpointer(runs["zero3"]["dir"]).restore(tr)
@@ -202,6 +207,7 @@ def test_carry_starts_at_zero_when_the_checkpoint_has_none(runs):
         assert not np.any(np.asarray(v))
 
 
+@pytest.mark.slow
 def test_zero3_checkpoint_moves_into_the_qwz_leaf_aligned_layout(runs):
     """qwZ aligns leaves to its block: a zero3 checkpoint's leaves are re-packed."""
     z3, zpp = trainer("zero3", 2, 4), trainer("zeropp", 2, 4)
@@ -237,6 +243,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # while the background thread writes step 
 """
 
 
+@pytest.mark.slow
 def test_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
     directory = tmp_path / "ckpt"
     script = tmp_path / "killed.py"
@@ -271,6 +278,7 @@ def _corrupt_arrays(step_dir):
     assert hit
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["arrays", "metadata", "item"])
 def test_newest_corrupt_checkpoint_falls_back_to_the_newest_good_one(runs, tmp_path, damage):
     directory = tmp_path / "ckpt"
@@ -298,6 +306,7 @@ def test_newest_corrupt_checkpoint_falls_back_to_the_newest_good_one(runs, tmp_p
     assert Checkpointer(directory).all_steps() == [4, RESUME]
 
 
+@pytest.mark.slow
 def test_every_checkpoint_unreadable_is_an_error(runs, tmp_path):
     directory = tmp_path / "ckpt"
     shutil.copytree(runs["zero3"]["dir"], directory)
@@ -353,6 +362,7 @@ def test_bad_input_errors(runs, tmp_path):
 # --- export ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_export_round_trip(runs, tmp_path):
     run = runs["zeropp"]
     out = tmp_path / "params.msgpack"
@@ -414,6 +424,7 @@ if jax.process_index() == 0:
 """
 
 
+@pytest.mark.slow
 def test_multi_process_save_restores_in_one_process(tmp_path):
     steps, save = 5, 3
     script = tmp_path / "mp.py"
@@ -469,6 +480,7 @@ def _jsonl(path):
     ("zeropp", ("--qgz-warmup", "6", "--qgz-target", "gradient")),
     ("zeropp", ("--qgz-warmup", "6")),
 ])
+@pytest.mark.slow
 def test_cli_resume_matches_an_uninterrupted_run(tmp_path, preset, extra):
     ckpt, full, part = tmp_path / "ckpt", tmp_path / "full.jsonl", tmp_path / "part.jsonl"
     args = (*CLI_TINY, "--preset", preset, *extra, "--steps", "8", "--checkpoint-dir", str(ckpt))
@@ -494,6 +506,7 @@ def test_cli_resume_matches_an_uninterrupted_run(tmp_path, preset, extra):
     assert Checkpointer(ckpt).all_steps() == [4, 8]
 
 
+@pytest.mark.slow
 def test_cli_checkpoint_flags_need_a_directory():
     proc = run_cli(*CLI_TINY, "--resume")
     assert proc.returncode == 2 and "--resume needs --checkpoint-dir" in proc.stderr

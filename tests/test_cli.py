@@ -18,6 +18,8 @@ import pytest
 
 from _util import COMM, TINY_ARGS, TRAIN, read_jsonl, run_cli
 
+pytestmark = pytest.mark.slow  # the console scripts run as subprocesses
+
 EQUIVALENCE_STEPS = 20
 DEFAULT_MODEL_STEPS = 60
 # Argument checks need no compilation; a few seconds of interpreter and JAX

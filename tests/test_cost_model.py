@@ -84,6 +84,7 @@ TARGET = cm.V100_CLUSTER
 WORK = cm.Workload(params=18e9, tokens_per_gpu=1024)
 
 
+@pytest.mark.slow
 def test_profile_roles_from_the_compiled_program(profiles):
     roles = {c.role for c in profiles["zeropp"].collectives}
     assert {"codes", "scales", "float"} <= roles
@@ -93,6 +94,7 @@ def test_profile_roles_from_the_compiled_program(profiles):
             assert c.dtype in ("s8", "u8")
 
 
+@pytest.mark.slow
 def test_scaled_bytes_match_the_analytic_volumes(profiles):
     """ZeRO-3 moves 3 x bf16 model per step into each node; ZeRO++ (int4 qgZ)
     moves the int8 refresh plus int4 gradients (scales included).
@@ -118,12 +120,14 @@ def test_scaled_bytes_match_the_analytic_volumes(profiles):
     assert inter == pytest.approx(cycle * P * (N - 1) / N, rel=0.02)
 
 
+@pytest.mark.slow
 def test_scaling_does_not_depend_on_the_profiled_mesh(profiles):
     a = profiles["zeropp"].bytes_at(TARGET, WORK)
     b = profiles["zeropp-4x2"].bytes_at(TARGET, WORK)
     np.testing.assert_allclose(a, b, rtol=0.02)
 
 
+@pytest.mark.slow
 def test_float_bytes_rescale_only_full_precision_payloads(profiles):
     wide = cm.Workload(params=18e9, tokens_per_gpu=1024, float_bytes=4)
     z3 = [p.bytes_at(TARGET, w)[0] for p in [profiles["zero3"]] for w in (WORK, wide)]
@@ -135,6 +139,7 @@ def test_float_bytes_rescale_only_full_precision_payloads(profiles):
     assert onebit[1] > onebit[0] * 1.1
 
 
+@pytest.mark.slow
 def test_prediction_arithmetic(profiles):
     p = cm.predict(profiles["zero3"], TARGET, WORK)
     assert p.compute_s == pytest.approx(8 * 18e9 * 1024 / (125e12 * 0.4))
@@ -148,6 +153,7 @@ def test_prediction_arithmetic(profiles):
     assert cm.predict(profiles["zeropp"], TARGET, WORK).step_s_serial < p.step_s_serial
 
 
+@pytest.mark.slow
 def test_published_zeropp_ratios_within_25_percent(profiles):
     rows = cm.compare_published(profiles["zero3"], profiles["zeropp-int4"])
     assert len(rows) == len(cm.PUBLISHED) * len(cm.PUBLISHED_MODEL_SIZES)
@@ -158,6 +164,7 @@ def test_published_zeropp_ratios_within_25_percent(profiles):
     assert any(abs(r["overlap_error"]) > 0.2 for r in rows)
 
 
+@pytest.mark.slow
 def test_predictions_for_every_preset(profiles):
     """What the model predicts for this project's presets (printed with -s):
     each compression helps, and less so as the inter-node link gets faster
@@ -198,12 +205,14 @@ def test_bad_input(make, match):
         make()
 
 
+@pytest.mark.slow
 def test_profile_json_round_trip(profiles):
     p = profiles["zeropp"]
     q = cm.CommProfile.from_json(json.loads(json.dumps(p.to_json())))
     assert q == p
 
 
+@pytest.mark.slow
 def test_simulate_cli(capsys):
     assert simulate.main(["--published", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

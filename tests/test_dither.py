@@ -52,6 +52,7 @@ def test_noise_is_uniform_symmetric_and_keyed():
     [((3, 40), 8, jnp.float32, jnp.float32), ((2, 5, 96), 32, jnp.bfloat16, jnp.float32),
      ((7, 64), 16, jnp.float32, jnp.bfloat16), ((1, 24), 24, jnp.float16, jnp.bfloat16)],
 )
+@pytest.mark.slow
 def test_code_error_is_within_the_scale_and_zero_blocks_stay_zero(shape, block, dtype, scale_dtype):
     x = _x(shape, dtype=dtype)
     x = x.at[..., :block].set(0)  # one zero block per row
@@ -160,6 +161,7 @@ def test_config_refuses_dither_with_error_feedback_or_other_modes():
     assert zp.ZeroConfig.from_preset("zeropp").qgz_block == 32
 
 
+@pytest.mark.slow
 def test_dithered_zeropp_sends_the_same_bytes_and_trains():
     sign = report("zeropp", qgz_error_feedback=False, qgz_block=16, **GRADIENT)  # same wire format
     dith = report("zeropp", qgz_code="dither", qgz_error_feedback=False, **GRADIENT)

@@ -100,6 +100,7 @@ def test_loss_matches_logits(params):
     np.testing.assert_allclose(_jit_loss(params, batch), expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_bfloat16_params(params):
     p16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     batch = _batch(2)

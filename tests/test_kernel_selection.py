@@ -28,6 +28,7 @@ def test_selection_is_explicit():
         ({"qgz_target": "momentum", "qgz_warmup_steps": 2}, 5),
     ],
 )
+@pytest.mark.slow
 def test_pallas_step_matches_xla_step(overrides, steps):
     params = gpt.init_params(TINY, jax.random.key(0))
     losses = {}

@@ -50,6 +50,7 @@ def test_warmup_steps_are_clipped_adam_exactly():
     assert int(state.opt_state.inner.v_count) == 4
 
 
+@pytest.mark.slow
 def test_on_one_node_it_is_clipped_adam():
     """Nothing crosses nodes: qgZ is inactive and the step is Adam throughout."""
     params = gpt.init_params(TINY, jax.random.key(0))
@@ -104,6 +105,7 @@ def test_compressed_steps_share_one_momentum_and_keep_what_they_lose():
     assert losses[-1] < losses[0] - 0.5 and np.all(np.isfinite(losses))
 
 
+@pytest.mark.slow
 def test_refresh_steps_update_v_at_full_precision():
     trainer, params = _trainer(qgz_warmup_steps=2, qgz_refresh_every=2)
     state = trainer.init(params)
@@ -123,6 +125,7 @@ def test_refresh_steps_update_v_at_full_precision():
     assert all(np.abs(c).max() > 0 for c in carries.values())  # kept across refreshes
 
 
+@pytest.mark.slow
 def test_without_error_feedback_there_are_no_carries_and_other_losses():
     with_ef, params = _trainer(qgz_warmup_steps=1)
     without, _ = _trainer(qgz_warmup_steps=1, qgz_error_feedback=False)
@@ -168,6 +171,7 @@ def test_full_precision_step_all_reduces_gradients_over_node():
     assert not [c for c in rep.collectives if c.dtype == "u8"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum,limit", [(1, 5), (4, 16)])
 def test_preset_inter_node_bytes_over_the_refresh_cycle_vs_zero3(accum, limit):
     """zeropp's mean over one refresh cycle (9 compressed + 1 full step)."""

@@ -32,6 +32,8 @@ from _util import COMM, TINY_ARGS, TRAIN
 from zeropp_jax import distributed
 from zeropp_jax.cli._processes import _Output
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 LAUNCH = ("-m", "zeropp_jax.cli.launch")
 STEPS = 10
 # zeropp's qgZ warms up at full precision; compress from step 4 on, so both

@@ -4,12 +4,13 @@ Runs with short training (``ZEROPP_NB_STEPS``) so the four fit in CI's time;
 figures go to a temporary folder, never over the committed ones.
 """
 
-import os
 import pathlib
 
 import nbclient
 import nbformat
 import pytest
+
+pytestmark = pytest.mark.slow  # every notebook runs top to bottom
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 # notebook -> figures it must write

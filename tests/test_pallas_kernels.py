@@ -47,6 +47,8 @@ from pallas_kernels.references import packing
 from pallas_kernels.references import quantization as qz
 from pallas_kernels.references.quantization import Quantized
 
+pytestmark = pytest.mark.slow  # the kernels run in the Pallas interpreter on CPU
+
 try:  # The GPU image may lack hypothesis; the property test is then skipped.
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st

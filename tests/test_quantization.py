@@ -79,6 +79,7 @@ def _assert_within_half_step(x, x_hat, scales, block, rtol=1e-5, atol=1e-30):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("block", [8, 24, 256])
 @pytest.mark.parametrize("in_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
@@ -344,6 +345,7 @@ def _inputs(draw):
     return jnp.asarray(x).astype(in_dtype), block, scale_dtype
 
 
+@pytest.mark.slow
 @settings(deadline=None, max_examples=30)
 @given(inp=_inputs(), bits=st.sampled_from([8, 4, 1]))
 def test_property_roundtrip(inp, bits):
@@ -402,6 +404,7 @@ def test_pallas_reference_aliases():
     assert pallas_kernels.quantize_dithered_reference is dither.quantize_dithered
 
 
+@pytest.mark.slow
 def test_pallas_kernels_imports_nothing_from_zeropp_jax():
     code = "import sys, pallas_kernels; print([m for m in sys.modules if m.startswith('zeropp_jax')])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -38,11 +38,11 @@ def reference():
     "shape,preset,per_layer",
     [
         ((2, 4), "zero3", True),
-        ((1, 8), "zero3", True),
-        ((3, 2), "zero3", True),
-        ((1, 1), "zero3", True),
+        pytest.param((1, 8), "zero3", True, marks=pytest.mark.slow),
+        pytest.param((3, 2), "zero3", True, marks=pytest.mark.slow),
+        pytest.param((1, 1), "zero3", True, marks=pytest.mark.slow),
         ((2, 4), "hpz", True),  # hpZ without quantization is exact too
-        ((2, 4), "zero3", False),  # whole-model gathering, plain params
+        pytest.param((2, 4), "zero3", False, marks=pytest.mark.slow),  # whole-model gathering
     ],
 )
 def test_matches_single_device(reference, shape, preset, per_layer):
@@ -68,6 +68,7 @@ def test_grad_accumulation_is_exact_mean(reference):
     np.testing.assert_allclose(losses, ref_losses[:5], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_odd_shapes_scalar_and_odd_vocab():
     """Scalars, odd sizes and a vocabulary not divisible by 8, on 3 nodes."""
     cfg = gpt.GPTConfig(vocab_size=251, seq_len=16, n_layers=3, d_model=24, n_heads=3)
@@ -145,6 +146,7 @@ def test_unmodified_linen_model_trains_with_whole_model_gathering():
         loss, params, optax.sgd(0.1, momentum=0.9), Batches(), 8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["zero3", "zeropp"])
 def test_sharding_invariance(preset):
     params = gpt.init_params(TINY, jax.random.key(0))
@@ -239,6 +241,7 @@ print("finished", float(losses[-1]))
 '''
 
 
+@pytest.mark.slow
 def test_many_queued_steps_do_not_deadlock_on_cpu():
     """Without reading results, XLA:CPU aborted in a collective's rendezvous
     ("Expected 8 threads to join") within a few hundred queued steps; the

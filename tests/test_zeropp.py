@@ -80,6 +80,7 @@ def test_qgz_gradients_cross_nodes_as_packed_bits_and_scales():
             assert c.axis == "local", c
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,dtype", [("int8", "s8"), ("int4", "u8")])
 def test_qgz_integer_modes_on_the_wire(mode, dtype):
     rep = report("qgz", qgz=mode, **GRADIENT)
@@ -101,6 +102,7 @@ def test_zeropp_only_refresh_and_compressed_gradients_cross_nodes():
             assert c.kind == "all-to-all" and c.dtype in ("u8", "f32"), c
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum,limit", [(1, 5), (4, 16)])
 def test_zeropp_gradient_inter_node_bytes_vs_zero3(accum, limit):
     """Gradient qgZ; the presets' 1-bit Adam over its refresh cycle: test_momentum.py."""
@@ -156,6 +158,7 @@ def _train(preset, steps, **overrides):
     return trainer, params
 
 
+@pytest.mark.slow
 def test_compressed_presets_track_zero3():
     losses = {}
     # 1-bit Adam estimates v in the warm-up: from one step it spiked to loss 33
@@ -173,6 +176,7 @@ def test_compressed_presets_track_zero3():
         assert not np.allclose(losses[name], losses["zero3"], rtol=1e-7)
 
 
+@pytest.mark.slow
 def test_schedule_warmup_then_compress_and_gate():
     trainer, params = _train("zeropp", 0, qgz_warmup_steps=3, **GRADIENT)
     state = trainer.init(params)
@@ -192,6 +196,7 @@ def test_schedule_warmup_then_compress_and_gate():
         assert int(m["compressed"]) == (1 if i == 0 else 0)  # rms unknown at step 0
 
 
+@pytest.mark.slow
 def test_hpz_secondary_and_carry_are_right_after_a_restore():
     """A state rebuilt from host copies continues exactly (no stale copy).
 
