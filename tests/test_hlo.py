@@ -86,3 +86,39 @@ def test_zero3_collectives_span_all_devices_in_fp32():
             assert c.dtype == "f32", c
     assert report.inter_node_bytes > 0
     assert report.exact
+
+
+def _linen_loop_step(n_layers):
+    """A Linen model with its layers in a Python loop, gathered whole (per_layer=False)."""
+    import flax.linen as nn
+    import optax
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(n_layers):
+                x = x + nn.Dense(64)(nn.LayerNorm()(x))
+            return nn.Dense(8)(x)
+
+    model = Model()
+    x = jax.ShapeDtypeStruct((8, 16, 64), jnp.float32)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+
+    def loss(p, b):
+        return jnp.mean(model.apply({"params": p}, b) ** 2)
+
+    trainer = zp.make_trainer(loss, optax.sgd(0.1), params, mesh=zp.make_mesh(2, 4),
+                              config=zp.ZeroConfig(compute_dtype="float32"))
+    return trainer, trainer.compile_from_shapes(params, x)
+
+
+def test_whole_model_gradient_is_assembled_once_so_memory_is_linear_in_depth():
+    t2, c2 = _linen_loop_step(2)
+    t8, c8 = _linen_loop_step(8)
+    # Each leaf's gradient used to be padded to the whole unit and summed in a
+    # chain (quadratic in depth); now one concatenation builds it.
+    assert " pad(" not in c8.as_text()
+    temp2 = c2.memory_analysis().temp_size_in_bytes
+    temp8 = c8.memory_analysis().temp_size_in_bytes
+    model_ratio = t8.layout.padded_numel / t2.layout.padded_numel
+    assert temp8 <= 1.25 * model_ratio * temp2, (temp2, temp8, model_ratio)

@@ -255,3 +255,41 @@ def test_many_queued_steps_do_not_deadlock_on_cpu():
                           text=True, timeout=240, cwd=root)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "finished" in proc.stdout
+
+
+def test_any_batch_pytree_trains_the_same():
+    """numpy, a jax.Array on one device, another sharding, or nested lists: one step."""
+    params = gpt.init_params(TINY, jax.random.key(0))
+    rows = np.asarray(tiny_batches().batch_at(0))  # (24, 17) int32
+    mesh = mesh_of(2, 4)
+    trainer = zp.make_trainer(gpt_loss(), optimizer(), params, mesh=mesh,
+                              config=zp.ZeroConfig(**FP32), per_layer=True, stacked=("blocks",))
+    replicated = jax.device_put(rows, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    losses = []
+    for batch in (rows, jnp.asarray(rows), jax.device_put(rows, jax.devices()[3]), replicated,
+                  rows.tolist()):
+        state = trainer.init(params)
+        _, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert len(set(losses)) == 1, losses
+    placed = trainer.shard_batch(rows)
+    assert trainer.shard_batch(placed) is placed  # no copy when already placed
+
+
+def test_bad_batches_name_the_leaf():
+    params = gpt.init_params(TINY, jax.random.key(0))
+    loss = lambda p, b: gpt_loss()(p, b["tokens"])  # noqa: E731
+    trainer = zp.make_trainer(loss, optimizer(), params, mesh=mesh_of(2, 4),
+                              per_layer=True, stacked=("blocks",))
+    rows = np.zeros((16, 17), np.int32)
+    cases = [
+        ({"tokens": rows, "weight": np.float32(1.0)}, r"batch\['weight'\] is a scalar"),
+        ({"tokens": rows, "mask": np.ones((8, 17))}, r"share their leading .*batch\['mask'\]: 8"),
+        ({"tokens": rows, "text": np.array(["a"] * 16)}, r"batch\['text'\] has dtype <U1"),
+        ({"tokens": [[1, 2], [3]]}, r"batch\['tokens'\] is not a rectangular array"),
+        ({"tokens": rows[:12]}, r"batch size 12 must be divisible by .* 8"),
+        ({}, "the batch has no arrays"),
+    ]
+    for batch, match in cases:
+        with pytest.raises(ValueError, match=match):
+            trainer.shard_batch(batch)

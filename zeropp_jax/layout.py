@@ -22,6 +22,7 @@ Global storage of a unit (a ``jax.Array``): float32 ``(padded,)`` or
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping, Sequence
 
@@ -273,20 +274,58 @@ def unit_leaves(flat: Any, unit: UnitLayout, dtype: Any = None) -> list:
       One array per leaf, shaped ``(..., *leaf.shape)``.
     """
     lead = flat.shape[:-1]
-    host = isinstance(flat, np.ndarray)
+    if isinstance(flat, np.ndarray):
+        cut = [np.reshape(flat[..., s.offset:s.offset + s.size], lead + s.shape) for s in unit.leaves]
+    else:
+        cut = _cut_leaves(flat, unit)
     leaves = []
-    for spec in unit.leaves:
-        start, end = spec.offset, spec.offset + spec.size
-        if host:
-            x = np.reshape(flat[..., start:end], lead + spec.shape)
-        else:
-            x = jnp.reshape(jax.lax.slice_in_dim(flat, start, end, axis=-1), lead + spec.shape)
+    for spec, x in zip(unit.leaves, cut):
         if dtype == "original":
             x = x.astype(spec.dtype)
         elif dtype is not None:
             x = x.astype(dtype)
         leaves.append(x)
     return leaves
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _cut_leaves(flat: jax.Array, unit: UnitLayout) -> list:
+    """The leaves' slices of ``flat`` ``(..., padded)``, reshaped, in ``flat.dtype``.
+
+    Its backward assembles the flat cotangent in one concatenation (zeros in
+    the gaps): differentiating the slices one by one would give each leaf's
+    cotangent as a zero-padded copy of the whole unit, summed in a chain,
+    i.e. memory and time quadratic in the number of leaves of a unit (the
+    whole model, with ``per_layer=False``).
+    """
+    lead = flat.shape[:-1]
+    return [
+        jnp.reshape(jax.lax.slice_in_dim(flat, s.offset, s.offset + s.size, axis=-1),
+                    lead + s.shape)
+        for s in unit.leaves
+    ]
+
+
+def _cut_leaves_fwd(flat, unit):
+    return _cut_leaves(flat, unit), None
+
+
+def _cut_leaves_bwd(unit, _, cotangents):
+    first = unit.leaves[0]
+    lead = cotangents[0].shape[: cotangents[0].ndim - len(first.shape)]
+    dtype = cotangents[0].dtype  # the primal's: every slice has flat's dtype
+    parts, end = [], 0
+    for spec, ct in zip(unit.leaves, cotangents):
+        if spec.offset > end:
+            parts.append(jnp.zeros(lead + (spec.offset - end,), dtype))
+        parts.append(jnp.reshape(ct, lead + (-1,)))
+        end = spec.offset + spec.size
+    if unit.padded > end:
+        parts.append(jnp.zeros(lead + (unit.padded - end,), dtype))
+    return (jnp.concatenate(parts, axis=-1),)
+
+
+_cut_leaves.defvjp(_cut_leaves_fwd, _cut_leaves_bwd)
 
 
 def unflatten_unit(flat: jax.Array, unit: UnitLayout, dtype: Any = None) -> Any:

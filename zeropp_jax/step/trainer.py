@@ -46,6 +46,7 @@ from zeropp_jax.layout import (
     unflatten_unit,
 )
 from zeropp_jax.mesh import mesh_shape
+from zeropp_jax.step.batch import place_batch
 from zeropp_jax.step.geometry import StepGeometry
 from zeropp_jax.step.onebit_adam import OneBitAdam
 from zeropp_jax.step.rules import UpdateRule, rule_for
@@ -138,8 +139,8 @@ class Trainer:
 
         Args:
           state: the current state (donated: do not use it afterwards).
-          batch: the global batch, a pytree placed by :meth:`shard_batch` (a
-            host array is placed automatically).
+          batch: the global batch (see :meth:`shard_batch`; placed there
+            unless already sharded over all devices).
           compress: force the qgZ variant; ``None`` follows
             :attr:`schedule` (which reads the step counter from the device
             only when a warm-up, refresh or gate is configured).
@@ -150,8 +151,7 @@ class Trainer:
         """
         if compress is None:
             compress = self.schedule.compress_at(state.step, state.opt_state.qgz.grad_rms)
-        if any(not isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
-            batch = self.shard_batch(batch)
+        batch = self.shard_batch(batch)  # no copy for a batch already placed
         if self._one_step_in_flight:
             jax.block_until_ready(state)
         with jax.set_mesh(self.mesh):
@@ -189,34 +189,23 @@ class Trainer:
         return self.mesh.size > 1 and self.geometry.platform == "cpu"
 
     def shard_batch(self, batch: Any) -> Any:
-        """Places a global host batch on the mesh, split over all devices.
+        """Places a global batch on the mesh, split over all devices.
 
         Args:
-          batch: pytree of arrays with leading axis ``B`` (the global batch);
-            on a multi-process run, each process passes only its own
-            ``B / process_count`` rows.
+          batch: pytree of numpy arrays, ``jax.Array``s (any device or
+            sharding) or lists of numbers, with leading axis ``B`` (the
+            global batch); on a multi-process run, each process passes only
+            its own ``B / process_count`` rows of host data.
 
         Raises:
-          ValueError: if ``B`` does not divide into ``devices * grad_accum``.
+          ValueError: naming the leaf, if ``B`` does not divide into
+            ``devices * grad_accum``, leaves disagree on ``B``, or a leaf is
+            a scalar or not numeric (:func:`~zeropp_jax.step.batch.place_batch`).
         """
-        n_proc = jax.process_count()
-        per_step = self.n_devices * self.config.grad_accum
-
-        def put(x):
-            x = np.asarray(x)
-            global_b = x.shape[0] * n_proc
-            if x.ndim == 0 or global_b % per_step:
-                raise ValueError(
-                    f"batch size {global_b} must be divisible by devices x grad_accum "
-                    f"= {self.n_devices} x {self.config.grad_accum} = {per_step}"
-                )
-            if n_proc == 1:
-                return jax.device_put(x, self.batch_sharding)
-            return jax.make_array_from_process_local_data(
-                self.batch_sharding, x, (global_b,) + x.shape[1:]
-            )
-
-        return jax.tree.map(put, batch)
+        return place_batch(
+            batch, self.batch_sharding, per_step=self.n_devices * self.config.grad_accum,
+            n_devices=self.n_devices, grad_accum=self.config.grad_accum,
+        )
 
     # ------------------------------------------------------ compiling only
     def lower(self, state: Any, batch: Any, *, compress: bool | None = None):

@@ -1,0 +1,100 @@
+"""Placing a batch on the mesh: any pytree of arrays, checked leaf by leaf.
+
+A batch is a pytree whose leaves share a leading (row) axis: numpy arrays,
+``jax.Array``s (on any device or with any sharding), or nested Python lists
+of numbers (a list of numbers is one leaf; a tuple, dict or list of arrays
+is a container).  Every leaf is split over all devices along that axis
+(``P(("node", "local"))``); a leaf already placed that way is used as it is,
+anything else is copied there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+
+def _is_list_data(x: Any) -> bool:
+    """A (nested) Python list of numbers: one array, not a pytree of scalars."""
+    if not isinstance(x, list) or not x:
+        return False
+    return all(isinstance(e, (bool, int, float)) or _is_list_data(e) for e in x)
+
+
+def _describe(path) -> str:
+    return "batch" + jax.tree_util.keystr(path) if path else "batch"
+
+
+def _as_array(path, x) -> Any:
+    """``x`` as an array (numpy for lists), or a ValueError naming the leaf."""
+    if isinstance(x, jax.Array):
+        arr = x
+    else:
+        try:
+            arr = np.asarray(x)
+        except ValueError as e:  # ragged nested lists
+            raise ValueError(f"{_describe(path)} is not a rectangular array: {e}") from None
+    if not (np.issubdtype(arr.dtype, np.number) or np.issubdtype(arr.dtype, np.bool_)):
+        raise ValueError(
+            f"{_describe(path)} has dtype {arr.dtype}; batch leaves must be numeric or bool "
+            "arrays (tokenize text before batching)"
+        )
+    if arr.ndim == 0:
+        raise ValueError(
+            f"{_describe(path)} is a scalar; every batch leaf needs a leading batch axis "
+            "(shape (B, ...)); close over constants in loss_fn instead"
+        )
+    return arr
+
+
+def place_batch(batch: Any, sharding: NamedSharding, *, per_step: int, n_devices: int,
+                grad_accum: int) -> Any:
+    """The batch as global ``jax.Array``s sharded ``sharding`` (rows over all devices).
+
+    Args:
+      batch: pytree of arrays with leading axis ``B`` (the global batch); on
+        a multi-process run each process passes its own ``B / processes``
+        rows as host data, or global ``jax.Array``s.
+      sharding: the batch sharding (``P(("node", "local"))``).
+      per_step: ``n_devices * grad_accum``: ``B`` must be a multiple.
+      n_devices, grad_accum: for the error message.
+
+    Raises:
+      ValueError: naming the leaf, for an empty batch, a scalar or
+        non-numeric leaf, leaves with different row counts, or a row count
+        that does not split into ``devices x grad_accum``.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(batch, is_leaf=_is_list_data)
+    if not flat:
+        raise ValueError("the batch has no arrays; pass a pytree of arrays with a leading batch axis")
+    n_proc = jax.process_count()
+    arrays = [(path, _as_array(path, x)) for path, x in flat]
+    rows = {}
+    for path, arr in arrays:
+        is_global = isinstance(arr, jax.Array) and n_proc > 1 and not arr.is_fully_addressable
+        rows[_describe(path)] = arr.shape[0] * (1 if is_global or n_proc == 1 else n_proc)
+    if len(set(rows.values())) > 1:
+        listed = ", ".join(f"{k}: {v}" for k, v in rows.items())
+        raise ValueError(f"batch leaves must share their leading (row) axis; got {listed}")
+    global_b = next(iter(rows.values()))
+    if global_b % per_step:
+        raise ValueError(
+            f"batch size {global_b} must be divisible by devices x grad_accum "
+            f"= {n_devices} x {grad_accum} = {per_step}"
+        )
+
+    def put(arr):
+        if isinstance(arr, jax.Array):
+            if arr.sharding == sharding:
+                return arr
+            if n_proc == 1 or not arr.is_fully_addressable:
+                return jax.device_put(arr, sharding)
+            arr = np.asarray(arr)
+        if n_proc == 1:
+            return jax.device_put(arr, sharding)
+        return jax.make_array_from_process_local_data(sharding, arr, (global_b,) + arr.shape[1:])
+
+    return jax.tree_util.tree_unflatten(treedef, [put(arr) for _, arr in arrays])
