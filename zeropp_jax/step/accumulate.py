@@ -42,8 +42,20 @@ def hpz_secondary(geo: StepGeometry, primary: jax.Array) -> Any:
     return collectives.all_gather(primary.astype(geo.compute_dtype), (NODE,))
 
 
+def micro_batch_key(key: jax.Array, step: jax.Array, first_row: jax.Array) -> jax.Array:
+    """The key of one micro-batch: ``key`` folded with the step, then its first global row.
+
+    Keys differ per step, micro-batch and device, are a pure function of the
+    state (so a resumed run draws the same), and for a given global row do
+    not depend on the mesh shape (only on the device count through the rows
+    each micro-batch holds).
+    """
+    return jax.random.fold_in(jax.random.fold_in(key, step), first_row)
+
+
 def accumulate(
-    geo: StepGeometry, loss_fn: Callable[[Any, Any], jax.Array], params: dict, batch: Any
+    geo: StepGeometry, loss_fn: Callable[..., jax.Array], params: dict, batch: Any,
+    *, step: jax.Array | None = None, key: jax.Array | None = None,
 ) -> tuple[dict, jax.Array]:
     """Gradients of all ``grad_accum`` micro-batches, summed (inside shard_map).
 
@@ -52,6 +64,9 @@ def accumulate(
       loss_fn: ``loss_fn(params, micro_batch) -> scalar`` (the user's).
       params: name -> float32 ``([L,] U / D)`` primary shard.
       batch: pytree of ``(B / D, ...)`` arrays.
+      step: int32 scalar, the optimizer step (needed with ``key``).
+      key: ``None``, or the trainer's key: then ``loss_fn(params,
+        micro_batch, k)`` gets :func:`micro_batch_key`'s ``k``.
 
     Returns:
       ``(acc, losses)``: name -> float32 summed gradient, the node-partial
@@ -83,21 +98,31 @@ def accumulate(
 
     sinks0 = {u.name: zero_sink(u) for u in units}
 
-    def loss_of_sinks(sinks, micro_batch):
+    def loss_of_sinks(sinks, micro_batch, micro_key):
         handles = {u.name: Unit(sources[u.name], sinks[u.name], u, geo.plan) for u in units}
         tree = join_units(handles, geo.layout)
         if geo.layout.whole_model:
             tree = gather(tree)
-        loss = loss_fn(tree, micro_batch)
+        if micro_key is None:
+            loss = loss_fn(tree, micro_batch)
+        else:
+            loss = loss_fn(tree, micro_batch, micro_key)
         if jnp.shape(loss) != ():
             raise ValueError(f"loss_fn must return a scalar, got shape {jnp.shape(loss)}")
         return loss.astype(jnp.float32)
 
-    def micro_step(acc, micro_batch):
-        loss, g = jax.value_and_grad(loss_of_sinks)(sinks0, micro_batch)
+    rows = jax.tree.leaves(batch)[0].shape[0]  # this device's rows, B / D
+
+    def micro_step(acc, inputs):
+        micro_batch, index = inputs
+        micro_key = None
+        if key is not None:
+            first_row = collectives.axes_index(DATA_AXES) * rows + index * (rows // accum)
+            micro_key = micro_batch_key(key, step, first_row)
+        loss, g = jax.value_and_grad(loss_of_sinks)(sinks0, micro_batch, micro_key)
         return jax.tree.map(jnp.add, acc, g), loss
 
     micro_batches = jax.tree.map(
         lambda x: jnp.reshape(x, (accum, x.shape[0] // accum) + x.shape[1:]), batch
     )
-    return jax.lax.scan(micro_step, sinks0, micro_batches)
+    return jax.lax.scan(micro_step, sinks0, (micro_batches, jnp.arange(accum)))

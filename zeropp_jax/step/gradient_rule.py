@@ -51,12 +51,13 @@ class GradientRule:
         return ZeroOptState(inner, QgzState(carry, jnp.full((), jnp.inf, jnp.float32)))
 
     def update(
-        self, geo: StepGeometry, loss_fn: Callable, state: TrainState, batch: Any, *, compress: bool
+        self, geo: StepGeometry, loss_fn: Callable, state: TrainState, batch: Any, *,
+        compress: bool, key: jax.Array | None = None,
     ) -> tuple[TrainState, dict]:
         """One optimizer step (global, under ``jit``); see the module docstring."""
         param_specs, carry_specs = geo.param_specs(), geo.carry_specs()
         grads, carry, metrics = jax.shard_map(
-            functools.partial(_reduced_gradients, geo, loss_fn, compress=compress),
+            functools.partial(_reduced_gradients, geo, loss_fn, compress=compress, key=key),
             mesh=geo.mesh,
             in_specs=(param_specs, carry_specs, geo.batch_specs(batch), P()),
             out_specs=(param_specs, carry_specs, P()),
@@ -75,7 +76,7 @@ class GradientRule:
 
 def _reduced_gradients(
     geo: StepGeometry, loss_fn: Callable, params: dict, carry: dict, batch: Any,
-    step: jax.Array, *, compress: bool,
+    step: jax.Array, *, compress: bool, key: jax.Array | None,
 ) -> tuple[dict, dict, dict]:
     """The mean gradient's shard on each device (inside shard_map).
 
@@ -86,14 +87,15 @@ def _reduced_gradients(
       carry: name -> float32 ``(1, [L,] U / local)`` sender carry, or empty.
       batch: pytree of ``(B / D, ...)`` arrays.
       step: int32 scalar optimizer step (replicated; it names the dither
-        noise of ``qgz_code="dither"``).
+        noise of ``qgz_code="dither"`` and the loss's keys).
+      key: the trainer's key for the loss, or ``None``.
 
     Returns:
       ``(grads, carry, metrics)`` with grads shaped like ``params``. Only
       the cross-node reduction moves data over ``node``.
     """
     cfg = geo.config
-    acc, losses = accumulate(geo, loss_fn, params, batch)
+    acc, losses = accumulate(geo, loss_fn, params, batch, step=step, key=key)
     dithered = cfg.qgz_code == "dither"
     local_index = jax.lax.axis_index(LOCAL) if dithered else None
 

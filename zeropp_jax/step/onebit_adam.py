@@ -229,7 +229,8 @@ class OneBitAdamRule:
         return ZeroOptState(inner, QgzState(carry, jnp.full((), jnp.inf, jnp.float32)))
 
     def update(
-        self, geo: StepGeometry, loss_fn: Callable, state: TrainState, batch: Any, *, compress: bool
+        self, geo: StepGeometry, loss_fn: Callable, state: TrainState, batch: Any, *,
+        compress: bool, key: jax.Array | None = None,
     ) -> tuple[TrainState, dict]:
         """One optimizer step (global, under ``jit``): everything inside shard_map."""
         inner: OneBitAdamState = state.opt_state.inner
@@ -238,13 +239,14 @@ class OneBitAdamRule:
         sender_spec = geo.carry_specs()
         specs = (params_spec, moments_spec, moments_spec, receiver_spec, sender_spec)
         params, m, v, receiver_carry, sender_carry, v_count, metrics = jax.shard_map(
-            functools.partial(_local_update, geo, loss_fn, self.optimizer, compress=compress),
+            functools.partial(_local_update, geo, loss_fn, self.optimizer, compress=compress,
+                              key=key),
             mesh=geo.mesh,
-            in_specs=specs + (geo.batch_specs(batch), P(), P()),
+            in_specs=specs + (geo.batch_specs(batch), P(), P(), P()),
             out_specs=specs + (P(), P()),
             check_vma=geo.check_vma,
         )(state.params, inner.m, inner.v, inner.receiver_carry, state.opt_state.qgz.carry,
-          batch, inner.count, inner.v_count)
+          batch, inner.count, inner.v_count, state.step)
         inner = OneBitAdamState(inner.count + 1, v_count, m, v, receiver_carry)
         qgz = QgzState(carry=sender_carry, grad_rms=metrics["grad_rms"])
         return TrainState(state.step + 1, params, ZeroOptState(inner, qgz)), metrics
@@ -266,7 +268,8 @@ class OneBitAdamRule:
 def _local_update(
     geo: StepGeometry, loss_fn: Callable, adam: OneBitAdam,
     params: dict, m: dict, v: dict, receiver_carry: dict, sender_carry: dict,
-    batch: Any, count: jax.Array, v_count: jax.Array, *, compress: bool,
+    batch: Any, count: jax.Array, v_count: jax.Array, step: jax.Array, *,
+    compress: bool, key: jax.Array | None,
 ):
     """Per-device 1-bit Adam step (inside shard_map).
 
@@ -282,6 +285,8 @@ def _local_update(
       batch: pytree of ``(B / D, ...)`` arrays.
       count, v_count: int32 scalars (steps taken; the step count at
         ``v``'s last update).
+      step: int32 scalar, the optimizer step (names the loss's keys).
+      key: the trainer's key for the loss, or ``None``.
 
     Returns:
       ``(params, m, v, receiver_carry, sender_carry, v_count, metrics)``.
@@ -290,7 +295,7 @@ def _local_update(
       an all-gather). Everything else stays inside the node.
     """
     cfg = geo.config
-    acc, losses = accumulate(geo, loss_fn, params, batch)
+    acc, losses = accumulate(geo, loss_fn, params, batch, step=step, key=key)
     compress = compress and geo.qgz_active
     local_index = jax.lax.axis_index(LOCAL)
     slice_masks = {

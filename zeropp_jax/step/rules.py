@@ -32,7 +32,8 @@ class UpdateRule(Protocol):
     def init(self, geo: StepGeometry, params: dict) -> ZeroOptState: ...
 
     def update(
-        self, geo: StepGeometry, loss_fn: Callable, state: TrainState, batch: Any, *, compress: bool
+        self, geo: StepGeometry, loss_fn: Callable, state: TrainState, batch: Any, *,
+        compress: bool, key: Any = None,
     ) -> tuple[TrainState, dict]: ...
 
     def extra_memory(self, geo: StepGeometry) -> int: ...

@@ -68,11 +68,15 @@ class Trainer:
         to ``gather``; otherwise plain parameters.
       rule: the update rule (:class:`UpdateRule`).
       geometry: mesh, config and layout, and what they fix.
+      key: ``None``, or the PRNG key the loss's keys derive from: then
+        ``loss_fn(params, batch, key)`` gets a key of its own per step,
+        micro-batch and device (:func:`~zeropp_jax.step.accumulate.micro_batch_key`).
     """
 
-    loss_fn: Callable[[Any, Any], jax.Array]
+    loss_fn: Callable[..., jax.Array]
     rule: UpdateRule
     geometry: StepGeometry
+    key: Any = None
 
     # ------------------------------------------------------- what it is
     mesh = property(lambda self: self.geometry.mesh)
@@ -169,7 +173,9 @@ class Trainer:
     def _step_variants(self) -> dict[bool, Callable]:
         """The compressed and full-precision steps (each jitted lazily)."""
         def update(state: TrainState, batch: Any, *, compress: bool):
-            return self.rule.update(self.geometry, self.loss_fn, state, batch, compress=compress)
+            return self.rule.update(
+                self.geometry, self.loss_fn, state, batch, compress=compress, key=self.key
+            )
 
         return {
             compress: jax.jit(functools.partial(update, compress=compress), donate_argnums=0)
@@ -324,6 +330,7 @@ def make_trainer(
     config: ZeroConfig | None = None,
     per_layer: bool = False,
     stacked: Sequence[str] = (),
+    rng: int | jax.Array | None = None,
 ) -> Trainer:
     """Builds a ZeRO-3 / ZeRO++ :class:`Trainer`.
 
@@ -342,6 +349,12 @@ def make_trainer(
         Flax Linen or NNX model, unchanged).
       stacked: top-level keys of ``params`` whose leaves stack layers along
         axis 0 (for ``lax.scan``); each layer is gathered separately.
+      rng: a seed or PRNG key for a loss that needs randomness (dropout):
+        then the loss is called ``loss_fn(params, batch, key)`` with a fresh
+        key per step, micro-batch and device, derived from ``rng``, the step
+        and the micro-batch's first global row, so a resumed run draws the
+        same keys. (A key closed over in ``loss_fn`` instead would draw the
+        same dropout mask at every step.)
 
     Returns:
       The :class:`Trainer`.
@@ -376,7 +389,11 @@ def make_trainer(
                     f"the Pallas kernels need power-of-two blocks, but {name}={block}; "
                     "use a power of two or implementation='xla'"
                 )
-    return Trainer(loss_fn, rule, geometry)
+    if rng is not None and not isinstance(rng, jax.Array):
+        if isinstance(rng, bool) or not isinstance(rng, (int, np.integer)):
+            raise ValueError(f"rng must be an integer seed or a PRNG key, got {rng!r}")
+        rng = jax.random.key(int(rng))
+    return Trainer(loss_fn, rule, geometry, rng)
 
 
 def global_batch_size_check(batch_size: int, n_devices: int, grad_accum: int) -> None:
