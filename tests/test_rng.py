@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,3 +103,47 @@ def test_resume_with_dropout_is_bit_exact(tmp_path):
 def test_bad_rng():
     with pytest.raises(ValueError, match="rng must be an integer seed or a PRNG key"):
         zp.make_trainer(dropout_loss, optax.sgd(0.1), PARAMS, mesh=mesh_of(2, 4), rng="seven")
+
+
+class NnxDropoutMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(8, 32, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.l2 = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(nnx.relu(self.l1(x))))
+
+
+def test_nnx_module_with_rngs_and_dropout_trains_with_fresh_masks(tmp_path):
+    model = NnxDropoutMLP(nnx.Rngs(0, dropout=1))
+    params, loss_fn = zp.nnx_loss(model, lambda m, b: jnp.mean(m(b) ** 2))
+
+    def make(lr):
+        return zp.make_trainer(loss_fn, optax.sgd(lr), params, mesh=mesh_of(2, 4), rng=3,
+                               config=zp.ZeroConfig(compute_dtype="float32"))
+
+    frozen, trainer = make(0.0), make(0.1)
+    state = frozen.init(params)
+    masks = []
+    for _ in range(3):
+        state, metrics = frozen.step(state, X)
+        masks.append(float(metrics["loss"]))
+    assert len(set(masks)) == 3, masks  # same parameters, a new mask every step
+
+    state, losses = trainer.init(params), []
+    for step in range(6):
+        state, metrics = trainer.step(state, X)
+        losses.append(float(metrics["loss"]))
+        if step == 2:
+            with Checkpointer(str(tmp_path)) as ckpt:
+                ckpt.save(3, state, trainer)
+                ckpt.wait()
+    assert np.mean(losses[3:]) < np.mean(losses[:3])
+    with Checkpointer(str(tmp_path)) as ckpt:
+        resumed = ckpt.restore(trainer)
+    for step in range(3):
+        resumed, metrics = trainer.step(resumed, X)
+        assert float(metrics["loss"]) == losses[3 + step]
+    nnx.update(model, trainer.gather_params(state))  # trained weights back in the module
+    assert np.allclose(model.l1.kernel[...], trainer.gather_params(state)["l1"]["kernel"])

@@ -31,6 +31,7 @@ from zeropp_jax.mesh import make_mesh as make_mesh
 from zeropp_jax.step.onebit_adam import OneBitAdam as OneBitAdam
 from zeropp_jax.step.onebit_adam import onebit_adam as onebit_adam
 from zeropp_jax.mesh import parse_mesh_shape as parse_mesh_shape
+from zeropp_jax.nnx_model import nnx_loss as nnx_loss
 from zeropp_jax.wire.quantization import Quantized as Quantized
 from zeropp_jax.step.state import TrainState as TrainState
 from zeropp_jax.step.state import ZeroOptState as ZeroOptState

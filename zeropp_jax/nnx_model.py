@@ -1,0 +1,65 @@
+"""Training a Flax NNX module through the trainer: params, the rest, and keys.
+
+The trainer shards and trains a pytree of parameters with a pure
+``loss_fn(params, batch[, key])``. An NNX module holds more than its
+parameters (``Rngs`` streams, dropout keys, batch statistics), and
+``nnx.split(model, nnx.Param)`` alone refuses such a module ("Non-exhaustive
+filters"). :func:`nnx_loss` splits it into the parameters (trained) and the
+rest (read by every step, unchanged), and builds the loss, reseeding the
+module's random streams from the trainer's per-step key.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def nnx_loss(
+    model: nnx.Module,
+    criterion: Callable[[nnx.Module, Any], jax.Array],
+    *,
+    streams: Sequence[str] = ("dropout",),
+) -> tuple[Any, Callable[..., jax.Array]]:
+    """The parameters of an NNX ``model`` and a loss for :func:`zeropp_jax.make_trainer`.
+
+    Args:
+      model: any NNX module (with ``Rngs``, ``Dropout``, ... ).
+      criterion: ``criterion(module, batch) -> scalar``, the mean loss of the
+        module on a micro-batch (e.g. ``lambda m, b: mse(m(b["x"]), b["y"])``).
+      streams: the module's random streams to reseed from the trainer's key
+        each step (``Dropout`` uses ``"dropout"``); pass ``rng=`` to
+        :func:`~zeropp_jax.make_trainer` so the loss gets a key.
+
+    Returns:
+      ``(params, loss_fn)``: the ``nnx.Param`` state (a pytree to pass to
+      ``make_trainer`` and ``trainer.init``) and
+      ``loss_fn(params, batch, key=None)``. Without a key the streams keep
+      the values they had when the model was split, so every step would draw
+      the same dropout mask: give the trainer ``rng=``. The other state
+      (batch statistics, counters) is read, never written back: modules that
+      update state in training (``BatchNorm`` with ``use_running_average=False``)
+      are not supported.
+
+    Example::
+
+      params, loss_fn = zp.nnx_loss(model, lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
+      trainer = zp.make_trainer(loss_fn, optax.adam(1e-3), params, mesh=mesh, rng=0)
+      state = trainer.init(params)
+      ...
+      nnx.update(model, trainer.gather_params(state))  # trained weights back in the module
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params: Any, batch: Any, key: jax.Array | None = None) -> jax.Array:
+        # The rest enters as this trace's values: NNX refuses to reseed
+        # variables that belong to another trace.
+        module = nnx.merge(graphdef, params, jax.tree.map(jnp.asarray, rest))
+        if key is not None and streams:
+            nnx.reseed(module, **{s: jax.random.fold_in(key, i) for i, s in enumerate(streams)})
+        return criterion(module, batch)
+
+    return params, loss_fn
