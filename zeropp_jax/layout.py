@@ -30,7 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeropp_jax.tree_paths import cut_paths, paste_paths
+
 WHOLE_MODEL = "params"
+REMAINDER = "rest"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,11 +108,16 @@ class ParamLayout:
       whole_model: ``True`` when the pytree is one unit (no per-layer
         gathering); then the user's loss sees plain parameters.
       n_devices: devices the units are padded for.
+      paths: with nested units (a wrap policy), the key path of each unit's
+        sub-pytree in the parameter tree, in ``units`` order; the
+        :data:`REMAINDER` unit's path is ``()``: the whole tree less the
+        other units' sub-pytrees. Empty for top-level units.
     """
 
     units: tuple[UnitLayout, ...]
     whole_model: bool
     n_devices: int
+    paths: tuple[tuple[str, ...], ...] = ()
 
     def unit(self, name: str) -> UnitLayout:
         for u in self.units:
@@ -189,6 +197,7 @@ def build_layout(
     per_layer: bool = True,
     stacked: Sequence[str] = (),
     leaf_align: int = 1,
+    units: Sequence[Sequence[str]] = (),
 ) -> ParamLayout:
     """Plans the units of a parameter pytree.
 
@@ -203,11 +212,20 @@ def build_layout(
         layer is gathered separately.
       leaf_align: start every leaf at a multiple of this many elements
         (the qwZ block: then no quantization block mixes two tensors).
+      units: key paths of nested sub-pytrees (dicts of dicts), each one
+        unit named by its keys joined with ``/``; the rest of the tree is
+        one more unit, :data:`REMAINDER` (a wrap policy's layout); then
+        ``stacked`` holds key paths among them (layers under ``nn.scan``).
 
     Returns:
       The :class:`ParamLayout`.
     """
     stacked = tuple(stacked)
+    if units:
+        return _nested_layout(
+            params, [tuple(map(str, p)) for p in units], n_devices=n_devices,
+            align=align, leaf_align=leaf_align, stacked=stacked,
+        )
     if not per_layer:
         if stacked:
             raise ValueError(
@@ -239,6 +257,22 @@ def build_layout(
         for k, v in params.items()
     )
     return ParamLayout(units, False, n_devices)
+
+
+def _nested_layout(
+    params: Any, paths: list, *, n_devices: int, align: int, leaf_align: int,
+    stacked: tuple,
+) -> ParamLayout:
+    """One unit per nested sub-pytree in ``paths``, plus the remainder."""
+    stacked = {tuple(p) for p in stacked}
+    if () in paths or len(set(paths)) < len(paths) or any(a != b and b[: len(a)] == a for a in paths for b in paths):
+        raise ValueError(f"nested unit paths must be non-empty and disjoint, got {paths}")
+    rest, subtrees = cut_paths(params, paths)
+    kw = dict(n_devices=n_devices, align=align, leaf_align=leaf_align)
+    layouts = [_unit_layout(REMAINDER, rest, stacked=False, **kw)]
+    layouts += [_unit_layout("/".join(p), t, stacked=p in stacked, **kw)
+                for p, t in zip(paths, subtrees)]
+    return ParamLayout(tuple(layouts), False, n_devices, ((),) + tuple(paths))
 
 
 def flatten_unit(tree: Any, unit: UnitLayout) -> jax.Array:
@@ -341,6 +375,9 @@ def split_units(params: Any, layout: ParamLayout) -> dict[str, Any]:
     """The sub-pytree of each unit, keyed by unit name."""
     if layout.whole_model:
         return {WHOLE_MODEL: params}
+    if layout.paths:
+        rest, subtrees = cut_paths(params, layout.paths[1:])
+        return dict(zip(layout.names, [rest] + subtrees))
     return {u.name: params[u.name] for u in layout.units}
 
 
@@ -348,6 +385,10 @@ def join_units(trees: Mapping[str, Any], layout: ParamLayout) -> Any:
     """Inverse of :func:`split_units`."""
     if layout.whole_model:
         return trees[WHOLE_MODEL]
+    if layout.paths:
+        return paste_paths(
+            trees[REMAINDER], layout.paths[1:], [trees[n] for n in layout.names[1:]]
+        )
     return {u.name: trees[u.name] for u in layout.units}
 
 

@@ -90,9 +90,11 @@ def _stored_state_dict(units: Mapping[str, np.ndarray], layout_json: dict) -> An
     code is needed.
     """
 
+    paths = layout_json.get("paths") or ()
+
     def items():
-        for u in layout_json["units"]:
-            prefix = [] if layout_json["whole_model"] else [u["name"]]
+        for i, u in enumerate(layout_json["units"]):
+            prefix = _prefix(layout_json["whole_model"], paths, i, u["name"])
             leaves = unit_leaves(np.asarray(units[u["name"]]), unit_from_json(u), "original")
             for leaf, x in zip(u["leaves"], leaves):
                 yield prefix + leaf["keys"], x
@@ -104,13 +106,23 @@ def _gathered_state_dict(trainer: Trainer, state_or_params: Any) -> Any:
     """The state dict of a trainer's in-memory parameters (via ``gather_params``)."""
     trees = split_units(trainer.gather_params(state_or_params), trainer.layout)
 
+    layout = trainer.layout
+
     def items():
-        for u in trainer.layout.units:
-            prefix = [] if trainer.layout.whole_model else [u.name]
+        for i, u in enumerate(layout.units):
+            prefix = _prefix(layout.whole_model, layout.paths, i, u.name)
             for keys, x in flat_with_keys(trees[u.name]).items():
                 yield prefix + list(keys), x
 
     return _nest(items())
+
+
+def _prefix(whole_model: bool, paths: Any, index: int, name: str) -> list[str]:
+    """Key path of unit ``index``'s sub-tree: nested units (a wrap policy)
+    have their own path, top-level units their name, the whole model none."""
+    if whole_model:
+        return []
+    return list(paths[index]) if paths else [name]
 
 
 def _nest(items: Iterable[tuple[list[str], np.ndarray]]) -> Any:

@@ -72,7 +72,8 @@ def layout_to_json(layout: ParamLayout) -> dict:
             "name": u.name, "numel": u.numel, "padded": u.padded, "stack": u.stack,
             "leaves": leaves,
         })
-    return {"whole_model": layout.whole_model, "n_devices": layout.n_devices, "units": units}
+    return {"whole_model": layout.whole_model, "n_devices": layout.n_devices, "units": units,
+            "paths": [list(p) for p in layout.paths]}
 
 
 def unit_from_json(unit: Mapping) -> UnitLayout:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from zeropp_jax.layout import join_units
+from zeropp_jax.layout import REMAINDER, join_units
 from zeropp_jax.mesh import NODE
 from zeropp_jax.step.gather import Unit, gather
 from zeropp_jax.step.geometry import DATA_AXES, StepGeometry
@@ -100,6 +100,8 @@ def accumulate(
 
     def loss_of_sinks(sinks, micro_batch, micro_key):
         handles = {u.name: Unit(sources[u.name], sinks[u.name], u, geo.plan) for u in units}
+        if geo.layout.paths:  # a wrap policy: the remainder is gathered once, whole
+            handles[REMAINDER] = gather(handles[REMAINDER])
         tree = join_units(handles, geo.layout)
         if geo.layout.whole_model:
             tree = gather(tree)

@@ -52,6 +52,7 @@ from zeropp_jax.step.onebit_adam import OneBitAdam
 from zeropp_jax.step.rules import UpdateRule, rule_for
 from zeropp_jax.step.schedule import QgzSchedule
 from zeropp_jax.step.state import TrainState, ZeroOptState
+from zeropp_jax.step import wrap as wrap_policy
 from zeropp_jax.wire.kernels import Kernels
 
 __all__ = ["Trainer", "TrainState", "ZeroOptState", "make_trainer"]
@@ -331,6 +332,8 @@ def make_trainer(
     per_layer: bool = False,
     stacked: Sequence[str] = (),
     rng: int | jax.Array | None = None,
+    wrap: Sequence[type] = (),
+    example_batch: Any = None,
 ) -> Trainer:
     """Builds a ZeRO-3 / ZeRO++ :class:`Trainer`.
 
@@ -355,6 +358,13 @@ def make_trainer(
         and the micro-batch's first global row, so a resumed run draws the
         same keys. (A key closed over in ``loss_fn`` instead would draw the
         same dropout mask at every step.)
+      wrap: flax Linen module classes (e.g. a transformer block): every
+        instance ``loss_fn`` calls becomes its own unit, gathered when it is
+        called and again in the backward; the other parameters are one
+        unit gathered before the loss (:mod:`~zeropp_jax.step.wrap`). The
+        model and ``loss_fn`` are used unchanged.
+      example_batch: with ``wrap``, a batch (or its shapes) ``loss_fn``
+        accepts, traced once without running to find the wrapped modules.
 
     Returns:
       The :class:`Trainer`.
@@ -372,6 +382,12 @@ def make_trainer(
     config = config or ZeroConfig()
     rule = rule_for(optimizer, config)
     nodes, local = mesh_shape(mesh)
+    unit_paths = ()
+    if wrap:
+        loss_fn, unit_paths, stacked = wrap_policy.prepare(
+            loss_fn, params, wrap, example_batch, per_layer=per_layer, stacked=stacked,
+            rng=rng,
+        )
     layout = build_layout(
         params,
         n_devices=nodes * local,
@@ -379,6 +395,7 @@ def make_trainer(
         per_layer=per_layer,
         stacked=stacked,
         leaf_align=config.leaf_alignment(),
+        units=unit_paths,
     )
     geometry = StepGeometry(mesh, config, layout)
     if geometry.kernels.name != "xla":
