@@ -80,6 +80,7 @@ def test_each_device_and_micro_batch_draws_its_own_key():
     np.testing.assert_allclose(float(metrics["loss"]), np.mean(expected), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_keys_do_not_depend_on_the_mesh_shape():
     _, a = run(trainer_on(mesh_of(2, 4)), 3)
     _, b = run(trainer_on(mesh_of(1, 8)), 3)

@@ -74,6 +74,7 @@ def test_discover_finds_each_block():
     assert stacked == []
 
 
+@pytest.mark.slow
 def test_wrapped_loss_is_the_loss_outside_a_trainer():
     module, params = gpt2(2)
     loss = loss_of(module)

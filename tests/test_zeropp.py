@@ -232,6 +232,7 @@ def test_qgz_is_inactive_on_a_single_node():
     assert not single.qgz_active and single.describe()["qgz_active"] is False
 
 
+@pytest.mark.slow
 def test_non_finite_parameter_is_reported_not_hidden():
     trainer, params = _train("zeropp", 0, qgz_warmup_steps=1)
     params = jax.tree.map(lambda x: x, params)
