@@ -6,7 +6,6 @@ the final LayerNorm form the remainder unit. Models are built from configs
 (nothing is downloaded).
 """
 
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -18,14 +17,9 @@ import zeropp_jax as zp
 from zeropp_jax.analysis.comm_report import comm_report
 from zeropp_jax.step import wrap as wrap_policy
 
-pytest.importorskip("transformers", reason="the wrap tests use Hugging Face Flax GPT-2")
+# Hugging Face's Flax GPT-2 is a test dependency (the "test" extra).
 from transformers import GPT2Config, FlaxGPT2LMHeadModel  # noqa: E402
 from transformers.models.gpt2.modeling_flax_gpt2 import FlaxGPT2Block  # noqa: E402
-
-needs_wrap = pytest.mark.skipif(
-    "wrap" not in inspect.signature(zp.make_trainer).parameters,
-    reason="make_trainer has no wrap= yet (integration patch not applied)",
-)
 
 SEQ, VOCAB = 16, 128
 
@@ -92,7 +86,6 @@ def test_bad_wrap_classes():
         wrap_policy.discover(loss_of(module), params, batch_shapes(), (nn.Conv,))
 
 
-@needs_wrap
 def test_wrap_needs_an_example_batch():
     module, params = gpt2(1, init=False)
     with pytest.raises(ValueError, match="example_batch"):
@@ -100,7 +93,6 @@ def test_wrap_needs_an_example_batch():
                         mesh=zp.make_mesh(2, 4), wrap=(FlaxGPT2Block,))
 
 
-@needs_wrap
 @pytest.mark.slow
 def test_wrapped_gpt2_matches_optax_on_one_device(tmp_path):
     module, params = gpt2(2)
@@ -161,7 +153,6 @@ def _compiled(n_layer):
     return gathers, compiled.memory_analysis().temp_size_in_bytes
 
 
-@needs_wrap
 @pytest.mark.slow
 def test_wrapped_gpt2_gathers_per_block_and_memory_is_flat_in_depth():
     gathers2, temp2 = _compiled(2)
@@ -171,7 +162,6 @@ def test_wrapped_gpt2_gathers_per_block_and_memory_is_flat_in_depth():
     assert temp8 <= 1.3 * temp2, (temp2, temp8)
 
 
-@needs_wrap
 @pytest.mark.slow
 def test_blocks_under_nn_scan_are_one_stacked_unit():
     import flax.linen as nn

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.step.accumulate import accumulate
 from zeropp_jax.step.geometry import DATA_AXES, StepGeometry
-from zeropp_jax.step.state import TrainState, ZeroOptState
+from zeropp_jax.step.state import TrainState, ZeroOptState, initial_qgz_state
 from zeropp_jax.wire import dither
 from zeropp_jax.wire.qgz import QgzState, cross_node_reduce
 from zeropp_jax.mesh import LOCAL
@@ -47,8 +47,7 @@ class GradientRule:
     def init(self, geo: StepGeometry, params: dict) -> ZeroOptState:
         """The optimizer state for float32 ``params`` (placed like the parameters)."""
         inner = self.optimizer.init(params)
-        carry = geo.zeros(geo.carry_specs(), per_node=True)
-        return ZeroOptState(inner, QgzState(carry, jnp.full((), jnp.inf, jnp.float32)))
+        return ZeroOptState(inner, initial_qgz_state(geo))
 
     def update(
         self, geo: StepGeometry, loss_fn: Callable, state: TrainState, batch: Any, *,

@@ -63,7 +63,7 @@ from zeropp_jax.layout import padding_mask
 from zeropp_jax.mesh import LOCAL, NODE
 from zeropp_jax.step.accumulate import accumulate
 from zeropp_jax.step.geometry import StepGeometry
-from zeropp_jax.step.state import TrainState, ZeroOptState
+from zeropp_jax.step.state import TrainState, ZeroOptState, initial_qgz_state
 from zeropp_jax.wire import collectives
 from zeropp_jax.wire.qgz import QgzState, cross_node_reduce, cross_node_share
 
@@ -225,8 +225,7 @@ class OneBitAdamRule:
             v=geo.zeros(moments, per_node=True),
             receiver_carry=geo.zeros(receiver_specs),
         )
-        carry = geo.zeros(geo.carry_specs(), per_node=True)
-        return ZeroOptState(inner, QgzState(carry, jnp.full((), jnp.inf, jnp.float32)))
+        return ZeroOptState(inner, initial_qgz_state(geo))
 
     def update(
         self, geo: StepGeometry, loss_fn: Callable, state: TrainState, batch: Any, *,

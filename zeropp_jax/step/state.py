@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
+from zeropp_jax.step.geometry import StepGeometry
 from zeropp_jax.wire.qgz import QgzState
 
 
@@ -42,3 +44,8 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 ()
     params: dict  # name -> float32 ([L,] U)
     opt_state: ZeroOptState
+
+
+def initial_qgz_state(geo: StepGeometry) -> QgzState:
+    """qgZ's state at step 0: zero sender carries (with error feedback), no RMS yet (``inf``)."""
+    return QgzState(geo.zeros(geo.carry_specs(), per_node=True), jnp.full((), jnp.inf, jnp.float32))

@@ -160,19 +160,11 @@ class Trainer:
         if self._one_step_in_flight:
             jax.block_until_ready(state)
         with jax.set_mesh(self.mesh):
-            return self._compiled_step(bool(compress))(state, batch)
-
-    def compress_at(self, step: int, grad_rms: float) -> bool:
-        """Whether step ``step`` reduces compressed (:attr:`schedule`'s rule)."""
-        return self.schedule.compress_at(step, grad_rms)
-
-    def _compiled_step(self, compress: bool) -> Callable:
-        """The jitted step of one qgZ variant (the state is donated)."""
-        return self._step_variants[compress]
+            return self._step_variants[bool(compress)](state, batch)
 
     @functools.cached_property
     def _step_variants(self) -> dict[bool, Callable]:
-        """The compressed and full-precision steps (each jitted lazily)."""
+        """The compressed and full-precision steps (each jitted lazily; the state is donated)."""
         def update(state: TrainState, batch: Any, *, compress: bool):
             return self.rule.update(
                 self.geometry, self.loss_fn, state, batch, compress=compress, key=self.key
@@ -225,7 +217,7 @@ class Trainer:
         if compress is None:
             compress = self.qgz_active
         with jax.set_mesh(self.mesh):
-            return self._compiled_step(bool(compress)).lower(state, batch)
+            return self._step_variants[bool(compress)].lower(state, batch)
 
     def compile_from_shapes(self, params_shapes: Any, batch: Any, *, compress: bool | None = None):
         """Compiles the step from shapes alone: nothing is allocated or run.
