@@ -1,23 +1,27 @@
 #!/usr/bin/env bash
-# The one script for a GPU session: check and time the Pallas kernels.
+# The one script for a GPU session: check and time the Pallas kernels, then
+# measure training throughput.
 #
-#   bash benchmarks/gpu_check.sh            # from the repository root, ~5 min on one H200
-#   QUICK=1 bash benchmarks/gpu_check.sh    # default KernelConfig only in the benchmark
+#   bash benchmarks/gpu_check.sh            # from the repository root, ~5-6 min on one H200
+#   QUICK=1 bash benchmarks/gpu_check.sh    # each kernel's default config only, smaller probe
 #
 # 1. prints the GPU, python and jax versions;
 # 2. makes `zeropp_jax` and `pallas_kernels` importable from this tree
 #    (PYTHONPATH; `pip install --no-deps --no-build-isolation -e .` only if
 #    that is not enough - nothing is fetched from the network);
-# 3. runs tests/test_pallas_kernels.py with PALLAS_KERNELS_COMPILED=1, so every
-#    kernel test runs twice: interpret mode on the CPU device and compiled for
-#    the GPU (against the reference run by XLA on the GPU);
+# 3. runs the compiled half of tests/test_pallas_kernels.py
+#    (PALLAS_KERNELS_COMPILED=1, `-k compiled`): every kernel compiled for the
+#    GPU against its reference run by XLA on the GPU; the interpret-mode half
+#    runs on CPU in CI;
 # 4. runs benchmarks/gpu_kernels.py (verification on the GPU, then GB/s of
-#    each kernel vs XLA vs a device-to-device copy);
-# 5. prints a short summary last: the pytest result line and the benchmark table.
+#    each kernel's default config and of a sweep, vs XLA vs a device copy);
+# 5. runs benchmarks/gpu_train_probe.py (1.2B example GPT, bf16: plain jit,
+#    plain with per-layer remat, zero3, qwz with Pallas and with XLA);
+# 6. prints a short summary last: the pytest result line and both tables.
 #
-# Logs and the benchmark's JSON go to $OUT (the device tool's output folder)
-# or /tmp/zeropp_gpu_check. Each stage has its own time limit so the whole
-# script stays under ~9 minutes even if a stage hangs.
+# Logs and JSON go to $OUT (the device tool's output folder) or
+# /tmp/zeropp_gpu_check. Each stage has its own time limit, so the whole
+# script stays under ~8.5 minutes even if a stage hangs.
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 2
@@ -28,8 +32,9 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # GPU first (the default backend), CPU for the interpret-mode tests.
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda,cpu}"
-TEST_TIMEOUT="${TEST_TIMEOUT:-270}"
-BENCH_TIMEOUT="${BENCH_TIMEOUT:-240}"
+TEST_TIMEOUT="${TEST_TIMEOUT:-150}"
+BENCH_TIMEOUT="${BENCH_TIMEOUT:-180}"
+PROBE_TIMEOUT="${PROBE_TIMEOUT:-180}"
 
 echo "== environment"
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem \
@@ -49,9 +54,9 @@ if ! "$PY" -c "import zeropp_jax, pallas_kernels" 2>"$LOG_DIR/import.err"; then
 fi
 echo "ok"
 
-echo "== tests (interpret on CPU + compiled on GPU), limit ${TEST_TIMEOUT}s"
+echo "== tests (compiled on GPU), limit ${TEST_TIMEOUT}s"
 PALLAS_KERNELS_COMPILED=1 timeout "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider \
-  tests/test_pallas_kernels.py -rfE 2>&1 | tee "$LOG_DIR/pytest.log"
+  tests/test_pallas_kernels.py -k compiled -rfE 2>&1 | tee "$LOG_DIR/pytest.log"
 TEST_RC=${PIPESTATUS[0]}
 
 echo "== benchmark, limit ${BENCH_TIMEOUT}s"
@@ -60,10 +65,18 @@ if [[ "${QUICK:-0}" == "1" ]]; then BENCH_ARGS+=(--quick); fi
 timeout "$BENCH_TIMEOUT" "$PY" benchmarks/gpu_kernels.py "${BENCH_ARGS[@]}" 2>&1 | tee "$LOG_DIR/bench.log"
 BENCH_RC=${PIPESTATUS[0]}
 
+echo "== training probe, limit ${PROBE_TIMEOUT}s"
+PROBE_ARGS=(--json-out "$LOG_DIR/gpu_train_probe.json")
+if [[ "${QUICK:-0}" == "1" ]]; then PROBE_ARGS+=(--layers 12 --d-model 768 --heads 12); fi
+timeout "$PROBE_TIMEOUT" "$PY" benchmarks/gpu_train_probe.py "${PROBE_ARGS[@]}" 2>&1 | tee "$LOG_DIR/probe.log"
+PROBE_RC=${PIPESTATUS[0]}
+
 echo
 echo "== summary"
 echo "pytest (rc=$TEST_RC): $(grep -E '(passed|failed|error)' "$LOG_DIR/pytest.log" | tail -n 1)"
 grep -E '^FAILED|^ERROR' "$LOG_DIR/pytest.log" | head -n 12
-echo "benchmark (rc=$BENCH_RC):"
+echo "kernels (rc=$BENCH_RC):"
 sed -n '/^JSON /,$p' "$LOG_DIR/bench.log" | tail -n +2
-if [[ $TEST_RC -ne 0 || $BENCH_RC -ne 0 ]]; then exit 1; fi
+echo "training probe (rc=$PROBE_RC):"
+sed -n '/^JSON /,$p' "$LOG_DIR/probe.log" | tail -n +2
+if [[ $TEST_RC -ne 0 || $BENCH_RC -ne 0 || $PROBE_RC -ne 0 ]]; then exit 1; fi

@@ -18,7 +18,8 @@ imports nothing from ``zeropp_jax``.
 * :func:`dequantize_sum` (``dequant_sum.py``): dequantize ``k`` received
   chunks (1, 4 or 8 bits) and sum them in float32, in one pass (qgZ).
 
-Every op takes ``config: KernelConfig | None`` (tile sizes) and
+Every op takes ``config: KernelConfig | None`` (tile sizes; ``None`` is
+:func:`default_config` of that kernel and bit width, measured on a GPU) and
 ``interpret: bool``: ``interpret=True`` runs the kernel with Pallas'
 interpreter on any backend (the CPU tests do this); ``interpret=False``
 compiles it for the GPU (Triton lowering, see ``_backend.py``). Kernels need
@@ -27,6 +28,7 @@ compiles it for the GPU (Triton lowering, see ``_backend.py``). Kernels need
 
 from pallas_kernels.config import DEFAULT_CONFIG
 from pallas_kernels.config import KernelConfig
+from pallas_kernels.config import default_config
 from pallas_kernels.dequant_sum import dequantize_sum
 from pallas_kernels.dequant_sum import dequantize_sum_reference
 from pallas_kernels.dither import quantize_dithered
@@ -41,6 +43,7 @@ from pallas_kernels.quantize import quantize_reference
 __all__ = [
     "KernelConfig",
     "DEFAULT_CONFIG",
+    "default_config",
     "quantize",
     "quantize_reference",
     "dequantize",

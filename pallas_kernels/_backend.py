@@ -32,7 +32,9 @@ Triton quirks handled here
   ``div.rn.f32`` through inline PTX so codes and scales match the reference.
 * Triton's ``max`` reduction is NaN-ignoring (``maxnumf``); the kernels
   detect non-finite blocks separately and never rely on NaN propagation.
-* Triton has no lowering for ``lax.round``; see ``_common.round_half_even``.
+* Triton has no lowering for ``lax.round``; :func:`round_half_even` emits
+  ``cvt.rni.f32.f32`` (round to the nearest integer, ties to even: one
+  instruction, the same result as ``jnp.round``).
 * Triton loads and stores blocks without bounds masks: tiles must divide the
   array exactly (``_common.tile_blocks``), and every block dimension must be
   a power of two.
@@ -46,7 +48,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.config import KernelConfig
 
-__all__ = ["BACKEND", "compiler_params", "div_rn"]
+__all__ = ["BACKEND", "compiler_params", "div_rn", "round_half_even"]
 
 BACKEND = "triton"
 
@@ -77,5 +79,27 @@ def div_rn(a: jax.Array, b: jax.Array, *, interpret: bool) -> jax.Array:
         constraints="=f,f,f",
         pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+    )
+    return out
+
+
+def round_half_even(v: jax.Array, *, interpret: bool) -> jax.Array:
+    """float32 ``v`` rounded to the nearest integer, ties to even (``jnp.round``).
+
+    Args:
+      v: float32 array.
+      interpret: True in interpret mode, where ``jnp.round`` lowers.
+
+    Returns:
+      float32, integral values.
+    """
+    if interpret:
+        return jnp.round(v)
+    [out] = pltriton.elementwise_inline_asm(
+        "cvt.rni.f32.f32 $0, $1;",
+        args=[v],
+        constraints="=f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.float32)],
     )
     return out

@@ -11,12 +11,13 @@ loads), and per-block scales are reductions over the tile's rows - the
 same reduction, over the same axis, that the reference does.
 
 Packing needs the elements that share a byte next to each other on a minor
-axis: inside the kernel the int32 codes ``(tb, block)`` are reshaped to
-``(tb, block // per_byte, per_byte)`` and a byte is ``sum(part << shift)``
-over that axis (the parts occupy disjoint bits, so the sum never carries).
-Unpacking broadcasts each byte against an ``iota`` of shifts and reshapes
-back to ``(tb, block)``. All of it is plain ``jnp`` that lowers on Triton
-and runs in interpret mode.
+axis: the int32 codes ``(tb, block)`` are viewed as
+``(tb, block // per_byte, per_byte)`` (a reshape in the kernel, or the
+split layout of ``KernelConfig.split_bytes``) and a byte is
+``sum(part << shift)`` over that axis (the parts occupy disjoint bits, so
+the sum never carries). Decoding broadcasts each byte against an ``iota``
+of positions along that axis. All of it is plain ``jnp`` that lowers on
+Triton and runs in interpret mode.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.config import DEFAULT_CONFIG, KernelConfig
+from pallas_kernels.config import KernelConfig, default_config
 from pallas_kernels.references.quantization import Quantized
 
 # ---------------------------------------------------------------------------
@@ -90,9 +91,10 @@ def check_n(n: int, block: int, what: str) -> None:
         )
 
 
-def get_config(config: KernelConfig | None) -> KernelConfig:
+def get_config(config: KernelConfig | None, kernel: str, bits: int) -> KernelConfig:
+    """``config``, or the kernel's measured default (:func:`~pallas_kernels.config.default_config`)."""
     if config is None:
-        return DEFAULT_CONFIG
+        return default_config(kernel, bits)
     if not isinstance(config, KernelConfig):
         raise ValueError(f"config must be a pallas_kernels.KernelConfig, got {type(config)}.")
     return config
@@ -158,73 +160,131 @@ def as_quantized(values: jax.Array, scales: jax.Array, shape: tuple[int, ...], b
 # ---------------------------------------------------------------------------
 
 
-def round_half_even(v: jax.Array) -> jax.Array:
-    """``jnp.round`` (half to even) for float32 ``|v| < 2**23``, from ``floor``.
-
-    Triton has no lowering for ``lax.round``, and the add-and-subtract
-    ``1.5 * 2**23`` trick is folded away by XLA's algebraic simplifier (so it
-    would not round in interpret mode). ``f = floor(v)`` and ``d = v - f``
-    are exact here; round up when ``d > 1/2``, or ``d == 1/2`` and ``f`` is
-    odd.
-    """
-    f = jnp.floor(v)
-    d = v - f
-    f_odd = (f - 2.0 * jnp.floor(f * 0.5)) == 1.0
-    up = (d > 0.5) | ((d == 0.5) & f_odd)
-    return jnp.where(up, f + 1.0, f)
-
-
 def minor_iota(shape: tuple[int, ...]) -> jax.Array:
     """int32 ``0, 1, ...`` along the last axis of ``shape``, broadcast."""
     return lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
 
 
-def pack_codes(parts: jax.Array, bits: int) -> jax.Array:
-    """Packs int32 ``parts`` ``(tb, block)`` in ``[0, 2**bits)`` into uint8 ``(tb, block * bits // 8)``.
+def split_elements(x: jax.Array, bits: int) -> jax.Array:
+    """A tile of elements ``(tb, block)`` as ``(tb, block * bits // 8, 8 // bits)``.
 
-    Element ``per_byte * i + j`` goes to bits ``[bits*j, bits*(j+1))`` of
-    byte ``i``: low nibble first for bits=4, bit ``j`` for bits=1, as in the
-    reference's layouts.
+    The elements that share a byte on their own minor axis. A tile that is
+    already split (``KernelConfig.split_bytes``: the ref is 3-D) is returned
+    as it is; bits=8 tiles stay 2-D.
     """
+    if bits == 8 or x.ndim == 3:
+        return x
     per_byte = 8 // bits
-    tb, block = parts.shape
-    grouped = parts.reshape(tb, block // per_byte, per_byte)
+    tb, block = x.shape
+    return x.reshape(tb, block // per_byte, per_byte)
+
+
+def row_reduce(fn, x: jax.Array) -> jax.Array:
+    """``fn`` (``jnp.max`` or ``jnp.sum``) over every axis but the first, keepdims.
+
+    One block per tile row, 2-D ``(tb, block)`` or split 3-D; reduced one
+    axis at a time (Triton reduces along one axis per op), innermost first.
+    Returns ``(tb, 1)`` or ``(tb, 1, 1)``.
+    """
+    for axis in range(x.ndim - 1, 0, -1):
+        x = fn(x, axis=axis, keepdims=True)
+    return x
+
+
+def pack_codes(parts: jax.Array, bits: int) -> jax.Array:
+    """Packs int32 ``parts`` in ``[0, 2**bits)`` into uint8 ``(tb, block * bits // 8)``.
+
+    ``parts``: ``(tb, block)``, or already split ``(tb, bytes, 8 // bits)``
+    (:func:`split_elements`). Element ``per_byte * i + j`` goes to bits
+    ``[bits*j, bits*(j+1))`` of byte ``i``: low nibble first for bits=4, bit
+    ``j`` for bits=1, as in the reference's layouts.
+    """
+    grouped = split_elements(parts, bits)
     shifted = grouped << (minor_iota(grouped.shape) * bits)
     return jnp.sum(shifted, axis=-1).astype(jnp.uint8)
 
 
-def unpack_codes(packed: jax.Array, bits: int) -> jax.Array:
-    """Inverse of :func:`pack_codes`: uint8 ``(tb, bytes)`` -> int32 ``(tb, block)``."""
-    per_byte = 8 // bits
-    tb, nbytes = packed.shape
-    shape = (tb, nbytes, per_byte)
-    b = jnp.broadcast_to(packed.astype(jnp.int32).reshape(tb, nbytes, 1), shape)
-    parts = (b >> (minor_iota(shape) * bits)) & ((1 << bits) - 1)
-    return parts.reshape(tb, nbytes * per_byte)
-
-
-def sign_extend_nibble(nib: jax.Array) -> jax.Array:
-    """int32 nibble ``[0, 16)`` -> two's-complement value in ``[-8, 8)``."""
-    return (nib ^ 8) - 8
-
-
-def decode_tile(values: jax.Array, scales: jax.Array, bits: int) -> jax.Array:
+def decode_tile(values: jax.Array, scales: jax.Array, bits: int, shape: tuple[int, ...]) -> jax.Array:
     """Dequantizes one tile in float32, exactly as the reference does.
 
     Args:
       values: the tile's wire values, int8 ``(tb, block)`` for bits=8, uint8
-        ``(tb, block // 2)`` for bits=4, uint8 ``(tb, block // 8)`` for bits=1.
+        ``(tb, block // 2)`` for bits=4, uint8 ``(tb, block // 8)`` for bits=1,
+        or for bits 4 and 1 the same bytes as uint32 words
+        (:func:`packed_units`; little-endian, so element ``j`` of a word is
+        element ``j`` of its four bytes in order).
       scales: float32 ``(tb,)``.
       bits: 8, 4 or 1.
+      shape: the output tile's shape, ``(tb, block)`` or split
+        ``(tb, units, elements per unit)`` (no reshape in the kernel then).
 
     Returns:
-      float32 ``(tb, block)``: ``code * scale`` (bits 8 and 4) or
-      ``+-scale`` (bits 1).
+      float32 ``shape``: ``code * scale`` (bits 8 and 4) or ``+-scale``
+      (bits 1).
+
+    Decoding is integer work per element and chunk (``dequantize_sum``
+    decodes ``k`` chunks per output element), so each code is extracted in
+    as few operations as possible: a nibble is shifted to the top of an
+    int32 and arithmetically back (extracted and sign-extended in two
+    shifts); a bit is tested against a constant per position.
     """
-    s = scales.reshape(scales.shape[0], 1)
     if bits == 8:
-        return values.astype(jnp.float32) * s
-    parts = unpack_codes(values, bits)
+        return values.astype(jnp.float32) * scales.reshape(-1, 1)
+    unit_bits = 8 * values.dtype.itemsize  # bytes, or 32-bit words (packed_units)
+    per_unit = unit_bits // bits
+    tb, units = values.shape
+    if unit_bits == 32:
+        b = lax.bitcast_convert_type(values, jnp.int32).reshape(tb, units, 1)
+    else:
+        b = values.astype(jnp.int32).reshape(tb, units, 1)
+    position = minor_iota((tb, units, per_unit))  # element j of its byte or word
+    s = scales.reshape(-1, 1, 1)
     if bits == 4:
-        return sign_extend_nibble(parts).astype(jnp.float32) * s
-    return jnp.where(parts == 1, s, -s)
+        code = (b << (28 - 4 * position)) >> 28  # nibble j, two's complement
+        out = code.astype(jnp.float32) * s
+    else:
+        out = jnp.where((b & (1 << position)) != 0, s, -s)
+    return out.reshape(shape)
+
+
+# ---------------------------------------------------------------------------
+# Element views: the (tb, block) or split (tb, units, per_unit) tiles.
+# ---------------------------------------------------------------------------
+
+
+def packed_units(values: jax.Array, bits: int) -> jax.Array:
+    """Wire values ``(..., bytes)`` as the widest units the decoding kernels load.
+
+    For bits 4 and 1 with ``bytes % 4 == 0``: uint32 ``(..., bytes // 4)``,
+    the same memory (a free bitcast), so a kernel loads four bytes per
+    element of its tile instead of one; otherwise ``values`` unchanged.
+    """
+    if bits == 8 or values.shape[-1] % 4:
+        return values
+    words = values.reshape(*values.shape[:-1], values.shape[-1] // 4, 4)
+    return lax.bitcast_convert_type(words, jnp.uint32)
+
+
+def element_tile(tb: int, block: int, bits: int, config: KernelConfig,
+                 unit_bits: int = 8) -> tuple[int, ...]:
+    """Shape of one tile of elements: ``(tb, block)``, or split when configured.
+
+    Split (``config.split_bytes`` and bits < 8): ``(tb, block * bits //
+    unit_bits, unit_bits // bits)``, the same memory, the elements of one
+    packed byte (or 32-bit word, ``unit_bits=32``) on the minor axis.
+    """
+    if bits == 8 or not config.split_bytes:
+        return (tb, block)
+    return (tb, block * bits // unit_bits, unit_bits // bits)
+
+
+def element_view(x: jax.Array, nb: int, block: int, bits: int, config: KernelConfig):
+    """``(x_view, spec)``: a flat-blocked ``x`` (``nb * block`` elements) and its tile spec.
+
+    ``x_view`` is ``(nb, block)`` or split ``(nb, bytes, per_byte)`` (a free
+    reshape); ``spec`` is the ``BlockSpec`` of a tile of ``tb`` blocks.
+    """
+    tb = tile_blocks(nb, block, config.tile_elems)
+    shape = element_tile(tb, block, bits, config)
+    view = x.reshape(nb, *shape[1:])
+    return view, pl.BlockSpec(shape, index_map(len(shape)))

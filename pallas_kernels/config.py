@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["KernelConfig", "DEFAULT_CONFIG"]
+__all__ = ["KernelConfig", "DEFAULT_CONFIG", "KERNELS", "default_config"]
 
 
 def _is_pow2(v) -> bool:
@@ -30,9 +30,17 @@ class KernelConfig:
       tile_elems: elements of the (decoded) array per program; a power of two
         >= 8. A block larger than this gets one block per program.
       num_warps: warps per program (a power of two, 1..32).
-      num_stages: software-pipelining depth the GPU compiler may use for
-        the loads inside a program's loop (>= 1; only ``dequantize_sum``
-        loops over its ``k`` chunks).
+      num_stages: Triton's software-pipelining depth for loads inside a
+        loop (>= 1). The kernels here have no such loop (``dequantize_sum``
+        unrolls its chunks), so it only matters to kernels that add one.
+      split_bytes: for the packed formats (int4, 1 bit), view each tile of
+        elements as ``(tile_blocks, bytes_per_block, elements_per_byte)``
+        instead of ``(tile_blocks, block)``: the elements that share a byte
+        sit on their own minor axis in memory order, so packing is a
+        reduction over that axis and unpacking a broadcast against it, with
+        no reshape inside the kernel (on Triton a reshape of a tile may move
+        it through shared memory). Same results either way; int8 kernels
+        ignore it.
 
     Example:
       >>> cfg = KernelConfig(tile_elems=16384, num_warps=8)
@@ -42,6 +50,7 @@ class KernelConfig:
     tile_elems: int = 8192
     num_warps: int = 4
     num_stages: int = 2
+    split_bytes: bool = False
 
     def __post_init__(self):
         if not _is_pow2(self.tile_elems) or self.tile_elems < 8:
@@ -59,6 +68,42 @@ class KernelConfig:
             or self.num_stages < 1
         ):
             raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}.")
+        if not isinstance(self.split_bytes, bool):
+            raise ValueError(f"split_bytes must be True or False, got {self.split_bytes!r}.")
 
 
 DEFAULT_CONFIG = KernelConfig()
+
+KERNELS = ("quantize", "dequantize", "compress_1bit_ef", "quantize_dithered", "dequantize_sum")
+"""The kernels that take a ``config``, by function name."""
+
+# Per kernel and bit width: the launch configuration that a sweep of
+# benchmarks/gpu_kernels.py measured fastest on the GPU (benchmarks/RESULTS.md
+# names the run). Kernels and widths not listed use DEFAULT_CONFIG.
+_MEASURED_DEFAULTS = {
+    ("quantize", 8): KernelConfig(tile_elems=2048, num_warps=8),
+    ("quantize", 4): KernelConfig(tile_elems=2048, num_warps=8),
+    ("dequantize", 8): KernelConfig(tile_elems=2048, num_warps=4),
+    ("dequantize", 4): KernelConfig(tile_elems=1024, num_warps=2),
+    ("compress_1bit_ef", 1): KernelConfig(tile_elems=1024, num_warps=8),
+    ("quantize_dithered", 1): KernelConfig(tile_elems=8192, num_warps=8, split_bytes=True),
+    ("dequantize_sum", 1): KernelConfig(tile_elems=2048, num_warps=2),
+    ("dequantize_sum", 4): KernelConfig(tile_elems=1024, num_warps=1, split_bytes=True),
+    ("dequantize_sum", 8): KernelConfig(tile_elems=1024, num_warps=8),
+}
+
+
+def default_config(kernel: str, bits: int) -> KernelConfig:
+    """The configuration a kernel uses when called with ``config=None``.
+
+    Args:
+      kernel: one of :data:`KERNELS`.
+      bits: the wire width the call uses (1, 4 or 8).
+
+    Returns:
+      The measured best :class:`KernelConfig` for that kernel and width, or
+      :data:`DEFAULT_CONFIG` where none was measured.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}.")
+    return _MEASURED_DEFAULTS.get((kernel, bits), DEFAULT_CONFIG)

@@ -33,8 +33,8 @@ __all__ = ["quantize_dithered", "quantize_dithered_kernel", "quantize_dithered_r
 
 def quantize_dithered_kernel(x_ref, xi_ref, values_ref, scales_ref, *, scale_dtype):
     """One tile: ``x``, ``xi`` ``(tb, block)`` -> packed bits, scales."""
-    x = x_ref[...].astype(jnp.float32)
-    scale = block_scales(x, scale_dtype)  # (tb, 1), the reference's own function
+    x = x_ref[...].astype(jnp.float32)  # (tb, block) or split (tb, bytes, 8)
+    scale = block_scales(x, scale_dtype, block_axes=x.ndim - 1)  # the reference's own function
     s = scale.astype(jnp.float32)
     bits = x + s * xi_ref[...] >= 0
     values_ref[...] = _common.pack_codes(bits.astype(jnp.int32), 1)
@@ -67,7 +67,7 @@ def quantize_dithered(
     """
     block = _common.check_block(block)
     scale_dtype = check_scale_dtype(scale_dtype)
-    config = _common.get_config(config)
+    config = _common.get_config(config, "quantize_dithered", 1)
     x, xi = check_dither_input(x, xi)
     _common.check_n(x.shape[-1], block, "x")
     nb = _common.num_blocks(x.shape, block)
@@ -75,7 +75,8 @@ def quantize_dithered(
         return quantize_dithered_reference(x, xi, block=block, scale_dtype=scale_dtype)
 
     tb = _common.tile_blocks(nb, block, config.tile_elems)
-    spec = pl.BlockSpec((tb, block), _common.index_map(2))
+    x_view, spec = _common.element_view(x, nb, block, 1, config)  # free reshapes
+    xi_view, _ = _common.element_view(xi, nb, block, 1, config)
     out_shape, out_specs = _common.quantized_outputs(nb, tb, 1, block, scale_dtype, x)
     values, scales = pl.pallas_call(
         functools.partial(quantize_dithered_kernel, scale_dtype=scale_dtype),
@@ -91,5 +92,5 @@ def quantize_dithered(
         ),
         interpret=interpret,
         name="quantize_dithered",
-    )(x.reshape(nb, block), xi.reshape(nb, block))
+    )(x_view, xi_view)
     return _common.as_quantized(values, scales, x.shape, 1, block)

@@ -14,7 +14,9 @@ the scales and the new carry once.
 
 Numerics, as the reference: ``scale = sum(|x| / block)`` per block in
 float32 (the division first, so a block of large finite values cannot
-overflow), rounded to ``scale_dtype``; bit ``j`` of byte ``i`` is
+overflow), rounded to ``scale_dtype`` by
+:func:`~pallas_kernels.references.quantization.stored_scale` (integer
+arithmetic that no compiler elides: the carry uses the scale as stored); bit ``j`` of byte ``i`` is
 ``x[8i + j] >= 0`` (so ``-0.0`` counts as positive); a block holding inf or
 NaN gets scale NaN, so its new carry is NaN too (the reference's behaviour:
 a non-finite gradient poisons its block until the caller resets the carry).
@@ -43,7 +45,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend, _common
 from pallas_kernels.config import KernelConfig
-from pallas_kernels.references.quantization import Quantized, check_scale_dtype
+from pallas_kernels.references.quantization import Quantized, check_scale_dtype, stored_scale
 from pallas_kernels.references.quantization import dequantize as _dequantize
 from pallas_kernels.references.quantization import quantize as _quantize
 
@@ -80,16 +82,15 @@ def compress_1bit_ef_kernel(
     g_ref, carry_ref, values_ref, scales_ref, new_carry_ref, *, block, scale_dtype
 ):
     """One tile: ``g``, ``carry`` ``(tb, block)`` -> signs, scales, new carry."""
-    x = g_ref[...].astype(jnp.float32) + carry_ref[...]
-    bad = jnp.max(jnp.where(jnp.isfinite(x), 0, 1), axis=1, keepdims=True)
+    x = g_ref[...].astype(jnp.float32) + carry_ref[...]  # (tb, block) or split
+    bad = _common.row_reduce(jnp.max, jnp.where(jnp.isfinite(x), 0, 1))
     # 1/block is a power of two: the product is the exactly rounded quotient,
     # like the reference's |x| / block, with no division instruction.
-    scale = jnp.sum(jnp.abs(x) * (1.0 / block), axis=1, keepdims=True)  # (tb, 1)
-    scale = jnp.where(bad == 0, scale, jnp.nan).astype(scale_dtype)
-    s = scale.astype(jnp.float32)
+    scale = _common.row_reduce(jnp.sum, jnp.abs(x) * (1.0 / block))  # (tb, 1[, 1])
+    s = jnp.where(bad == 0, stored_scale(scale, scale_dtype), jnp.nan)  # as the reference
     positive = x >= 0
     values_ref[...] = _common.pack_codes(positive.astype(jnp.int32), 1)
-    scales_ref[...] = scale.reshape(scale.shape[0])
+    scales_ref[...] = s.astype(scale_dtype).reshape(s.shape[0])
     new_carry_ref[...] = x - jnp.where(positive, s, -s)
 
 
@@ -128,7 +129,7 @@ def compress_1bit_ef(
     """
     block = _common.check_block(block)
     scale_dtype = check_scale_dtype(scale_dtype)
-    config = _common.get_config(config)
+    config = _common.get_config(config, "compress_1bit_ef", 1)
     g, carry = jnp.asarray(g), jnp.asarray(carry)
     _common.check_float_input(g, "g")
     if carry.dtype != jnp.float32 or carry.shape != g.shape:
@@ -142,11 +143,12 @@ def compress_1bit_ef(
         return compress_1bit_ef_reference(g, carry, block=block, scale_dtype=scale_dtype)
 
     tb = _common.tile_blocks(nb, block, config.tile_elems)
-    spec = pl.BlockSpec((tb, block), _common.index_map(2))
+    g_view, spec = _common.element_view(g, nb, block, 1, config)  # free reshapes
+    carry_view, _ = _common.element_view(carry, nb, block, 1, config)
     out_shape, out_specs = _common.quantized_outputs(nb, tb, 1, block, scale_dtype, g)
     values, scales, new_carry = pl.pallas_call(
         functools.partial(compress_1bit_ef_kernel, block=block, scale_dtype=scale_dtype),
-        out_shape=(*out_shape, _common.out_struct((nb, block), jnp.float32, g)),
+        out_shape=(*out_shape, _common.out_struct(carry_view.shape, jnp.float32, g)),
         grid=(nb // tb,),
         in_specs=[spec, spec],
         out_specs=(*out_specs, spec),
@@ -158,5 +160,5 @@ def compress_1bit_ef(
         ),
         interpret=interpret,
         name="compress_1bit_ef",
-    )(g.reshape(nb, block), carry.reshape(nb, block))
+    )(g_view, carry_view)
     return _common.as_quantized(values, scales, g.shape, 1, block), new_carry.reshape(g.shape)

@@ -4,10 +4,13 @@ Numerics are those of :func:`pallas_kernels.references.quantization.quantize` /
 :func:`~pallas_kernels.references.quantization.dequantize` (the references, re-exported here
 as ``quantize_reference`` / ``dequantize_reference``), bit for bit:
 
-* per block: ``absmax = max|x|`` (float32), ``scale = absmax / qmax`` (IEEE
-  division) rounded to ``scale_dtype``; a block holding inf or NaN gets scale
-  NaN and codes 0; a block whose stored scale is 0 gets codes 0;
-* ``code = clip(round_half_even(x / scale_as_stored), -qmax, qmax)``;
+* per block: ``absmax = max|x|`` (float32), ``scale = absmax * INV_QMAX``
+  (one multiply by ``float32(1 / qmax)``) rounded to ``scale_dtype`` by
+  :func:`~pallas_kernels.references.quantization.stored_scale`; a block
+  holding inf or NaN gets scale NaN and codes 0; a block whose stored scale
+  is 0 gets codes 0;
+* ``code = clip(round_half_even(x * (1 / scale_as_stored)), -qmax, qmax)``,
+  one IEEE division per block and a multiply per element;
 * bits=8: int8 codes; bits=4: two's-complement nibbles, element ``2i`` in the
   low nibble of byte ``i``;
 * dequantize: ``code * scale`` in float32, cast once to ``dtype``.
@@ -30,7 +33,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _backend, _common
 from pallas_kernels.config import KernelConfig
 from pallas_kernels.references import quantization
-from pallas_kernels.references.quantization import Quantized, check_scale_dtype
+from pallas_kernels.references.quantization import Quantized, check_scale_dtype, stored_scale
 from pallas_kernels.references.quantization import dequantize as dequantize_reference
 from pallas_kernels.references.quantization import quantize as quantize_reference
 
@@ -48,28 +51,30 @@ _BITS = (8, 4)
 
 
 def quantize_kernel(x_ref, values_ref, scales_ref, *, bits, scale_dtype, interpret):
-    """One tile: ``x`` ``(tb, block)`` -> codes ``(tb, bytes)`` and scales ``(tb,)``."""
+    """One tile: ``x`` ``(tb, block)`` (or split) -> codes ``(tb, bytes)`` and scales ``(tb,)``."""
     qmax = _QMAX[bits]
     x = x_ref[...].astype(jnp.float32)  # exact up-cast, as the reference
     # Non-finite detection does not rely on max propagating NaN (Triton's max
     # ignores NaN): any inf/NaN in the block marks the block.
-    bad = jnp.max(jnp.where(jnp.isfinite(x), 0, 1), axis=1, keepdims=True)
+    bad = _common.row_reduce(jnp.max, jnp.where(jnp.isfinite(x), 0, 1))
     finite = bad == 0
-    absmax = jnp.max(jnp.abs(x), axis=1, keepdims=True)  # (tb, 1)
-    qmax_f = jnp.full(absmax.shape, qmax, jnp.float32)
-    scale = jnp.where(finite, _backend.div_rn(absmax, qmax_f, interpret=interpret), jnp.nan)
-    scale = scale.astype(scale_dtype)
-    s = scale.astype(jnp.float32)  # codes come from the scale as stored
+    absmax = _common.row_reduce(jnp.max, jnp.abs(x))  # (tb, 1) or (tb, 1, 1)
+    # The reference's scale: one multiply by float32(1 / qmax), rounded on
+    # scale_dtype's grid by integer arithmetic (portable on every backend).
+    s = stored_scale(absmax * quantization.INV_QMAX[bits], scale_dtype)
+    s = jnp.where(finite, s, jnp.nan)  # codes come from the scale as stored
     usable = finite & (s > 0)
-    safe_s = jnp.broadcast_to(jnp.where(usable, s, 1.0), x.shape)
-    codes = _common.round_half_even(_backend.div_rn(x, safe_s, interpret=interpret))
+    safe_s = jnp.where(usable, s, 1.0)
+    inv_s = _backend.div_rn(jnp.ones_like(safe_s), safe_s, interpret=interpret)  # per block
+    usable = usable & jnp.isfinite(inv_s)  # as the reference: tiny scales send zeros
+    codes = _backend.round_half_even(x * inv_s, interpret=interpret)
     codes = jnp.clip(codes, -qmax, qmax)
     codes = jnp.where(usable, codes, 0.0).astype(jnp.int32)
     if bits == 8:
         values_ref[...] = codes.astype(jnp.int8)
     else:
         values_ref[...] = _common.pack_codes(codes & 0xF, bits)
-    scales_ref[...] = scale.reshape(scale.shape[0])
+    scales_ref[...] = s.astype(scale_dtype).reshape(s.shape[0])
 
 
 @functools.partial(
@@ -110,7 +115,7 @@ def quantize(
     bits = _common.check_bits(bits, _BITS)
     block = _common.check_block(block)
     scale_dtype = check_scale_dtype(scale_dtype)
-    config = _common.get_config(config)
+    config = _common.get_config(config, "quantize", bits)
     x = jnp.asarray(x)
     _common.check_float_input(x, "x")
     _common.check_n(x.shape[-1], block, "x")
@@ -124,11 +129,12 @@ def quantize(
         quantize_kernel, bits=bits, scale_dtype=scale_dtype, interpret=interpret
     )
     out_shape, out_specs = _common.quantized_outputs(nb, tb, bits, block, scale_dtype, x)
+    x_view, x_spec = _common.element_view(x, nb, block, bits, config)  # free reshape
     values, scales = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(nb // tb,),
-        in_specs=[pl.BlockSpec((tb, block), _common.index_map(2))],
+        in_specs=[x_spec],
         out_specs=out_specs,
         compiler_params=_backend.compiler_params(config),
         cost_estimate=pl.CostEstimate(
@@ -138,13 +144,14 @@ def quantize(
         ),
         interpret=interpret,
         name=f"quantize_int{bits}",
-    )(x.reshape(nb, block))  # free: blocks are contiguous
+    )(x_view)
     return _common.as_quantized(values, scales, x.shape, bits, block)
 
 
 def dequantize_kernel(values_ref, scales_ref, out_ref, *, bits):
-    """One tile: codes ``(tb, bytes)`` and scales ``(tb,)`` -> ``(tb, block)``."""
-    x = _common.decode_tile(values_ref[...], scales_ref[...].astype(jnp.float32), bits)
+    """One tile: codes ``(tb, bytes)`` and scales ``(tb,)`` -> ``(tb, block)`` (or split)."""
+    x = _common.decode_tile(values_ref[...], scales_ref[...].astype(jnp.float32), bits,
+                            out_ref.shape)
     out_ref[...] = x.astype(out_ref.dtype)
 
 
@@ -177,7 +184,7 @@ def dequantize(
     """
     bits = _common.check_bits(bits, _BITS)
     block = _common.check_block(block)
-    config = _common.get_config(config)
+    config = _common.get_config(config, "dequantize", bits)
     values, scales, dtype = quantization.check_quantized(q, bits=bits, block=block, dtype=dtype)
     n = values.shape[-1] * 8 // bits
     lead = values.shape[:-1]
@@ -187,15 +194,17 @@ def dequantize(
 
     tb = _common.tile_blocks(nb, block, config.tile_elems)
     bpb = _common.bytes_per_block(bits, block)
+    units = _common.packed_units(values.reshape(nb, bpb), bits)  # bytes or uint32 words
+    out_tile = _common.element_tile(tb, block, bits, config, 8 * units.dtype.itemsize)
     out = pl.pallas_call(
         functools.partial(dequantize_kernel, bits=bits),
-        out_shape=_common.out_struct((nb, block), dtype, values),
+        out_shape=_common.out_struct((nb, *out_tile[1:]), dtype, values),
         grid=(nb // tb,),
         in_specs=[
-            pl.BlockSpec((tb, bpb), _common.index_map(2)),
+            pl.BlockSpec((tb, units.shape[-1]), _common.index_map(2)),
             pl.BlockSpec((tb,), _common.index_map(1)),
         ],
-        out_specs=pl.BlockSpec((tb, block), _common.index_map(2)),
+        out_specs=pl.BlockSpec(out_tile, _common.index_map(len(out_tile))),
         compiler_params=_backend.compiler_params(config),
         cost_estimate=pl.CostEstimate(
             flops=2 * nb * block,
@@ -204,5 +213,5 @@ def dequantize(
         ),
         interpret=interpret,
         name=f"dequantize_int{bits}",
-    )(values.reshape(nb, bpb), scales.reshape(nb))
+    )(units, scales.reshape(nb))
     return out.reshape(*lead, n)

@@ -88,8 +88,9 @@ SHAPES = [
 ]
 SHAPE_IDS = ["96-b32", "5x56-b8", "2x3x320-b64", "3x256-b256"]
 
-# Small tiles so several programs (and tb > 1) are exercised on small inputs.
-CONFIGS = [pk.KernelConfig(tile_elems=64, num_warps=1), pk.KernelConfig()]
+# Small tiles so several programs (and tb > 1) are exercised on small inputs,
+# in the split layout (KernelConfig.split_bytes); the default 2-D layout too.
+CONFIGS = [pk.KernelConfig(tile_elems=64, num_warps=1, split_bytes=True), pk.KernelConfig()]
 
 
 def make_x(shape, block, dtype=jnp.float32, seed=0, dyadic=False):
@@ -415,11 +416,56 @@ def test_dequantize_sum_order_is_sequential(mode):
         dict(num_warps=3),
         dict(num_warps=64),
         dict(num_stages=0),
+        dict(split_bytes=1),
     ],
 )
 def test_kernel_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         pk.KernelConfig(**kwargs)
+
+
+def test_default_config_per_kernel():
+    """``config=None`` is the kernel's measured default; unknown names are refused."""
+    for kernel in pk.config.KERNELS:
+        for bits in (1, 4, 8):
+            assert isinstance(pk.default_config(kernel, bits), pk.KernelConfig)
+    with pytest.raises(ValueError, match="unknown kernel"):
+        pk.default_config("quantise", 8)
+    x = make_x((4, 512), 64, seed=1)
+    for bits in (8, 4):
+        cfg = pk.default_config("quantize", bits)
+        assert_quantized_same(pk.quantize(x, bits=bits, block=64, interpret=True),
+                              pk.quantize(x, bits=bits, block=64, config=cfg, interpret=True))
+
+
+def test_stored_scale_rounds_to_nearest_even_on_the_bfloat16_grid():
+    """Integer rounding == the float32 -> bfloat16 conversion (RNE) on every finite value >= 0."""
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 0x7F800000, size=20000, dtype=np.uint32)
+    # ties and their neighbours, the largest finite values, subnormals, zero
+    low = np.array([0x8000, 0x7FFF, 0x8001, 0x18000, 0x17FFF], np.uint32)
+    bits = np.concatenate([bits, (bits[:2000] & 0xFFFF0000) | low[:, None].repeat(400, 1).ravel(),
+                           np.array([0x7F7FFFFF, 0x7F7F7FFF, 0x7F7F8000, 1, 0], np.uint32)])
+    v = jnp.asarray(bits.view(np.float32))
+    got = qz.stored_scale(v, jnp.bfloat16)
+    want = v.astype(jnp.bfloat16).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert qz.stored_scale(v, jnp.float32) is v
+
+
+def test_scale_is_a_multiply_by_the_float32_reciprocal():
+    """``absmax * float32(1 / qmax)``: 49 -> 7.000000476837158 at 4 bits on every backend.
+
+    A division by the constant 7 gives 7.0 where it is IEEE (CPU, a GPU
+    kernel) and 7.000000476837158 where XLA rewrites it as a multiply (GPU);
+    the library defines the multiply, which every backend rounds the same.
+    """
+    x = jnp.zeros((1, 8), jnp.float32).at[0, 3].set(49.0)
+    for bits, qmax in ((4, 7), (8, 127)):
+        want = np.float32(49.0) * np.float32(1.0 / qmax)
+        assert float(qz.quantize(x, bits=bits, block=8).scales[0, 0]) == float(want)
+        assert float(pk.quantize(x, bits=bits, block=8, interpret=True).scales[0, 0]) == float(want)
+    assert float(np.float32(49.0) * np.float32(1.0 / 7)) == 7.000000476837158
 
 
 def test_kernel_config_is_static_and_frozen():
@@ -465,32 +511,35 @@ def _lower_for_gpu(f, *args):
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_kernels_lower_for_gpu():
+@pytest.mark.parametrize("config", [None, pk.KernelConfig(tile_elems=64, split_bytes=True)],
+                         ids=["default", "small-split"])
+def test_kernels_lower_for_gpu(config):
     """Every kernel lowers to the Triton GPU backend; runs on CPU (cross-lowering).
 
     Catches unsupported ops and non-power-of-two shapes without a GPU;
     compiling the Triton IR and running it still needs one.
     """
     S = jax.ShapeDtypeStruct
+    P = functools.partial
     cases = []
     for dtype in (jnp.float32, jnp.bfloat16):
         for bits in (8, 4):
             for block in (8, 256):
-                f = functools.partial(pk.quantize, bits=bits, block=block, scale_dtype=jnp.bfloat16)
+                f = P(pk.quantize, bits=bits, block=block, scale_dtype=jnp.bfloat16, config=config)
                 cases.append((f, (S((3, 2 * block), dtype),)))
-        f = functools.partial(pk.compress_1bit_ef, block=8)
+        f = P(pk.compress_1bit_ef, block=8, config=config)
         cases.append((f, (S((3, 24), dtype), S((3, 24), jnp.float32))))
         for scale_dtype in (jnp.float32, jnp.bfloat16):
-            f = functools.partial(pk.quantize_dithered, block=16, scale_dtype=scale_dtype)
+            f = P(pk.quantize_dithered, block=16, scale_dtype=scale_dtype, config=config)
             cases.append((f, (S((3, 48), dtype), S((3, 48), jnp.float32))))
     for bits in (8, 4):
         vdt = jnp.int8 if bits == 8 else jnp.uint8
-        f = functools.partial(pk.dequantize, bits=bits, block=256, dtype=jnp.bfloat16)
+        f = P(pk.dequantize, bits=bits, block=256, dtype=jnp.bfloat16, config=config)
         args = (S((3, 64 * bits), vdt), S((3, 2), jnp.float32))
         cases.append((lambda v, s, f=f: f(Quantized(v, s)), args))
     for bits in (1, 4, 8):
         vdt = jnp.int8 if bits == 8 else jnp.uint8
-        f = functools.partial(pk.dequantize_sum, bits=bits, block=8)
+        f = P(pk.dequantize_sum, bits=bits, block=8, config=config)
         args = (S((2, 3, 5 * bits), vdt), S((2, 3, 5), jnp.bfloat16))
         cases.append((lambda v, s, f=f: f(Quantized(v, s)), args))
     for f, args in cases:
@@ -546,7 +595,7 @@ def _dither_of(shape):
     [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16), (jnp.float16, jnp.float32)],
     ids=["f32-f32", "bf16-bf16", "f16-f32"],
 )
-@pytest.mark.parametrize("config", CONFIGS, ids=["small-tiles", "default"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["small-split", "default"])
 def test_quantize_dithered_matches_reference(mode, shape, block, dtype, scale_dtype, config):
     """Block max and one compare per element: bits and scales bit-identical."""
     x = make_x(shape, block, dtype=dtype, seed=5)

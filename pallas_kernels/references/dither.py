@@ -33,8 +33,11 @@ from pallas_kernels.references.quantization import Quantized, check_block, check
 __all__ = ["block_scales", "check_dither_input", "quantize_dithered"]
 
 
-def block_scales(xb: jax.Array, scale_dtype) -> jax.Array:
+def block_scales(xb: jax.Array, scale_dtype, block_axes: int = 1) -> jax.Array:
     """Scales of float32 blocks ``(..., block)``: ``(..., 1)`` in ``scale_dtype``.
+
+    ``block_axes``: how many trailing axes make one block (1 here; the
+    kernel's split tiles ``(tb, bytes, 8)`` have 2, reduced one at a time).
 
     The block's max|x|, rounded *up* to ``scale_dtype`` so that ``|x| <= s``
     holds for the scale the receiver sees, or NaN if the block holds inf or
@@ -44,8 +47,11 @@ def block_scales(xb: jax.Array, scale_dtype) -> jax.Array:
     no bfloat16 ``nextafter``): adding ``0xFFFF`` and clearing the low 16 bits
     is the ceiling on bfloat16's grid for a finite value >= 0.
     """
-    bad = jnp.max(jnp.where(jnp.isfinite(xb), 0, 1), axis=-1, keepdims=True)
-    absmax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    bad = jnp.where(jnp.isfinite(xb), 0, 1)
+    absmax = jnp.abs(xb)
+    for axis in range(-1, -1 - block_axes, -1):
+        bad = jnp.max(bad, axis=axis, keepdims=True)
+        absmax = jnp.max(absmax, axis=axis, keepdims=True)
     if jnp.dtype(scale_dtype) == jnp.dtype(jnp.bfloat16):
         bits = jax.lax.bitcast_convert_type(absmax, jnp.uint32)
         bits = (bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000)

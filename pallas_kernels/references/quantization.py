@@ -14,8 +14,10 @@ number of leading batch dimensions. ``n`` must be a multiple of ``block`` and
 Schemes (computation is always in float32, whatever the input dtype; bfloat16
 and float16 inputs are up-cast exactly, never reinterpreted):
 
-* ``bits=8``: symmetric absmax. ``scale = max|x| / 127`` per block,
-  ``code = clip(round(x / scale), -127, 127)`` stored as int8 ``(..., n)``;
+* ``bits=8``: symmetric absmax. ``scale = max|x| * (1/127)`` per block (see
+  "One scale on every backend" below),
+  ``code = clip(round(x * (1 / scale)), -127, 127)`` (the reciprocal once per
+  block) stored as int8 ``(..., n)``;
   ``dequant = code * scale``. The code -128 is never produced, so the range is
   symmetric.
 * ``bits=4``: the same with ``qmax = 7``; codes in ``[-7, 7]`` are stored as
@@ -27,8 +29,21 @@ and float16 inputs are up-cast exactly, never reinterpreted):
   element ``8i+j`` in bit ``j`` (least significant first) of byte ``i`` (uint8
   ``(..., n // 8)``). ``dequant = +scale`` or ``-scale``.
 
+One scale on every backend: the scale is ``max|x|`` times the float32
+constant :data:`INV_QMAX` (``float32(1 / qmax)``), one correctly rounded
+multiply, and a bfloat16 scale is rounded to nearest-even by integer
+arithmetic on the float32 bits (:func:`stored_scale`). A division by the
+constant ``qmax`` is not portable: XLA on GPU rewrites ``x / 7.0`` into
+``x * (1 / 7.0)`` (49 / 7 gives 7.000000476837158 there, 7.0 on CPU and in
+a GPU kernel's IEEE division), and XLA on GPU may drop a float32 -> bfloat16
+-> float32 round trip as "excess precision". Neither can change a multiply
+or integer bit arithmetic, so the reference run by any backend and every
+kernel agree bit for bit. Likewise codes multiply by the per-block
+reciprocal ``1 / scale`` (one IEEE division per block), which is what XLA
+makes of a division by a broadcast scale anyway.
+
 Rounding is round-half-to-even (``jnp.round``, the IEEE default, which is what
-``rint`` gives in a GPU kernel). Codes are computed by dividing by the scale
+``rint`` gives in a GPU kernel). Codes are computed from the scale
 *as stored*: with ``scale_dtype=jnp.bfloat16`` the scale is rounded to
 bfloat16 first, so the error bound below holds against the stored scale.
 
@@ -48,8 +63,9 @@ Special values:
   unaffected.
 * Scales are float32 or bfloat16 (both have float32's exponent range).
   float16 scales are refused: they overflow for ``max|x| > 65504 * qmax``.
-  A block whose scale underflows to zero (``max|x|`` below about 1e-36)
-  dequantizes to zeros.
+  A block whose scale underflows to zero, or is too small to have a finite
+  reciprocal (``max|x|`` below about ``qmax * 2.9e-39``), dequantizes to
+  zeros.
 """
 
 from __future__ import annotations
@@ -73,10 +89,14 @@ __all__ = [
     "check_n",
     "check_quantized",
     "ordered_chunk_sum",
+    "stored_scale",
+    "INV_QMAX",
 ]
 
 _VALID_BITS = (1, 4, 8)
 _QMAX = {8: 127, 4: 7}
+INV_QMAX = {bits: np.float32(1.0 / qmax) for bits, qmax in _QMAX.items()}
+"""``float32(1 / qmax)`` per bit width: ``scale = max|x| * INV_QMAX[bits]``."""
 _VALID_SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -144,6 +164,26 @@ def check_n(n: int, block: int, what: str = "x") -> None:
         )
 
 
+def stored_scale(scale: jax.Array, scale_dtype) -> jax.Array:
+    """float32 ``scale`` rounded to nearest-even on ``scale_dtype``'s grid, kept float32.
+
+    For bfloat16 the rounding is integer arithmetic on the float32 bits
+    (add ``0x7FFF`` plus the lowest kept bit, clear the low 16 bits), which no
+    compiler can elide or reassociate, unlike a ``float32 -> bfloat16 ->
+    float32`` round trip; the result converts to ``scale_dtype`` exactly.
+    Values that round past bfloat16's largest finite value become inf, as
+    the conversion would. Meant for finite ``scale >= 0``: callers replace
+    non-finite blocks' scales afterwards (plain ``jnp``, also used inside
+    the Pallas kernels).
+    """
+    if jnp.dtype(scale_dtype) != jnp.dtype(jnp.bfloat16):
+        return scale
+    bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
+    lsb = (bits >> 16) & jnp.uint32(1)
+    bits = (bits + jnp.uint32(0x7FFF) + lsb) & jnp.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 # --------------------------------------------------------------------------
 # Quantize / dequantize.
 # --------------------------------------------------------------------------
@@ -203,19 +243,27 @@ def quantize(
 
     if bits == 1:
         # Divide before summing so a block of large finite values cannot overflow.
-        scale = jnp.sum(jnp.abs(xb) / block, axis=-1)
+        scale = stored_scale(jnp.sum(jnp.abs(xb) / block, axis=-1), scale_dtype)
         scale = jnp.where(finite, scale, jnp.nan).astype(scale_dtype)
         values = pack_bits(xb >= 0).reshape(*lead, n // 8)
         return Quantized(values=values, scales=scale)
 
     qmax = _QMAX[bits]
-    scale = jnp.where(finite, absmax / qmax, jnp.nan).astype(scale_dtype)
+    scale = jnp.where(finite, stored_scale(absmax * INV_QMAX[bits], scale_dtype), jnp.nan)
     # Codes come from the scale as stored (rounded to scale_dtype), so the
     # error bound holds against what the receiver sees.
-    s = scale.astype(jnp.float32)[..., None]
+    s = scale[..., None]
+    scale = scale.astype(scale_dtype)
     usable = finite[..., None] & (s > 0)
-    safe_s = jnp.where(usable, s, 1.0)  # zero blocks: avoid 0/0
-    codes = jnp.clip(jnp.round(xb / safe_s), -qmax, qmax)
+    # One IEEE division per block, then a multiply per element: XLA rewrites
+    # x / broadcast(s) into x * broadcast(1 / s) on its own, so the multiply
+    # is what a compiled reference computes on every backend; written out,
+    # the kernels can do the same.
+    inv_s = 1.0 / jnp.where(usable, s, 1.0)  # zero blocks: avoid 1/0
+    # A scale below 1 / float32 max (a block with max|x| under ~1e-38) has no
+    # finite reciprocal: such a block is sent as zeros, like a zero scale.
+    usable = usable & jnp.isfinite(inv_s)
+    codes = jnp.clip(jnp.round(xb * inv_s), -qmax, qmax)
     # Non-finite blocks: codes 0 (NaN scale makes the block NaN on dequant);
     # underflowed scales: codes 0 (the block dequantizes to zeros).
     codes = jnp.where(usable, codes, 0.0).astype(jnp.int8).reshape(*lead, n)

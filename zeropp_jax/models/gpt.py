@@ -109,8 +109,37 @@ class LayerNorm(nn.Module):
         return layer_norm(x, scale, bias)
 
 
+# cuDNN's fused attention takes 16-bit inputs and head dims that are
+# multiples of 8 up to 128 (jax.nn.dot_product_attention's cudnn checks).
+_CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_CUDNN_MAX_HEAD_DIM = 128
+
+
+def attention_implementation(dtype, head_dim: int) -> str | None:
+    """The ``implementation`` passed to ``jax.nn.dot_product_attention``.
+
+    ``"cudnn"`` (a fused flash-attention kernel) when the default backend is
+    a GPU and cuDNN takes the shape: 16-bit compute and a head dimension that
+    is a multiple of 8 up to 128. Otherwise ``None``: JAX's XLA
+    implementation (two einsums and a float32 softmax), which every backend
+    runs. Both compute the softmax in float32.
+    """
+    if (
+        jax.default_backend() == "gpu"
+        and jnp.dtype(dtype) in _CUDNN_DTYPES
+        and head_dim % 8 == 0
+        and head_dim <= _CUDNN_MAX_HEAD_DIM
+    ):
+        return "cudnn"
+    return None
+
+
 class CausalSelfAttention(nn.Module):
-    """Causal multi-head self-attention; softmax in float32."""
+    """Causal multi-head self-attention (``jax.nn.dot_product_attention``).
+
+    Fused cuDNN attention on a GPU where it applies, JAX's XLA attention
+    elsewhere (:func:`attention_implementation`); softmax in float32.
+    """
 
     n_heads: int
     out_init_std: float
@@ -124,12 +153,9 @@ class CausalSelfAttention(nn.Module):
         )(x)
         q, k, v = jnp.split(qkv.reshape(b, s, 3, self.n_heads, hd), 3, axis=2)
         q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # each (B, S, H, hd)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        scores = scores * (1.0 / math.sqrt(hd))
-        mask = jnp.tril(jnp.ones((s, s), dtype=jnp.bool_)).reshape(1, 1, s, s)
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d)
+        out = jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation=attention_implementation(x.dtype, hd)
+        ).reshape(b, s, d)
         return nn.Dense(
             d, dtype=x.dtype, kernel_init=nn.initializers.normal(self.out_init_std), name="proj"
         )(out)

@@ -1,0 +1,229 @@
+"""Training throughput of the example GPT on one GPU: plain JAX vs the trainer.
+
+What is measured
+----------------
+One optimizer step (Adam, float32 master parameters, bfloat16 compute) of
+the example GPT (:mod:`zeropp_jax.models.gpt`; default shape 24 layers,
+d_model 2048, 16 heads, seq 1024, vocab 256: 1.21B parameters) at a global
+batch of ``--batch`` sequences, in five variants:
+
+* ``plain``: ``jax.jit`` of ``value_and_grad`` + ``optax.adam``, the loss on
+  bfloat16 copies of the parameters (what a user writes without this
+  library);
+* ``plain_remat``: the same with each layer under ``jax.checkpoint`` (the
+  per-layer recomputation that ZeRO-3's per-layer gathering implies);
+* ``zero3``: :func:`zeropp_jax.make_trainer` with the ``zero3`` preset, per
+  layer, on a ``1x1`` mesh (no collective moves data: what is left is the
+  trainer's own cost);
+* ``qwz_pallas`` / ``qwz_xla``: the ``qwz`` preset (int8 parameter
+  quantize, gather, dequantize per layer) with the Pallas kernels, and with
+  the XLA reference.
+
+Per variant: compile, ``--warmup`` steps, then the median of ``--repeats``
+timed groups of ``--steps`` queued steps (``jax.block_until_ready`` on the
+last state of a group). Model FLOP/s = tokens/s x
+:func:`~zeropp_jax.models.gpt.flops_per_token` (``6N + 12 L S d``, the
+causal mask not discounted). ``--peak-tflops`` (default 790, the bf16 dense
+matmul rate measured on an H200) gives the utilization column.
+
+Prints one ``JSON`` line and a table last. Exits 0 with a message without a
+GPU, unless ``--allow-cpu`` (a tiny shape, to exercise the script).
+
+Usage::
+
+  python benchmarks/gpu_train_probe.py                      # ~2-3 min on one H200
+  python benchmarks/gpu_train_probe.py --variants plain,zero3 --layers 12 --d-model 768 --heads 12
+  python benchmarks/gpu_train_probe.py --allow-cpu --layers 2 --d-model 64 --heads 4 --seq 32 --batch 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+
+VARIANTS = ("plain", "plain_remat", "zero3", "qwz_pallas", "qwz_xla")
+H200_BF16_PEAK_TFLOPS = 790.0  # dense bf16 matmul, measured (benchmarks/RESULTS.md)
+
+
+def log(message: str) -> None:
+    print(f"[gpu_train_probe] {message}", file=sys.stderr, flush=True)
+
+
+def _plain_step(cfg, optimizer, *, remat: bool):
+    """``(init, step)`` of plain single-device training, bf16 compute."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from zeropp_jax.models import gpt
+
+    layer = jax.checkpoint if remat else (lambda f: f)
+
+    def loss(params, batch):
+        p16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+        return gpt.loss_fn(p16, batch, cfg, layer=layer)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state, batch):
+        params, opt_state = state
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), value
+
+    return (lambda params: (params, optimizer.init(params))), step
+
+
+def _trainer_step(cfg, optimizer, params_shapes, *, preset: str, implementation: str):
+    """``(init, step)`` of :func:`zeropp_jax.make_trainer` on a 1x1 mesh."""
+    import jax.numpy as jnp
+
+    import zeropp_jax as zp
+    from zeropp_jax.models import gpt
+
+    config = zp.ZeroConfig.from_preset(
+        preset, compute_dtype=jnp.bfloat16, implementation=implementation
+    )
+    loss = functools.partial(gpt.loss_fn, cfg=cfg, gather=zp.gather, layer=zp.layer)
+    trainer = zp.make_trainer(
+        loss, optimizer, params_shapes, mesh=zp.make_mesh(1, 1), config=config,
+        per_layer=True, stacked=("blocks",),
+    )
+
+    def step(state, batch):
+        state, metrics = trainer.step(state, batch)
+        return state, metrics["loss"]
+
+    return trainer.init, step
+
+
+def build(variant: str, cfg, optimizer, params_shapes):
+    if variant == "plain":
+        return _plain_step(cfg, optimizer, remat=False)
+    if variant == "plain_remat":
+        return _plain_step(cfg, optimizer, remat=True)
+    if variant == "zero3":
+        return _trainer_step(cfg, optimizer, params_shapes, preset="zero3", implementation="auto")
+    if variant in ("qwz_pallas", "qwz_xla"):
+        return _trainer_step(cfg, optimizer, params_shapes, preset="qwz",
+                             implementation=variant.split("_")[1])
+    raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
+
+
+def measure(variant, cfg, optimizer, batch, args) -> dict:
+    """Compile, warm up and time one variant; the state is freed afterwards."""
+    import jax
+
+    from zeropp_jax.models import gpt
+
+    params = gpt.init_params(cfg, jax.random.key(0))
+    shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+    init, step = build(variant, cfg, optimizer, shapes)
+    t0 = time.perf_counter()
+    state = init(params)
+    del params
+    losses = []
+    for _ in range(args.warmup):
+        state, loss = step(state, batch)
+        losses.append(float(loss))
+    warm_s = time.perf_counter() - t0
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            state, loss = step(state, batch)
+        jax.block_until_ready(state)
+        times.append((time.perf_counter() - t0) / args.steps)
+    losses.append(float(loss))
+    del state
+    step_s = statistics.median(times)
+    tokens = args.batch * args.seq
+    tflops = tokens / step_s * gpt.flops_per_token(cfg) / 1e12
+    return dict(variant=variant, step_s=step_s, step_s_all=times, tokens_per_s=tokens / step_s,
+                model_tflops=tflops, utilization=tflops / args.peak_tflops,
+                compile_and_warmup_s=warm_s, loss_first=losses[0], loss_last=losses[-1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, from {', '.join(VARIANTS)}")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--d-model", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compile included)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed group")
+    parser.add_argument("--repeats", type=int, default=3, help="timed groups (median reported)")
+    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS)
+    parser.add_argument("--json-out", default=None, help="also write the results here")
+    parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU (tiny shapes)")
+    args = parser.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from zeropp_jax.models import gpt
+
+    if jax.default_backend() != "gpu" and not args.allow_cpu:
+        print(f"No GPU: jax.default_backend() is {jax.default_backend()!r}; nothing to measure "
+              "(--allow-cpu runs it anyway).")
+        return 0
+    cfg = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layers=args.layers,
+                        d_model=args.d_model, n_heads=args.heads)
+    dev = jax.devices()[0]
+    attention = gpt.attention_implementation(jnp.bfloat16, cfg.head_dim) or "xla"
+    log(f"jax {jax.__version__}, {dev.device_kind}; {gpt.count_params(cfg) / 1e9:.3f}B params, "
+        f"batch {args.batch} x seq {args.seq}, attention {attention}")
+    batch = jax.random.randint(jax.random.key(1), (args.batch, args.seq + 1), 0, args.vocab,
+                               dtype=jnp.int32)
+    optimizer = optax.adam(1e-4)
+    rows = []
+    for variant in variants:
+        try:
+            row = measure(variant, cfg, optimizer, batch, args)
+        except Exception as e:  # report and go on with the other variants
+            row = dict(variant=variant, error=f"{type(e).__name__}: {str(e)[:400]}")
+            log(f"{variant}: FAILED {row['error']}")
+        else:
+            log(f"{variant}: {row['step_s'] * 1e3:.1f} ms/step, {row['model_tflops']:.0f} TFLOP/s")
+        rows.append(row)
+
+    summary = dict(jax=jax.__version__, device=dev.device_kind, params=gpt.count_params(cfg),
+                   flops_per_token=gpt.flops_per_token(cfg), attention=attention,
+                   shape=dict(layers=args.layers, d_model=args.d_model, heads=args.heads,
+                              seq=args.seq, vocab=args.vocab, batch=args.batch),
+                   peak_tflops=args.peak_tflops, variants=rows)
+    print("JSON " + json.dumps(summary))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(summary, f, indent=1)
+    ok = {r["variant"]: r for r in rows if "error" not in r}
+    print(f"{dev.device_kind}, {gpt.count_params(cfg) / 1e9:.2f}B params, bf16, attention {attention}")
+    print(f"{'variant':<13}{'ms/step':>9}{'TFLOP/s':>9}{'% peak':>8}{'vs plain_remat':>16}{'loss':>14}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:<13}  FAILED {r['error'][:80]}")
+            continue
+        base = ok.get("plain_remat")
+        rel = f"{r['step_s'] / base['step_s']:.3f}x" if base else "-"
+        print(f"{r['variant']:<13}{r['step_s'] * 1e3:>9.1f}{r['model_tflops']:>9.0f}"
+              f"{100 * r['utilization']:>7.1f}%{rel:>16}"
+              f"{r['loss_first']:>7.3f}->{r['loss_last']:<6.3f}")
+    return 0 if len(ok) == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
