@@ -3,9 +3,10 @@
 The loss is differentiated with respect to each unit's gradient *sink*
 (:class:`~zeropp_jax.step.gather.Unit`): every ``gather`` the model makes is
 an all-gather whose backward is a reduce-scatter into the sink, so the sum
-over micro-batches never holds a full gradient.  With hpZ each unit's source
-is the node's secondary partition, built here once per step from the primary
-shards: the only parameter traffic across nodes.
+over micro-batches never holds a full gradient.  Each unit's source, what its
+gathers send, is prepared here once per step from the primary shard (cast,
+or quantized with qwZ); with hpZ it is the node's secondary partition: the
+only parameter traffic across nodes.
 """
 
 from __future__ import annotations
@@ -22,24 +23,33 @@ from zeropp_jax.step.geometry import DATA_AXES, StepGeometry
 from zeropp_jax.wire import collectives
 
 
-def hpz_secondary(geo: StepGeometry, primary: jax.Array) -> Any:
-    """hpZ: this node's partition, the primary shards all-gathered over ``node``.
+def unit_source(geo: StepGeometry, primary: jax.Array) -> Any:
+    """What a unit's per-layer gathers send, prepared once per step.
+
+    The primary shard cast to the compute dtype, or quantized with qwZ
+    (:func:`~zeropp_jax.wire.collectives.encode_for_gather`): parameters do
+    not change within a step, so every gather of the step (forward and
+    backward, every micro-batch) sends the same payload. With hpZ, the node's
+    secondary partition: that payload all-gathered over ``node`` once, the
+    only parameter traffic across nodes.
 
     Args:
       geo: the step geometry.
       primary: float32 ``([L,] U / D)``.
 
     Returns:
-      ``([L,] U / local)`` in the compute dtype, or a ``Quantized`` pair
-      when qwZ is on (the refresh crosses nodes quantized).
+      ``([L,] U / D)`` (``([L,] U / local)`` with hpZ) in the compute dtype,
+      or a ``Quantized`` pair of that length when qwZ is on.
     """
-    cfg = geo.config
-    if cfg.qwz_bits:
-        q = geo.kernels.quantize(
-            primary, bits=cfg.qwz_bits, block=cfg.qwz_block, scale_dtype=cfg.scale_dtype
-        )
-        return collectives.all_gather(q, (NODE,))
-    return collectives.all_gather(primary.astype(geo.compute_dtype), (NODE,))
+    plan = geo.plan
+    payload = collectives.encode_for_gather(
+        primary, bits=plan.bits, block=plan.block, scale_dtype=plan.scale_dtype,
+        out_dtype=plan.compute_dtype, kernels=plan.kernels,
+    )
+    if geo.config.hpz:
+        with jax.named_scope("hpz_secondary"):
+            payload = collectives.all_gather(payload, (NODE,))
+    return payload
 
 
 def micro_batch_key(key: jax.Array, step: jax.Array, first_row: jax.Array) -> jax.Array:
@@ -84,11 +94,8 @@ def accumulate(
 
     sources = {}
     for u in units:
-        if cfg.hpz:
-            with jax.named_scope(f"hpz_secondary_{u.name}"):
-                sources[u.name] = hpz_secondary(geo, params[u.name])
-        else:
-            sources[u.name] = params[u.name]
+        with jax.named_scope(f"unit_source_{u.name}"):
+            sources[u.name] = unit_source(geo, params[u.name])
 
     def zero_sink(u):
         shard = params[u.name]
@@ -115,16 +122,22 @@ def accumulate(
 
     rows = jax.tree.leaves(batch)[0].shape[0]  # this device's rows, B / D
 
-    def micro_step(acc, inputs):
-        micro_batch, index = inputs
+    def grads_of(micro_batch, index):
         micro_key = None
         if key is not None:
             first_row = collectives.axes_index(DATA_AXES) * rows + index * (rows // accum)
             micro_key = micro_batch_key(key, step, first_row)
         loss, g = jax.value_and_grad(loss_of_sinks)(sinks0, micro_batch, micro_key)
+        return g, loss
+
+    def micro_step(acc, inputs):
+        g, loss = grads_of(*inputs)
         return jax.tree.map(jnp.add, acc, g), loss
 
     micro_batches = jax.tree.map(
         lambda x: jnp.reshape(x, (accum, x.shape[0] // accum) + x.shape[1:]), batch
     )
+    if accum == 1:  # no loop, and no zeros + gradient pass
+        g, loss = grads_of(jax.tree.map(lambda x: x[0], micro_batches), 0)
+        return g, loss[None]
     return jax.lax.scan(micro_step, sinks0, (micro_batches, jnp.arange(accum)))

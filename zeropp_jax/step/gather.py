@@ -24,7 +24,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from zeropp_jax.wire import collectives, quantization
+from zeropp_jax.wire import collectives
 from zeropp_jax.wire.kernels import Kernels
 from zeropp_jax.layout import UnitLayout, unflatten_unit
 
@@ -38,7 +38,7 @@ class GatherPlan:
         hpZ, else ``("local", "node")``).
       reduce_axes: mesh axes of the per-layer gradient reduce-scatter
         (``("local",)`` when the cross-node reduction runs once per step).
-      bits: qwZ bits applied when the source is a float shard (0: none).
+      bits: qwZ bits of the payload (0: none, the shard in the compute dtype).
       block: elements per qwZ scale.
       scale_dtype: dtype of qwZ scales on the wire.
       compute_dtype: dtype of the gathered parameters.
@@ -61,55 +61,64 @@ class Unit:
     """One layer's parameters as seen by the model inside the step.
 
     Children (sliced by ``lax.scan`` for stacked units):
-      source: float ``(..., s)`` shard or a ``Quantized`` hpZ secondary.
+      source: what this device sends, prepared once per step: the shard
+        ``(..., s)`` in the compute dtype, or its qwZ ``Quantized`` pair
+        (with hpZ, the node's secondary partition).
       sink: float32 ``(..., r)`` zeros; its gradient is the layer's
         reduce-scattered gradient.
+      order: ``None``, or a float32 scalar zero computed from the layer's
+        inputs (set by :func:`layer`): the payload this device sends is
+        made to depend on it, so the gather cannot start before them.
     Aux data: the unit's :class:`UnitLayout` and :class:`GatherPlan`.
     """
 
-    def __init__(self, source: Any, sink: jax.Array, layout: UnitLayout, plan: GatherPlan):
+    def __init__(self, source: Any, sink: jax.Array, layout: UnitLayout, plan: GatherPlan,
+                 order: jax.Array | None = None):
         self.source = source
         self.sink = sink
         self.layout = layout
         self.plan = plan
+        self.order = order
 
     def tree_flatten(self):
-        return (self.source, self.sink), (self.layout, self.plan)
+        return (self.source, self.sink, self.order), (self.layout, self.plan)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(*children, *aux)
+        source, sink, order = children
+        return cls(source, sink, *aux, order=order)
+
+    def ordered(self, order: jax.Array | None) -> "Unit":
+        """This unit with its gather made to wait for ``order`` (see :func:`layer`)."""
+        return Unit(self.source, self.sink, self.layout, self.plan, order=order)
 
     def __repr__(self):
         return f"Unit({self.layout.name!r}, stack={self.layout.stack})"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gather_flat(plan: GatherPlan, source: Any, sink: jax.Array) -> jax.Array:
+def _gather_flat(plan: GatherPlan, source: Any, sink: jax.Array, order: Any) -> jax.Array:
+    """Wait for ``order``, gather the encoded ``source``, decode to the compute dtype."""
     del sink  # only carries the gradient
-    if isinstance(source, quantization.Quantized):
-        gathered = collectives.all_gather(source, plan.gather_axes)
-        return plan.kernels.dequantize(
-            gathered, bits=plan.bits, block=plan.block, dtype=plan.compute_dtype
-        )
-    return collectives.quantized_all_gather(
-        source,
-        plan.gather_axes,
-        bits=plan.bits,
-        block=plan.block,
-        scale_dtype=plan.scale_dtype,
-        out_dtype=plan.compute_dtype,
+    if collectives.axes_size(plan.gather_axes) > 1:
+        # The dependency rides on the (narrow, shard-sized) payload: one pass
+        # over the bytes about to be sent. A group of one sends nothing, and
+        # its "gathered" layer is the resident payload itself: nothing to order.
+        source = _tie(source, order)
+    gathered = collectives.all_gather(source, plan.gather_axes)
+    return collectives.decode_gathered(
+        gathered, bits=plan.bits, block=plan.block, out_dtype=plan.compute_dtype,
         kernels=plan.kernels,
     )
 
 
-def _gather_fwd(plan, source, sink):
-    return _gather_flat(plan, source, sink), None
+def _gather_fwd(plan, source, sink, order):
+    return _gather_flat(plan, source, sink, order), None
 
 
 def _gather_bwd(plan, _, cotangent):
     grad = collectives.reduce_scatter(cotangent, plan.reduce_axes, plan.reduce_dtype)
-    return None, grad.astype(jnp.float32)
+    return None, grad.astype(jnp.float32), None
 
 
 _gather_flat.defvjp(_gather_fwd, _gather_bwd)
@@ -137,7 +146,7 @@ def gather(tree: Any) -> Any:
         if not _is_unit(x):
             return x
         with jax.named_scope(f"gather_{x.layout.name}"):
-            flat = _gather_flat(x.plan, x.source, x.sink)
+            flat = _gather_flat(x.plan, x.source, x.sink, x.order)
         return unflatten_unit(flat, x.layout)
 
     return jax.tree.map(one, tree, is_leaf=_is_unit)
@@ -166,26 +175,31 @@ def layer(fn: Callable) -> Callable:
 
     The dependency is an added ``0 * probe`` (guarded against non-finite
     probes): opaque to every compiler pass, and one element-wise add over
-    the layer's shards.
+    the payload each device sends (the cast or quantized shard).
     """
 
     @functools.wraps(fn)
     def wrapped(*args):
+        args = _in_order(args)  # units carry an order scalar from here on
         converted, consts = jax.closure_convert(fn, *args)
         return _rematerialized(converted, tuple(consts), args)
 
     return wrapped
 
 
-def _call_in_order(fn: Callable, consts: tuple, args: tuple) -> Any:
+def _in_order(args: tuple, after: Any = None) -> tuple:
+    """``args`` with each unit's gather ordered after the other arguments and ``after``."""
     activations = jax.tree.map(lambda x: None if _is_unit(x) else x, args, is_leaf=_is_unit)
-    args = jax.tree.map(
-        lambda x: Unit(_after(x.source, activations), x.sink, x.layout, x.plan)
-        if _is_unit(x) else x,
-        args,
-        is_leaf=_is_unit,
-    )
-    return fn(*args, *consts)
+    # The cotangent first (backward): a layer's first activation may be a
+    # replicated constant that _tie cannot add to a varying payload.
+    order = _zero_after((after, activations))
+    if order is None:  # nothing to wait for; a scalar all the same (one pytree structure)
+        order = jnp.zeros((), jnp.float32)
+    return jax.tree.map(lambda x: x.ordered(order) if _is_unit(x) else x, args, is_leaf=_is_unit)
+
+
+def _call_in_order(fn: Callable, consts: tuple, args: tuple, after: Any = None) -> Any:
+    return fn(*_in_order(args, after), *consts)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -198,30 +212,49 @@ def _remat_fwd(fn, consts, args):
 
 
 def _remat_bwd(fn, residuals, cotangent):
-    consts, args = _after(residuals, cotangent)
-    _, vjp = jax.vjp(lambda c, a: _call_in_order(fn, c, a), consts, args)
+    # The recomputation's inputs (activations and constants) wait for the
+    # cotangent; the units' gathers wait for those and the cotangent.
+    zero = _zero_after(cotangent)
+    consts, args = jax.tree.map(
+        lambda x: x if _is_unit(x) else _tie(x, zero), residuals, is_leaf=_is_unit
+    )
+    _, vjp = jax.vjp(lambda c, a: _call_in_order(fn, c, a, after=cotangent), consts, args)
     return vjp(cotangent)
 
 
 _rematerialized.defvjp(_remat_fwd, _remat_bwd)
 
 
-def _after(tree: Any, deps: Any) -> Any:
-    """Returns ``tree`` unchanged in value but computed after ``deps``."""
-    probes = [
-        x for x in jax.tree.leaves(deps)
-        if hasattr(x, "dtype") and x.dtype != jnp.bool_ and x.size
-        and (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer))
-    ]
+def _zero_after(deps: Any) -> jax.Array | None:
+    """A float32 scalar zero computed from the first numeric leaf of ``deps`` (``None`` if none).
+
+    ``0 * probe``, guarded against a non-finite probe: opaque to every
+    compiler pass, so whatever :func:`_tie` adds it to waits for ``deps``.
+    """
+    probes = [x for x in jax.tree.leaves(deps) if _is_numeric(x)]
     if not probes:
-        return tree
+        return None
     probe = jnp.reshape(probes[0], (-1,))[0].astype(jnp.float32)
-    zero = jnp.where(jnp.isfinite(probe), probe * 0.0, 0.0)
+    return jnp.where(jnp.isfinite(probe), probe * 0.0, 0.0)
+
+
+def _is_numeric(x: Any) -> bool:
+    """A non-empty float or integer array (what a zero can be added to)."""
+    return (
+        hasattr(x, "dtype") and x.dtype != jnp.bool_ and bool(x.size)
+        and (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer))
+    )
+
+
+def _tie(tree: Any, zero: jax.Array | None) -> Any:
+    """``tree`` unchanged in value but computed after ``zero`` (``x + zero`` per array)."""
+    if zero is None:
+        return tree
     zero_vma = _varying_axes(zero)
 
     def tie(x):
-        if not hasattr(x, "dtype") or x.dtype == jnp.bool_ or not x.size:
-            return x
+        if not _is_numeric(x):
+            return x  # bools, PRNG keys, empty arrays, non-arrays
         if not zero_vma <= _varying_axes(x):
             return x  # adding a varying zero would change x's type
         return x + zero.astype(x.dtype)

@@ -163,8 +163,11 @@ class StepGeometry:
     def memory_per_device(self) -> dict:
         """Bytes each device holds per ZeRO++ structure (from the layout).
 
-        ``hpz_secondary`` is hpZ's extra cost: the node's copy of the model,
-        sharded over ``local`` only, built once per step. ``grad_accumulator``
+        ``gather_source`` is what the per-layer gathers send, prepared once
+        per step (:func:`~zeropp_jax.step.accumulate.unit_source`): this
+        device's shard cast to the compute dtype (nothing extra when that is
+        float32) or quantized with qwZ; with hpZ the node's copy of the
+        model, sharded over ``local`` only. ``grad_accumulator``
         holds gradients between the backward and the cross-node reduction:
         ``1/local`` of the model with hierarchical gradients (hpZ or qgZ),
         ``1/(nodes*local)`` otherwise. ``qgz_carry`` is the error-feedback
@@ -174,19 +177,19 @@ class StepGeometry:
         cfg = self.config
         padded = self.layout.padded_numel
         per_local = padded // self.local
-        secondary = 0
-        if cfg.hpz:
-            if cfg.qwz_bits:
-                secondary = quantization.wire_bytes(
-                    per_local, bits=cfg.qwz_bits, block=cfg.qwz_block,
-                    scale_dtype=cfg.scale_dtype,
-                )
-            else:
-                secondary = per_local * jnp.dtype(self.compute_dtype).itemsize
+        source = per_local if cfg.hpz else padded // self.n_devices
+        if cfg.qwz_bits:
+            source_bytes = quantization.wire_bytes(
+                source, bits=cfg.qwz_bits, block=cfg.qwz_block, scale_dtype=cfg.scale_dtype
+            )
+        elif cfg.hpz or jnp.dtype(self.compute_dtype) != jnp.dtype(jnp.float32):
+            source_bytes = source * jnp.dtype(self.compute_dtype).itemsize
+        else:
+            source_bytes = 0  # the float32 master shard is sent as it is
         accumulator = 4 * (per_local if cfg.hierarchical_grads else padded // self.n_devices)
         return {
             "master_params": 4 * padded // self.n_devices,
-            "hpz_secondary": secondary,
+            "gather_source": source_bytes,
             "grad_accumulator": accumulator,
             "qgz_carry": 4 * per_local if self.error_feedback else 0,
         }

@@ -139,6 +139,38 @@ def all_to_all_chunks(payload: Any, axis: str) -> Any:
     )
 
 
+def encode_for_gather(
+    x: jax.Array, *, bits: int, block: int, scale_dtype: Any, out_dtype: Any,
+    kernels: kernels_lib.Kernels = kernels_lib.XLA,
+) -> Any:
+    """What this device sends in a (quantized) all-gather of ``x``.
+
+    Args:
+      x: float ``(..., n)``, ``n`` a multiple of ``block`` when quantized.
+      bits: 0 (``x`` cast to ``out_dtype``), 8 or 4 (a ``Quantized`` pair).
+      block: elements per scale.
+      scale_dtype: dtype of the scales on the wire.
+      out_dtype: the gathered result's dtype (the wire dtype when ``bits`` is 0).
+      kernels: the quantization kernels (XLA reference or Pallas).
+
+    Returns:
+      ``out_dtype`` ``(..., n)`` or ``Quantized``. Local: touches no mesh axis.
+    """
+    if bits == 0:
+        return x.astype(out_dtype)
+    return kernels.quantize(x, bits=bits, block=block, scale_dtype=scale_dtype)
+
+
+def decode_gathered(
+    payload: Any, *, bits: int, block: int, out_dtype: Any,
+    kernels: kernels_lib.Kernels = kernels_lib.XLA,
+) -> jax.Array:
+    """The values of a gathered payload of :func:`encode_for_gather`, in ``out_dtype``."""
+    if bits == 0:
+        return payload
+    return kernels.dequantize(payload, bits=bits, block=block, dtype=out_dtype)
+
+
 def quantized_all_gather(
     x: jax.Array,
     axes: Axes,
@@ -150,6 +182,8 @@ def quantized_all_gather(
     kernels: kernels_lib.Kernels = kernels_lib.XLA,
 ) -> jax.Array:
     """All-gather that carries ``bits``-bit codes plus per-block scales.
+
+    :func:`encode_for_gather`, :func:`all_gather`, :func:`decode_gathered`.
 
     Args:
       x: float ``(..., n)``, ``n`` a multiple of ``block``.
@@ -164,8 +198,8 @@ def quantized_all_gather(
     Returns:
       ``(..., n * axes_size(axes))`` in ``out_dtype``.
     """
-    if bits == 0:
-        return all_gather(x.astype(out_dtype), axes)
-    q = kernels.quantize(x, bits=bits, block=block, scale_dtype=scale_dtype)
-    q = all_gather(q, axes)
-    return kernels.dequantize(q, bits=bits, block=block, dtype=out_dtype)
+    payload = encode_for_gather(x, bits=bits, block=block, scale_dtype=scale_dtype,
+                                out_dtype=out_dtype, kernels=kernels)
+    return decode_gathered(all_gather(payload, axes), bits=bits, block=block,
+                           out_dtype=out_dtype, kernels=kernels)
+
