@@ -223,7 +223,7 @@ def build_layout(
     stacked = tuple(stacked)
     if units:
         return _nested_layout(
-            params, [tuple(map(str, p)) for p in units], n_devices=n_devices,
+            params, [tuple(p) for p in units], n_devices=n_devices,
             align=align, leaf_align=leaf_align, stacked=stacked,
         )
     if not per_layer:
@@ -270,7 +270,7 @@ def _nested_layout(
     rest, subtrees = cut_paths(params, paths)
     kw = dict(n_devices=n_devices, align=align, leaf_align=leaf_align)
     layouts = [_unit_layout(REMAINDER, rest, stacked=False, **kw)]
-    layouts += [_unit_layout("/".join(p), t, stacked=p in stacked, **kw)
+    layouts += [_unit_layout("/".join(map(str, p)), t, stacked=p in stacked, **kw)
                 for p, t in zip(paths, subtrees)]
     return ParamLayout(tuple(layouts), False, n_devices, ((),) + tuple(paths))
 

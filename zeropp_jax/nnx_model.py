@@ -35,14 +35,19 @@ def nnx_loss(
         :func:`~zeropp_jax.make_trainer` so the loss gets a key.
 
     Returns:
-      ``(params, loss_fn)``: the ``nnx.Param`` state (a pytree to pass to
-      ``make_trainer`` and ``trainer.init``) and
+      ``(params, loss_fn)``: the ``nnx.Param`` values as a nested dict of
+      arrays (``nnx.to_pure_dict``: attribute names, and integers for
+      ``nnx.List`` items), to pass to ``make_trainer`` and ``trainer.init``
+      (and ``nnx.update`` takes it back), and
       ``loss_fn(params, batch, key=None)``. Without a key the streams keep
       the values they had when the model was split, so every step would draw
       the same dropout mask: give the trainer ``rng=``. The other state
       (batch statistics, counters) is read, never written back: modules that
       update state in training (``BatchNorm`` with ``use_running_average=False``)
       are not supported.
+
+    ``make_trainer(..., wrap=(Block,), example_batch=batch)`` makes each
+    ``Block`` instance the loss calls its own unit (:mod:`zeropp_jax.step.wrap`).
 
     Example::
 
@@ -53,6 +58,7 @@ def nnx_loss(
       nnx.update(model, trainer.gather_params(state))  # trained weights back in the module
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = nnx.to_pure_dict(params)
 
     def loss_fn(params: Any, batch: Any, key: jax.Array | None = None) -> jax.Array:
         # The rest enters as this trace's values: NNX refuses to reseed

@@ -23,11 +23,11 @@ def cut_paths(params: Any, paths: Sequence[tuple[str, ...]]) -> tuple[Any, list]
         node = rest
         for i, key in enumerate(path[:-1]):
             if not isinstance(node.get(key), Mapping):
-                raise ValueError(f"no parameter sub-tree at {'/'.join(path[: i + 1])}")
+                raise ValueError(f"no parameter sub-tree at {'/'.join(map(str, path[: i + 1]))}")
             node[key] = dict(node[key])
             node = node[key]
         if path[-1] not in node:
-            raise ValueError(f"no parameter sub-tree at {'/'.join(path)}")
+            raise ValueError(f"no parameter sub-tree at {'/'.join(map(str, path))}")
         subtrees.append(node.pop(path[-1]))
     return rest, subtrees
 

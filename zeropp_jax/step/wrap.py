@@ -1,9 +1,11 @@
-"""A wrap policy for unmodified Flax Linen models (FSDP's ``ModuleWrapPolicy``).
+"""A wrap policy for unmodified Flax models (FSDP's ``ModuleWrapPolicy``).
 
 ``make_trainer(..., wrap=(Block,), example_batch=batch)`` makes every
 instance of a listed module class its own unit, and the remaining parameters
 one more unit (:data:`~zeropp_jax.layout.REMAINDER`, gathered whole before
-the loss). The user's loss function is not changed:
+the loss). The user's loss function is not changed.
+
+Flax Linen (classes of ``flax.linen.Module``):
 
 1. :func:`discover` traces ``loss_fn`` once, abstractly (``jax.eval_shape``),
    under a flax method interceptor that records the parameter path
@@ -21,57 +23,52 @@ A block under ``nn.scan`` sees one layer's slice of its stacked parameters;
 path one stacked unit, which the scan slices into one ``Unit`` per layer
 (one gather per layer, forward and backward).
 
-While a wrapped block is applied, the interceptor passes every call through
-(the re-application calls the same class, and listed classes nested inside a
+Flax NNX (classes of ``flax.nnx.Module``): :mod:`zeropp_jax.step.wrap_nnx`.
+
+While a wrapped block is applied, calls of listed classes pass through (the
+re-application calls the same class, and listed classes nested inside a
 wrapped block belong to the outer block's unit).
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
-from zeropp_jax.step.gather import Unit, gather, layer
-
-
-class _Depth(threading.local):
-    """How many wrapped blocks are being applied or recorded on this thread."""
-
-    value = 0
-
-
-_DEPTH = _Depth()
-
-
-@contextlib.contextmanager
-def _inside_block():
-    _DEPTH.value += 1
-    try:
-        yield
-    finally:
-        _DEPTH.value -= 1
+from zeropp_jax.step import wrap_nnx
+from zeropp_jax.step.blocks import as_layer, depth, inside_block, subtree, trace_calls
+from zeropp_jax.step.gather import Unit
 
 
 def _check_classes(classes: Sequence[type]) -> tuple[type, ...]:
+    """The Linen classes, or a TypeError (NNX classes go to :func:`_nnx_classes`)."""
     import flax.linen as nn
 
     classes = tuple(classes)
     bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
     if bad or not classes:
         raise TypeError(
-            f"wrap takes a tuple of flax.linen.Module classes, got {classes!r}"
-            " (NNX modules are not supported yet)"
+            "wrap takes a tuple of flax.linen.Module classes or of flax.nnx.Module "
+            f"classes (not mixed), got {classes!r}"
         )
     return classes
 
 
+def _nnx_classes(classes: Sequence[type]) -> tuple[type, ...] | None:
+    """``classes`` if all are NNX module classes, ``None`` otherwise."""
+    from flax import nnx
+
+    classes = tuple(classes)
+    if classes and all(isinstance(c, type) and issubclass(c, nnx.Module) for c in classes):
+        return classes
+    return None
+
+
 def _is_target(context: Any, classes: tuple[type, ...]) -> bool:
     return (
-        _DEPTH.value == 0
+        depth() == 0
         and context.method_name == "__call__"
         and isinstance(context.module, classes)
         and context.module.scope is not None
@@ -96,6 +93,10 @@ def prepare(
     if per_layer or stacked:
         raise ValueError("wrap= replaces per_layer= and stacked=; pass only wrap")
     key = () if rng is None else (jax.random.key(0),)  # the loss takes a key
+    nnx_classes = _nnx_classes(classes)
+    if nnx_classes:
+        paths = wrap_nnx.discover(loss_fn, params, example_batch, nnx_classes, key)
+        return wrap_nnx.wrap_loss(loss_fn, nnx_classes, paths), paths, []
     paths, stacked = discover(loss_fn, params, example_batch, classes, key)
     return wrap_loss(loss_fn, classes), paths, stacked
 
@@ -133,62 +134,28 @@ def discover(
         if not _is_target(context, classes):
             return next_fun(*args, **kwargs)
         path = tuple(context.module.scope.path)
-        outer = _subtree(params, path)
+        outer = subtree(params, path)
         if path not in found and outer is not None:
             found.append(path)
             inner = context.module.variables.get("params")
             if np.ndim(jax.tree.leaves(outer)[0]) == np.ndim(jax.tree.leaves(inner)[0]) + 1:
                 stacked.append(path)
-        with _inside_block():
+        with inside_block():
             return next_fun(*args, **kwargs)
 
-    def traced(p, b, rest):
-        with nn.intercept_methods(record):
-            return loss_fn(p, b, *rest)
-
-    jax.eval_shape(traced, params, example_batch, tuple(extra_args))
-    if not found:
-        names = ", ".join(c.__name__ for c in classes)
-        raise ValueError(
-            f"wrap: loss_fn never called a module of class {names} that has "
-            "parameters (on the example batch); check the classes, or use "
-            "per_layer=False"
-        )
+    trace_calls(loss_fn, params, example_batch, extra_args,
+                lambda _: nn.intercept_methods(record), classes, found)
     return found, stacked
 
 
-def _subtree(params: Any, path: tuple[str, ...]) -> Any:
-    node = params
-    for key in path:
-        if not hasattr(node, "keys") or key not in node:
-            return None
-        node = node[key]
-    return node
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
 def _apply_block(module: Any, unit: Unit, args: tuple, kwargs: dict, rngs: dict) -> Any:
-    """``module(*args, **kwargs)`` on ``gather(unit)``, as one ``layer``.
-
-    Array leaves of the arguments are the layer's inputs (so its gather is
-    ordered after them); other leaves (flags, ``None``) stay static.
-    """
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+    """A Linen ``module(*args, **kwargs)`` on ``gather(unit)``, as one ``layer``."""
     top = module.clone(parent=None, name=None)
 
-    def block(unit, *arrays):
-        full = list(leaves)
-        for i, x in zip(dynamic, arrays):
-            full[i] = x
-        a, kw = jax.tree.unflatten(treedef, full)
-        with _inside_block():
-            return top.apply({"params": gather(unit)}, *a, rngs=rngs or None, **kw)
+    def apply(params, _, *a, **kw):
+        return top.apply({"params": params}, *a, rngs=rngs or None, **kw)
 
-    return layer(block)(unit, *[leaves[i] for i in dynamic])
+    return as_layer(apply, unit, args, kwargs)
 
 
 def wrap_loss(loss_fn: Callable, classes: Sequence[type]) -> Callable:
