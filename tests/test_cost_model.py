@@ -1,5 +1,6 @@
 """Cost model (zeropp_jax.analysis.cost_model) and ``zeropp-simulate``."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -66,7 +67,37 @@ def test_link_bytes_permute():
 
 
 @pytest.fixture(scope="module")
-def profiles():
+def compile_once():
+    """``profile_config`` compiling each distinct step once in this module.
+
+    The simulate CLI profiles the same steps as :func:`profiles` (its
+    ``--dtype fp32`` and default model, mesh and batch make the same configs),
+    so it reuses their compiled programs; labels are the caller's.
+    """
+    from zeropp_jax.analysis import comm_profile
+    from zeropp_jax.models import gpt
+
+    compiled = {}
+    profile_config = comm_profile.profile_config
+
+    def once(config, *, mesh=None, model=None, batch_size=16, compress=None, label=""):
+        mesh = zp.make_mesh(2, 4) if mesh is None else mesh
+        model = gpt.GPTConfig() if model is None else model
+        devices = tuple(d.id for d in mesh.devices.flat)
+        key = (config, model, batch_size, compress, mesh.devices.shape, devices)
+        if key not in compiled:
+            compiled[key] = profile_config(config, mesh=mesh, model=model,
+                                           batch_size=batch_size, compress=compress)
+        return dataclasses.replace(compiled[key], label=label)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(comm_profile, "profile_config", once)
+        patch.setattr(cm, "profile_config", once)
+        yield compiled
+
+
+@pytest.fixture(scope="module")
+def profiles(compile_once):
     return {
         "zero3": cm.profile_preset("zero3"),
         "qwz": cm.profile_preset("qwz"),
@@ -213,11 +244,12 @@ def test_profile_json_round_trip(profiles):
 
 
 @pytest.mark.slow
-def test_simulate_cli(capsys):
-    assert simulate.main(["--published", "--json"]) == 0
+def test_simulate_cli(compile_once, capsys):
+    assert simulate.main(["--published", "--json", "--dtype", "fp32"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert all(abs(r["serial_error"]) <= out["tolerance"] for r in out["published"])
-    assert simulate.main(["--preset", "zeropp", "--params", "1.3B", "--sweep-gbps", "100,400"]) == 0
+    assert simulate.main(["--preset", "zeropp", "--params", "1.3B", "--sweep-gbps", "100,400",
+                          "--dtype", "fp32"]) == 0
     text = capsys.readouterr().out
     assert "zeropp" in text and "speed-up" in text
 

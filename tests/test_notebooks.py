@@ -1,7 +1,9 @@
 """Every notebook in notebooks/ runs top to bottom and writes its figures.
 
-Runs with short training (``ZEROPP_NB_STEPS``) so the four fit in CI's time;
-figures go to a temporary folder, never over the committed ones.
+Runs small so the four fit in CI's time: short training (``ZEROPP_NB_STEPS``)
+and one gradient-accumulation setting (``ZEROPP_NB_ACCUMS``; accumulation's
+bytes are tests/test_zeropp.py's). Figures go to a temporary folder, never
+over the committed ones.
 """
 
 import pathlib
@@ -20,8 +22,9 @@ FIGURES = {
     "03_convergence.ipynb": ["convergence.png"],
     "04_scaling.ipynb": ["scaling_bandwidth.png", "scaling_nodes.png"],
 }
-# Steps of training in the notebooks that train (the full runs use 200-400).
-CI_STEPS = "20"
+# Steps of training in the notebooks that train (the full runs use 200-400);
+# 8 keeps a warm-up step before the compressed ones.
+CI_STEPS = "8"
 
 
 def test_every_notebook_is_listed():
@@ -32,6 +35,7 @@ def test_every_notebook_is_listed():
 def test_notebook_runs_and_saves_figures(name, tmp_path, monkeypatch):
     monkeypatch.setenv("ZEROPP_FIGURES", str(tmp_path))
     monkeypatch.setenv("ZEROPP_NB_STEPS", CI_STEPS)
+    monkeypatch.setenv("ZEROPP_NB_ACCUMS", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     book = nbformat.read(NOTEBOOKS / name, as_version=4)
     client = nbclient.NotebookClient(

@@ -11,13 +11,16 @@ runs the full-precision variant
   gradient RMS (``QgzState.grad_rms`` in the train state) is below ``x``;
 
 and the compressed variant otherwise.  The step number and the warm-up and
-refresh rules are known on the host; only the gate needs a value from the
-device, and it is read only when the gate is what decides.
+refresh rules are known on the host (:class:`HostSteps` keeps the step number
+of the states a trainer returns); only the gate needs a value from the device,
+and it is read only when the gate is what decides.  So choosing the variant of
+step ``n + 1`` does not wait for step ``n`` to finish.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 from zeropp_jax.config import ZeroConfig
@@ -77,3 +80,30 @@ class QgzSchedule:
         if n and (step - self.warmup_steps + 1) % n == 0:
             return False
         return not (self.min_grad_rms > 0 and float(grad_rms) < self.min_grad_rms)
+
+
+class HostSteps:
+    """The step number of the last state a trainer returned, kept on the host.
+
+    Reading ``int(state.step)`` before every step would wait for the previous
+    step to finish and so stop asynchronous dispatch. The trainer records the
+    (host-known) step number of the state it returns, keyed by the identity of
+    that state's ``step`` array (held weakly: no buffer is kept alive), and
+    :meth:`get` answers only for that very array. A state the trainer did not
+    return (restored from a checkpoint, rebuilt from host copies, built by
+    hand) is unknown here, so its step is read from the device once. Arrays
+    are immutable, so the answer is always ``int(state.step)``.
+    """
+
+    def __init__(self):
+        self._last = None  # (weakref to a step array, its value)
+
+    def get(self, step_array: Any) -> int | None:
+        """The step number of ``step_array`` if it is the one recorded, else ``None``."""
+        if self._last is not None and self._last[0]() is step_array:
+            return self._last[1]
+        return None
+
+    def record(self, step_array: Any, step: int) -> None:
+        """Records that ``step_array`` (an int32 scalar ``jax.Array``) holds ``step``."""
+        self._last = (weakref.ref(step_array), step)

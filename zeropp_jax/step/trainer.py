@@ -50,7 +50,7 @@ from zeropp_jax.step.batch import place_batch
 from zeropp_jax.step.geometry import StepGeometry
 from zeropp_jax.step.onebit_adam import OneBitAdam
 from zeropp_jax.step.rules import UpdateRule, rule_for
-from zeropp_jax.step.schedule import QgzSchedule
+from zeropp_jax.step.schedule import HostSteps, QgzSchedule
 from zeropp_jax.step.state import TrainState, ZeroOptState
 from zeropp_jax.step import wrap as wrap_policy
 from zeropp_jax.wire.kernels import Kernels
@@ -78,6 +78,8 @@ class Trainer:
     rule: UpdateRule
     geometry: StepGeometry
     key: Any = None
+    _host_steps: HostSteps = dataclasses.field(
+        default_factory=HostSteps, init=False, repr=False, compare=False)
 
     # ------------------------------------------------------- what it is
     mesh = property(lambda self: self.geometry.mesh)
@@ -120,7 +122,9 @@ class Trainer:
         """
         _check_structure(params, self.layout)
         with jax.set_mesh(self.mesh):
-            return self._init_jit(params)
+            state = self._init_jit(params)
+        self._host_steps.record(state.step, 0)
+        return state
 
     @functools.cached_property
     def _init_jit(self) -> Callable:
@@ -146,21 +150,28 @@ class Trainer:
           state: the current state (donated: do not use it afterwards).
           batch: the global batch (see :meth:`shard_batch`; placed there
             unless already sharded over all devices).
-          compress: force the qgZ variant; ``None`` follows
-            :attr:`schedule` (which reads the step counter from the device
-            only when a warm-up, refresh or gate is configured).
+          compress: force the qgZ variant; ``None`` follows :attr:`schedule`
+            at the state's step, known on the host for states this trainer
+            returned (:class:`~zeropp_jax.step.schedule.HostSteps`), else read
+            once; only a gradient-RMS gate reads the device every step.
 
         Returns:
           ``(new_state, metrics)``: metrics is a dict of scalars ``loss``,
           ``grad_norm``, ``grad_rms`` and ``compressed`` (0 or 1).
         """
+        step = self._host_steps.get(state.step)
         if compress is None:
-            compress = self.schedule.compress_at(state.step, state.opt_state.qgz.grad_rms)
+            if step is None and not self.schedule.is_static:
+                step = int(state.step)
+            compress = self.schedule.compress_at(step, state.opt_state.qgz.grad_rms)
         batch = self.shard_batch(batch)  # no copy for a batch already placed
         if self._one_step_in_flight:
             jax.block_until_ready(state)
         with jax.set_mesh(self.mesh):
-            return self._step_variants[bool(compress)](state, batch)
+            state, metrics = self._step_variants[bool(compress)](state, batch)
+        if step is not None:
+            self._host_steps.record(state.step, step + 1)
+        return state, metrics
 
     @functools.cached_property
     def _step_variants(self) -> dict[bool, Callable]:
@@ -350,11 +361,13 @@ def make_trainer(
         and the micro-batch's first global row, so a resumed run draws the
         same keys. (A key closed over in ``loss_fn`` instead would draw the
         same dropout mask at every step.)
-      wrap: flax Linen module classes (e.g. a transformer block): every
-        instance ``loss_fn`` calls becomes its own unit, gathered when it is
-        called and again in the backward; the other parameters are one
-        unit gathered before the loss (:mod:`~zeropp_jax.step.wrap`). The
-        model and ``loss_fn`` are used unchanged.
+      wrap: flax Linen or NNX module classes (e.g. a transformer block):
+        every instance ``loss_fn`` calls becomes its own unit, gathered when
+        it is called and again in the backward; the other parameters are one
+        unit gathered before the loss (:mod:`~zeropp_jax.step.wrap`;
+        :mod:`~zeropp_jax.step.wrap_nnx` for an NNX model through
+        :func:`zeropp_jax.nnx_loss`). The model and ``loss_fn`` are used
+        unchanged.
       example_batch: with ``wrap``, a batch (or its shapes) ``loss_fn``
         accepts, traced once without running to find the wrapped modules.
 
