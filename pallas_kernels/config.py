@@ -87,9 +87,9 @@ _MEASURED_DEFAULTS = {
     ("dequantize", 4): KernelConfig(tile_elems=1024, num_warps=2),
     ("compress_1bit_ef", 1): KernelConfig(tile_elems=1024, num_warps=8),
     ("quantize_dithered", 1): KernelConfig(tile_elems=8192, num_warps=8, split_bytes=True),
-    ("dequantize_sum", 1): KernelConfig(tile_elems=2048, num_warps=2),
+    ("dequantize_sum", 1): KernelConfig(tile_elems=2048, num_warps=1, split_bytes=True),
     ("dequantize_sum", 4): KernelConfig(tile_elems=1024, num_warps=1, split_bytes=True),
-    ("dequantize_sum", 8): KernelConfig(tile_elems=1024, num_warps=8),
+    ("dequantize_sum", 8): KernelConfig(tile_elems=512, num_warps=4),
 }
 
 
