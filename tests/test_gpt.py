@@ -265,3 +265,23 @@ def test_opaque_stored_subtrees_with_checkpoint_match_plain(params):
     assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_attention_is_causal_softmax_attention_and_picks_cudnn_only_on_gpu():
+    """``jax.nn.dot_product_attention`` == explicit causal softmax attention (float32)."""
+    from zeropp_jax.models import gpt
+
+    assert jax.default_backend() != "gpu"
+    assert gpt.attention_implementation(jnp.bfloat16, 64) is None  # XLA off the GPU
+    attn = gpt.CausalSelfAttention(n_heads=4, out_init_std=0.02)
+    x = jax.random.normal(jax.random.key(0), (2, 8, 32), jnp.float32)
+    variables = attn.init(jax.random.key(1), x)
+    p = variables["params"]
+    qkv = x @ p["qkv"]["kernel"] + p["qkv"]["bias"][None, None]
+    q, k, v = jnp.split(qkv.reshape(2, 8, 3, 4, 8), 3, axis=2)
+    q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(8)
+    scores = jnp.where(jnp.tril(jnp.ones((8, 8), bool)), scores, -jnp.inf)
+    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v).reshape(2, 8, 32)
+    want = out @ p["proj"]["kernel"] + p["proj"]["bias"][None, None]
+    np.testing.assert_allclose(attn.apply(variables, x), want, rtol=2e-5, atol=2e-6)
