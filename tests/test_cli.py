@@ -40,7 +40,7 @@ def _summary(stdout: str) -> dict:
 
 
 def _header(stdout: str) -> str:
-    lines = [line for line in stdout.splitlines() if line.startswith("zeropp-train: ")]
+    lines = [line for line in stdout.splitlines() if line.startswith("zeropp-train: preset=")]
     assert len(lines) == 1, f"expected one header line in:\n{stdout}"
     return lines[0]
 

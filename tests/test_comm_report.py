@@ -374,3 +374,76 @@ def test_errors():
     garbled = _COND_HLO.replace("ROOT %ag1 = f32[8]{0} all-gather", "ROOT %ag1 = ?? all-gather")
     with pytest.raises(ValueError, match="Could not parse collective"):
         parse_collectives(garbled, mesh_shape=MESH_SHAPE)
+
+
+# ----------------------------------------------------------------------------
+# Headline: two-level vs flat, and full-precision payloads at the run's dtypes
+# ----------------------------------------------------------------------------
+
+
+def test_headline_is_two_level_and_flat_counts_every_device(mesh):
+    # all-gather over all 8 devices, result 8 x 256 B per device. Two-level:
+    # the node takes in the other node's 4 chunks once (1024 B); flat: each
+    # of its 4 devices receives those 4 chunks (4096 B, `local` times more).
+    report = _report(mesh, lambda a: jax.lax.all_gather(a, ("node", "local"), tiled=True))
+    assert _only(report).axis == "node+local"
+    assert (report.inter_node_bytes, report.flat_inter_node_bytes) == (1024, 4096)
+    data = report.to_json()
+    assert (data["inter_node_bytes"], data["flat_inter_node_bytes"]) == (1024, 4096)
+    assert data["summary"][0]["flat_inter_node_bytes"] == 4096
+
+
+def test_bfloat16_run_counted_at_bfloat16(mesh):
+    f = lambda a: jax.lax.all_gather(a, "node", tiled=True)
+    x = jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8).astype(jnp.bfloat16)
+    compiled = _compile(mesh, f, x)
+    as_compiled = comm_report(compiled, mesh_shape=MESH_SHAPE)
+    report = comm_report(compiled, mesh_shape=MESH_SHAPE, float_dtypes=(jnp.bfloat16, "bf16"))
+    # 4 devices per node each take one 64-element chunk from the other node.
+    assert report.inter_node_bytes == report.flat_inter_node_bytes == 4 * 64 * 2
+    assert report.summary()[0].dtype == "bf16"
+    assert report.narrowed == (as_compiled.collectives[0].dtype == "f32")
+    assert as_compiled.inter_node_bytes == 4 * 64 * (4 if report.narrowed else 2)
+    if report.narrowed:
+        assert "bf16*" in report.format_table()
+    # A float32 run is counted as compiled.
+    f32 = comm_report(compiled, mesh_shape=MESH_SHAPE, float_dtypes=("float32", "float32"))
+    assert f32.inter_node_bytes == as_compiled.inter_node_bytes and not f32.narrowed
+    with pytest.raises(ValueError, match="full-precision wire dtype"):
+        comm_report(compiled, mesh_shape=MESH_SHAPE, float_dtypes=("int8", "bf16"))
+
+
+def test_quantization_scales_keep_their_width(mesh):
+    from zeropp_jax.wire.collectives import SCALES_SCOPE
+
+    def f(a):
+        with jax.named_scope(SCALES_SCOPE):
+            return jax.lax.all_gather(a, "node", tiled=True)
+
+    x = jnp.zeros((64, 8), jnp.float32)
+    report = comm_report(_compile(mesh, f, x), mesh_shape=MESH_SHAPE,
+                         float_dtypes=("bf16", "bf16"))
+    assert report.inter_node_bytes == 4 * 64 * 4 and not report.narrowed
+
+
+def test_full_precision_steps_of_a_schedule():
+    from zeropp_jax.analysis.headline import full_precision_steps
+    from zeropp_jax.step.schedule import QgzSchedule
+
+    # warm-up 100, then every 10th step: steps 109, 119, ..., 299.
+    schedule = QgzSchedule(active=True, warmup_steps=100, refresh_every=10)
+    assert full_precision_steps(schedule, 300) == 100 + 20
+    assert full_precision_steps(schedule, 50) == 50
+    assert full_precision_steps(QgzSchedule(active=False, warmup_steps=100), 300) == 0
+
+
+def test_zero3_figure_from_the_model_size():
+    import types
+
+    from zeropp_jax.analysis.headline import zero3_inter_node_bytes
+
+    trainer = types.SimpleNamespace(
+        nodes=4, compute_dtype=jnp.bfloat16, layout=types.SimpleNamespace(padded_numel=800),
+        config=types.SimpleNamespace(reduce_dtype=None, grad_accum=2))
+    # 3 passes x 2 micro-batches x 800 x 2 B, of which 3/4 held on other nodes.
+    assert zero3_inter_node_bytes(trainer) == 3 * 2 * 800 * 2 * 3 // 4

@@ -206,6 +206,11 @@ class ZeroConfig:
         0, "with --qgz-target momentum: every N-th step after the warm-up runs at full "
         "precision and refreshes Adam's second moment (0: never)", parse=int, at_least=0,
     )
+    hierarchical_collectives: bool = _field(
+        False, "run the per-layer all-gathers and gradient reduce-scatters over node and "
+        "local in two steps (one device per node crosses nodes), as a two-level ZeRO-3 "
+        "would; same values", flag="--hierarchical", parse=bool,
+    )
     grad_accum: int = _field(
         1, "micro-batches per optimizer step", parse=int, at_least=1, cli_default=1,
     )

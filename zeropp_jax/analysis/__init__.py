@@ -7,9 +7,11 @@ Read in this order (each module builds on the ones above it):
 * :mod:`~zeropp_jax.analysis.replica_groups`: a collective's replica groups
   expanded to device ids.
 * :mod:`~zeropp_jax.analysis.collectives`: each collective instruction with
-  the bytes it moves within and across nodes.
+  the bytes it moves within and across nodes (flat, and two-level).
 * :mod:`~zeropp_jax.analysis.comm_report`: :func:`comm_report`, all of them
   for one compiled program, per mesh axis, per node, as JSON or a table.
+* :mod:`~zeropp_jax.analysis.headline`: a trainer's headline figure (two-level
+  inter-node bytes per node, over its qgZ schedule) beside zero3's.
 * :mod:`~zeropp_jax.analysis.cluster`: the target cluster and workload.
 * :mod:`~zeropp_jax.analysis.comm_profile`: per-collective link bytes of a
   compiled step (hierarchical counting), scaled to a target.

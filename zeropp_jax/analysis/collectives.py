@@ -14,6 +14,13 @@ member: all-gather ``O/g``; reduce-scatter ``I/g``; all-reduce ``2*I/g``
 collective-permute: the whole operand from its source. A member on another
 node makes the bytes inter-node.
 
+These are *flat* counts: every device's transfer is counted, as an algorithm
+that connects every device to every other (gloo's) sends them. A two-level
+algorithm (NCCL's hierarchical and ring paths, DeepSpeed's ZeRO-3) brings each
+distinct remote byte into a node once and forwards it over intra-node links:
+:func:`two_level_bytes` counts that, ``local`` times less for a gather over
+all devices.
+
 Async pairs (``all-gather-start``/``-done`` ...) are counted once, at the start;
 the result shape is read from the matching ``-done``.
 """
@@ -37,13 +44,18 @@ from zeropp_jax.analysis.hlo import (
     shape_leaves,
 )
 from zeropp_jax.analysis.replica_groups import parse_replica_groups
+from zeropp_jax.wire.collectives import CODES_SCOPE, SCALES_SCOPE
 
 __all__ = [
     "COLLECTIVE_KINDS",
     "Collective",
+    "METRIC_BYTES",
     "add_permute_bytes",
     "check_mesh_shape",
+    "link_bytes",
     "parse_collectives",
+    "payload_role",
+    "two_level_bytes",
 ]
 
 COLLECTIVE_KINDS = (
@@ -53,6 +65,13 @@ COLLECTIVE_KINDS = (
     "all-to-all",
     "collective-permute",
 )
+
+# All-reduces of at most this many bytes per device carry step metrics (the
+# loss, the gradient norm: a few scalars; ZeRO never all-reduces parameters
+# or gradients), whose size does not grow with the model.
+METRIC_BYTES = 64
+
+FLOAT_DTYPES = ("f64", "f32", "bf16", "f16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,3 +304,78 @@ def parse_collectives(hlo_text: str, *, mesh_shape: tuple[int, int]) -> list[Col
                 out.append(_make_collective(inst, comp, contexts[comp.name], symbols,
                                             dones.get(inst.name), nodes, local))
     return out
+
+
+def payload_role(c: Collective) -> str:
+    """What a collective carries: ``"codes"`` or ``"scales"`` of a quantized
+    payload (named by :mod:`zeropp_jax.wire.collectives`), ``"metric"`` (a few
+    scalars), ``"float"`` (full-precision parameters or gradients) or ``"other"``."""
+    if f"/{SCALES_SCOPE}/" in c.op_name:
+        return "scales"
+    if f"/{CODES_SCOPE}/" in c.op_name:
+        return "codes"
+    if c.kind == "all-reduce" and max(c.operand_bytes, c.result_bytes) <= METRIC_BYTES:
+        return "metric"
+    if c.dtype in FLOAT_DTYPES:
+        return "float"
+    return "other"
+
+
+def two_level_bytes(c: Collective, mesh_shape: tuple[int, int]) -> tuple[list, list]:
+    """Per-step link bytes of one collective under a two-level algorithm.
+
+    Each distinct remote byte enters a node once (exchange across nodes, then
+    forward inside the node). For a group with ``m`` members on a node, ``k``
+    nodes and ``size`` members in all, per-device operand ``I`` and result
+    ``O``: all-gather brings ``(size - m) * O / size`` into the node;
+    reduce-scatter ``(k - 1) * m * I / size`` (remote partial sums of the
+    node's chunks); all-reduce both; all-to-all cannot be merged
+    (``m * (size - m) * I / size``); a collective-permute moves its operand
+    once per pair. Each device then takes over intra-node links what it needs
+    (or must hand on) minus its share of what the node's link carried.
+
+    Args:
+      c: a collective from :func:`parse_collectives`.
+      mesh_shape: ``(nodes, local)`` of the compiled program.
+
+    Returns:
+      ``(inter, intra)``: bytes entering each node over its inter-node link
+      (a list of ``nodes`` floats) and bytes each device receives over
+      intra-node links (``nodes * local`` floats), per step (times ``c.count``).
+    """
+    nodes, local = mesh_shape
+    inter = [0.0] * nodes
+    intra = [0.0] * (nodes * local)
+    I, O = float(c.operand_bytes), float(c.result_bytes)  # noqa: E741 - the math's names
+    if c.kind == "collective-permute":  # one source per byte: no merging possible
+        add_permute_bytes(c.replica_groups, I, local, inter, intra)
+    else:
+        for group in c.replica_groups:
+            size = len(group)
+            if size < 2:
+                continue
+            by_node: dict[int, list[int]] = {}
+            for d in group:
+                by_node.setdefault(d // local, []).append(d)
+            k = len(by_node)
+            for n, members in by_node.items():
+                m = len(members)
+                rs_in = (k - 1) * m * I / size
+                inter[n] += {"all-gather": (size - m) * O / size, "reduce-scatter": rs_in,
+                             "all-reduce": rs_in + (size - m) * I / size,
+                             "all-to-all": m * (size - m) * I / size}[c.kind]
+                own_share = (size - m) / (size * m)
+                dev = {"all-gather": O * ((size - 1) / size - own_share),
+                       "reduce-scatter": I * ((size - 1) / size - own_share),
+                       "all-reduce": 2 * I * ((size - 1) / size - own_share),
+                       "all-to-all": (m - 1) * I / size}[c.kind]
+                for d in members:
+                    intra[d] += dev
+    return [b * c.count for b in inter], [b * c.count for b in intra]
+
+
+def link_bytes(c: Collective, mesh_shape: tuple[int, int]) -> tuple[float, float]:
+    """:func:`two_level_bytes`' maxima: ``(inter-node bytes into the busiest
+    node, intra-node bytes into the busiest device)``, per step."""
+    inter, intra = two_level_bytes(c, mesh_shape)
+    return max(inter), max(intra)

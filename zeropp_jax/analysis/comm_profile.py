@@ -11,19 +11,11 @@ Byte accounting (per collective, per step, :func:`link_bytes`):
 * Links are counted *hierarchically*, as a two-level algorithm moves data
   (exchange across nodes, then forward over NVLink; ZeRO++'s own design and
   NCCL's tree/CollNet/PXN paths): each distinct remote byte enters a node
-  once. For a collective whose group has ``m`` members on a node, ``k``
-  nodes and ``size`` members in all, with per-device operand ``I`` and result
-  ``O``: all-gather brings ``(size - m) * O / size`` into the node, and each
-  device takes ``(size-1)/size`` of ``O`` minus its share of the node's
-  remote bytes over NVLink; reduce-scatter needs ``(k - 1) * m * I / size``
-  (remote partial sums of the node's chunks); all-reduce both; all-to-all
-  cannot be merged (``m * (size - m) * I / size``). This is the least a
-  node must receive. A flat ring over all ``N * L`` GPUs brings
-  ``(NL - 1)/(NL)`` of the payload into every node instead of
-  ``(N - 1)/N``: the same at the paper's 48 nodes (2% apart), up to twice as
-  much on 2 nodes. ``zeropp-comm``'s per-node figure counts every device's
-  transfer separately (a flat implementation): ``local`` times the
-  hierarchical volume for groups spanning ``node`` and ``local``.
+  once (:func:`~zeropp_jax.analysis.collectives.two_level_bytes`, also
+  ``zeropp-comm``'s headline). This is the least a node must receive. A flat
+  ring over all ``N * L`` GPUs brings ``(NL - 1)/(NL)`` of the payload into
+  every node instead of ``(N - 1)/N``: the same at the paper's 48 nodes (2%
+  apart), up to twice as much on 2 nodes.
 * Full-precision payloads are counted at ``Workload.float_bytes`` per element
   (2: bf16 on the wire). The profile is compiled on CPU, where XLA carries
   float collectives as f32 whatever the compute dtype; quantized codes and
@@ -41,10 +33,9 @@ from __future__ import annotations
 import dataclasses
 
 from zeropp_jax.analysis.cluster import Cluster, Workload, check_positive_int
-from zeropp_jax.analysis.collectives import Collective, add_permute_bytes
+from zeropp_jax.analysis.collectives import link_bytes, payload_role
 from zeropp_jax.analysis.comm_report import CommReport, comm_report
 from zeropp_jax.analysis.hlo import dtype_bytes
-from zeropp_jax.wire.collectives import CODES_SCOPE, SCALES_SCOPE
 
 __all__ = [
     "CollectiveCost",
@@ -55,13 +46,6 @@ __all__ = [
     "profile_report",
 ]
 
-# All-reduces of at most this many bytes per device carry step metrics (the
-# loss, the gradient norm: a few scalars; ZeRO never all-reduces parameters
-# or gradients), whose size does not grow with the model; they are counted as
-# compiled, never scaled.
-METRIC_BYTES = 64
-
-
 def _check_profile_mesh(mesh_shape: tuple[int, int]) -> None:
     nodes, local = mesh_shape
     if nodes < 2:
@@ -69,66 +53,6 @@ def _check_profile_mesh(mesh_shape: tuple[int, int]) -> None:
             f"a profile needs a mesh with at least 2 nodes (to see what crosses nodes), got "
             f"{nodes}x{local}; on a one-node machine compile it on simulated CPU devices "
             f"(JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8, mesh 2x4)")
-
-
-def _role(c: Collective) -> str:
-    if f"/{SCALES_SCOPE}/" in c.op_name:
-        return "scales"
-    if f"/{CODES_SCOPE}/" in c.op_name:
-        return "codes"
-    if c.kind == "all-reduce" and max(c.operand_bytes, c.result_bytes) <= METRIC_BYTES:
-        return "metric"
-    if c.dtype in ("f32", "bf16", "f16", "f64"):
-        return "float"
-    return "other"
-
-
-def link_bytes(c: Collective, mesh_shape: tuple[int, int]) -> tuple[float, float]:
-    """Hierarchical link bytes of one collective, per step.
-
-    Args:
-      c: a collective from :func:`zeropp_jax.analysis.comm_report.comm_report`.
-      mesh_shape: ``(nodes, local)`` of the compiled program.
-
-    Returns:
-      ``(inter, intra)``: bytes entering one node over its inter-node link
-      and bytes one device receives over intra-node links, max over nodes /
-      devices, multiplied by the collective's executions per step.
-    """
-    nodes, local = mesh_shape
-    inter = [0.0] * nodes
-    intra = [0.0] * (nodes * local)
-    I, O = float(c.operand_bytes), float(c.result_bytes)
-    if c.kind == "collective-permute":  # one source per byte: no merging possible
-        add_permute_bytes(c.replica_groups, I, local, inter, intra)
-    else:
-        for group in c.replica_groups:
-            size = len(group)
-            if size < 2:
-                continue
-            by_node: dict[int, list[int]] = {}
-            for d in group:
-                by_node.setdefault(d // local, []).append(d)
-            k = len(by_node)
-            for n, members in by_node.items():
-                m = len(members)
-                ag_in = (size - m) * O / size  # all-gather: remote chunks, once per node
-                rs_in = (k - 1) * m * I / size  # reduce-scatter: remote partial sums
-                a2a_in = m * (size - m) * I / size
-                node_in = {"all-gather": ag_in, "reduce-scatter": rs_in,
-                           "all-reduce": rs_in + (size - m) * I / size,
-                           "all-to-all": a2a_in}[c.kind]
-                inter[n] += node_in
-                # Per device over NVLink: everything it needs (or must hand
-                # on) except its share of what the node's link carries.
-                own_share = (size - m) / (size * m)
-                dev = {"all-gather": O * ((size - 1) / size - own_share),
-                       "reduce-scatter": I * ((size - 1) / size - own_share),
-                       "all-reduce": 2 * I * ((size - 1) / size - own_share),
-                       "all-to-all": (m - 1) * I / size}[c.kind]
-                for d in members:
-                    intra[d] += dev
-    return max(inter) * c.count, max(intra) * c.count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +142,7 @@ def profile_report(report: CommReport, *, params: int, label: str = "") -> CommP
         inter, intra = link_bytes(c, report.mesh_shape)
         widths = {dtype_bytes(t) for t in c.dtype.split("+")}
         costs.append(CollectiveCost(
-            kind=c.kind, axis=c.axis, role=_role(c), dtype=c.dtype,
+            kind=c.kind, axis=c.axis, role=payload_role(c), dtype=c.dtype,
             element_bytes=float(max(widths)), inter_bytes_per_node=inter,
             intra_bytes_per_device=intra, op_name=c.op_name,
         ))

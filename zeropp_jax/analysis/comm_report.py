@@ -20,6 +20,18 @@ The work is done in three steps, one module each:
 This module gathers them into a :class:`CommReport`: totals per node / per
 device, a summary per ``(kind, dtype, axis)``, JSON and a printable table.
 
+The headline, ``inter_node_bytes``, is what a node must take in under a
+two-level algorithm (each remote byte enters a node once, then is forwarded
+inside it: NCCL's hierarchical and ring algorithms, DeepSpeed's ZeRO-3),
+the figure the cost model uses. ``flat_inter_node_bytes`` counts every
+device's transfer, as an algorithm connecting every device to every other
+(gloo's) sends it: ``local`` times more for a gather over all devices, the
+same for collectives over ``node`` (one device per node).
+
+Full-precision payloads can be counted at the dtypes the run uses
+(``float_dtypes``): XLA:CPU compiles bf16 collectives as f32, which would
+double a bf16 run's bytes.
+
 Example:
     >>> compiled = jax.jit(step).lower(params, batch).compile()
     >>> report = comm_report(compiled, mesh_shape=(2, 4))
@@ -32,24 +44,52 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from zeropp_jax.analysis.collectives import Collective, check_mesh_shape, parse_collectives
+from zeropp_jax.analysis.collectives import (
+    Collective,
+    check_mesh_shape,
+    parse_collectives,
+    payload_role,
+    two_level_bytes,
+)
+from zeropp_jax.analysis.hlo import dtype_bytes
 
 __all__ = [
     "CommReport",
     "MemoryStats",
     "SummaryRow",
     "comm_report",
+    "hlo_dtype",
 ]
+
+_HLO_DTYPES = {"float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def hlo_dtype(dtype: Any) -> str:
+    """HLO element type of a float dtype: ``jnp.bfloat16`` or ``"bfloat16"`` -> ``"bf16"``."""
+    if isinstance(dtype, str) and dtype in _HLO_DTYPES.values():
+        return dtype
+    import numpy as np
+
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = str(dtype)
+    if name not in _HLO_DTYPES:
+        raise ValueError(
+            f"a full-precision wire dtype must be one of {sorted(_HLO_DTYPES)}, got {dtype!r}")
+    return _HLO_DTYPES[name]
 
 
 @dataclasses.dataclass(frozen=True)
 class SummaryRow:
     """Collectives sharing ``(kind, dtype, axis)``; byte fields are per step.
 
-    ``operand_bytes``/``result_bytes`` are per device; ``inter_node_bytes`` is per
-    node (max over nodes) and ``intra_node_bytes`` per device (max over devices).
-    ``exact`` is False if any member has an unknown trip count or sits in a
-    conditional.
+    ``dtype`` is the counted element type (see ``CommReport.float_dtypes``);
+    ``operand_bytes``/``result_bytes`` are per device; ``inter_node_bytes`` is
+    per node, two-level (max over nodes), ``flat_inter_node_bytes`` per node
+    with every device's transfer counted, and ``intra_node_bytes`` per device
+    (max over devices). ``exact`` is False if any member has an unknown trip
+    count or sits in a conditional.
     """
 
     kind: str
@@ -62,6 +102,7 @@ class SummaryRow:
     inter_node_bytes: int
     intra_node_bytes: int
     exact: bool
+    flat_inter_node_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,67 +172,114 @@ class CommReport:
     """All collectives of one compiled program, plus optional memory sizes.
 
     Attributes:
-        collectives: one entry per collective instruction, in HLO text order.
+        collectives: one entry per collective instruction, in HLO text order,
+            with the compiled element types and flat byte counts.
         mesh_shape: ``(nodes, local)``.
         memory: from ``Compiled.memory_analysis()``; None when built from text.
+        float_dtypes: ``(gathered, reduced)`` HLO element types the run puts on
+            the wire for full-precision parameters and gradients (e.g.
+            ``("bf16", "bf16")``), or None to count every collective as
+            compiled. A full-precision collective compiled wider (XLA:CPU
+            carries bf16 collectives as f32) is counted at this width:
+            all-gathers and permutes at the first, reductions and
+            all-to-alls at the second. Quantized codes and scales and metric
+            scalars keep their compiled widths.
     """
 
     collectives: list[Collective]
     mesh_shape: tuple[int, int]
     memory: MemoryStats | None = None
+    float_dtypes: tuple[str, str] | None = None
+
+    def wire_dtype(self, c: Collective) -> str:
+        """The element type ``c`` is counted at (its compiled one unless narrowed)."""
+        if self.float_dtypes is None or payload_role(c) != "float":
+            return c.dtype
+        gathered, reduced = self.float_dtypes
+        want = gathered if c.kind in ("all-gather", "collective-permute") else reduced
+        return want if dtype_bytes(want) < dtype_bytes(c.dtype) else c.dtype
+
+    def _scale(self, c: Collective) -> float:
+        return float(dtype_bytes(self.wire_dtype(c)) / dtype_bytes(c.dtype))
+
+    def _max_sum(self, per_collective) -> int:
+        totals = None
+        for c in self.collectives:
+            values = [v * self._scale(c) for v in per_collective(c)]
+            totals = values if totals is None else [t + v for t, v in zip(totals, values)]
+        return round(max(totals)) if totals else 0
 
     @property
     def inter_node_bytes(self) -> int:
-        """Bytes one node receives from other nodes per step (max over nodes)."""
-        nodes = self.mesh_shape[0]
-        return max(
-            (sum(c.inter_node_bytes_by_node[n] for c in self.collectives) for n in range(nodes)),
-            default=0,
-        )
+        """Bytes one node takes in from other nodes per step under a two-level
+        algorithm (each remote byte enters the node once; max over nodes)."""
+        return self._max_sum(lambda c: two_level_bytes(c, self.mesh_shape)[0])
+
+    @property
+    def flat_inter_node_bytes(self) -> int:
+        """Bytes one node's devices receive from other nodes per step, every
+        device's transfer counted (an all-device algorithm; max over nodes)."""
+        return self._max_sum(lambda c: c.inter_node_bytes_by_node)
 
     @property
     def intra_node_bytes(self) -> int:
         """Bytes one device receives from its own node per step (max over devices)."""
-        devices = self.mesh_shape[0] * self.mesh_shape[1]
-        return max(
-            (sum(c.intra_node_bytes_by_device[d] for c in self.collectives)
-             for d in range(devices)),
-            default=0,
-        )
+        return self._max_sum(lambda c: c.intra_node_bytes_by_device)
 
     @property
     def exact(self) -> bool:
         """False if any count depends on an unknown trip count or a conditional."""
         return all(c.trip_count_known and not c.in_conditional for c in self.collectives)
 
+    def counted_bytes(self, c: Collective) -> tuple[float, float, float]:
+        """``(two-level inter-node, flat inter-node, intra-node)`` bytes of one
+        collective per step at its counted width (busiest node / device)."""
+        scale = self._scale(c)
+        inter, _ = two_level_bytes(c, self.mesh_shape)
+        return (max(inter) * scale, c.inter_node_bytes_per_node * scale,
+                c.intra_node_bytes_per_device * scale)
+
+    @property
+    def narrowed(self) -> bool:
+        """Whether any collective is counted narrower than compiled."""
+        return any(self.wire_dtype(c) != c.dtype for c in self.collectives)
+
     def summary(self) -> list[SummaryRow]:
-        """Collectives grouped by ``(kind, dtype, axis)``, in first-seen order."""
+        """Collectives grouped by ``(kind, counted dtype, axis)``, in first-seen order."""
         groups: dict[tuple[str, str, str], list[Collective]] = {}
         for c in self.collectives:
-            groups.setdefault((c.kind, c.dtype, c.axis), []).append(c)
+            groups.setdefault((c.kind, self.wire_dtype(c), c.axis), []).append(c)
         rows = []
         for (kind, dtype, axis), cs in groups.items():
-            sub = CommReport(cs, self.mesh_shape)
+            sub = dataclasses.replace(self, collectives=cs, memory=None)
             rows.append(SummaryRow(
                 kind=kind,
                 dtype=dtype,
                 axis=axis,
                 instructions=len(cs),
                 executions=sum(c.count for c in cs),
-                operand_bytes=sum(c.operand_bytes * c.count for c in cs),
-                result_bytes=sum(c.result_bytes * c.count for c in cs),
+                operand_bytes=round(sum(c.operand_bytes * c.count * self._scale(c) for c in cs)),
+                result_bytes=round(sum(c.result_bytes * c.count * self._scale(c) for c in cs)),
                 inter_node_bytes=sub.inter_node_bytes,
                 intra_node_bytes=sub.intra_node_bytes,
                 exact=sub.exact,
+                flat_inter_node_bytes=sub.flat_inter_node_bytes,
             ))
         return rows
 
     def to_json(self) -> dict[str, Any]:
-        """Plain dict (lists, ints, strs, bools, None) ready for ``json.dumps``."""
+        """Plain dict (lists, ints, strs, bools, None) ready for ``json.dumps``.
+
+        ``inter_node_bytes`` is the two-level figure, ``flat_inter_node_bytes``
+        the flat one; ``collectives`` are as compiled (their dtypes and flat
+        bytes), the totals and ``summary`` at ``float_dtypes``.
+        """
         return {
             "mesh_shape": list(self.mesh_shape),
             "inter_node_bytes": self.inter_node_bytes,
+            "flat_inter_node_bytes": self.flat_inter_node_bytes,
             "intra_node_bytes": self.intra_node_bytes,
+            "float_dtypes": list(self.float_dtypes) if self.float_dtypes else None,
             "exact": self.exact,
             "summary": _jsonable(self.summary()),
             "collectives": _jsonable(self.collectives),
@@ -201,21 +289,32 @@ class CommReport:
     def format_table(self) -> str:
         """Human-readable table; per-step bytes, ``~`` marks inexact counts."""
         header = ("kind", "dtype", "axis", "group", "count", "operand/dev", "result/dev",
-                  "inter/node/step", "intra/dev/step", "computation")
+                  "inter/node/step", "flat inter/node", "intra/dev/step", "computation")
         rows = []
         for c in self.collectives:
             flag = "" if c.trip_count_known and not c.in_conditional else "~"
-            rows.append((c.kind, c.dtype, c.axis, str(c.group_size), f"{c.count}{flag}",
-                         _human(c.operand_bytes), _human(c.result_bytes),
-                         _human(c.inter_node_bytes_per_node), _human(c.intra_node_bytes_per_device),
-                         c.computation))
+            wire, scale = self.wire_dtype(c), self._scale(c)
+            rows.append((c.kind, c.dtype if wire == c.dtype else f"{wire}*", c.axis,
+                         str(c.group_size), f"{c.count}{flag}",
+                         _human(round(c.operand_bytes * scale)),
+                         _human(round(c.result_bytes * scale)),
+                         *(_human(round(b)) for b in self.counted_bytes(c)), c.computation))
         rows.append(("TOTAL", "", "", "", str(sum(c.count for c in self.collectives)), "", "",
                      f"{_human(self.inter_node_bytes)} ({self.inter_node_bytes})",
+                     f"{_human(self.flat_inter_node_bytes)} ({self.flat_inter_node_bytes})",
                      f"{_human(self.intra_node_bytes)} ({self.intra_node_bytes})", ""))
         widths = [max(len(r[k]) for r in [header, *rows]) for k in range(len(header))]
         fmt = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
         lines = [f"mesh (nodes, local) = {tuple(self.mesh_shape)}", fmt(header),
-                 fmt(tuple("-" * w for w in widths)), *map(fmt, rows)]
+                 fmt(tuple("-" * w for w in widths)), *map(fmt, rows),
+                 "inter/node/step: two-level (each remote byte enters a node once, as NCCL's "
+                 "hierarchical algorithms and DeepSpeed send it); flat inter/node: every "
+                 "device's transfer counted (an all-device algorithm, e.g. gloo's)"]
+        if self.narrowed:
+            gathered, reduced = self.float_dtypes
+            lines.append(f"* compiled as a wider float by this backend (XLA:CPU carries bf16 "
+                         f"collectives as f32); counted at the run's dtypes: gathers "
+                         f"{gathered}, reductions {reduced}")
         if not self.exact:
             lines.append("~ count inexact: unknown while trip count (counted once) "
                          "or conditional branch")
@@ -230,13 +329,22 @@ class CommReport:
         return "\n".join(lines)
 
 
-def comm_report(compiled_or_hlo_text: Any, *, mesh_shape: tuple[int, int]) -> CommReport:
+def comm_report(
+    compiled_or_hlo_text: Any,
+    *,
+    mesh_shape: tuple[int, int],
+    float_dtypes: tuple[Any, Any] | None = None,
+) -> CommReport:
     """Builds a ``CommReport`` from a compiled program or its HLO text.
 
     Args:
         compiled_or_hlo_text: a ``jax.stages.Compiled`` (its ``memory_analysis()``
             is read too) or the string from its ``as_text()``.
         mesh_shape: ``(nodes, local)``, e.g. ``mesh.devices.shape``.
+        float_dtypes: ``(compute dtype, reduce dtype)`` of the run (e.g.
+            ``(jnp.bfloat16, jnp.bfloat16)``): full-precision gathers and
+            reductions compiled wider are counted at these widths (see
+            :class:`CommReport`). None: every collective as compiled.
 
     Returns:
         The report.
@@ -257,4 +365,7 @@ def comm_report(compiled_or_hlo_text: Any, *, mesh_shape: tuple[int, int]) -> Co
         text = as_text()
         memory = MemoryStats.from_compiled(compiled_or_hlo_text)
     mesh = check_mesh_shape(mesh_shape)
-    return CommReport(parse_collectives(text, mesh_shape=mesh), mesh, memory)
+    if float_dtypes is not None:
+        gathered, reduced = float_dtypes
+        float_dtypes = (hlo_dtype(gathered), hlo_dtype(reduced))
+    return CommReport(parse_collectives(text, mesh_shape=mesh), mesh, memory, float_dtypes)

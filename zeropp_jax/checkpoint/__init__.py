@@ -26,10 +26,13 @@ qgZ carry) summed over nodes; see :mod:`~zeropp_jax.checkpoint.remesh`.
 Bad input.  A checkpoint whose units (names, numel, leaves) or optimizer
 state do not match the trainer raises :class:`CheckpointMismatchError`
 naming the step directory and the difference.  An unreadable checkpoint
-(missing files, corrupted data) raises :class:`CheckpointError` naming it;
+(missing files, corrupted data, arrays that do not match the checksums
+saved with them: :mod:`~zeropp_jax.checkpoint.checksum`) raises
+:class:`CheckpointError` naming it;
 when no step is asked for, the newest *readable* checkpoint is used instead,
 with a warning naming the bad one, which is renamed to ``<step>.corrupt`` so
-later saves of those step numbers are possible.
+later saves of those step numbers are possible.  A state holding ``inf`` or
+``nan`` is never saved (:class:`NonFiniteStateError`).
 
 Export.  :func:`export_params` writes the full, unpadded parameters (each
 leaf in its original dtype) as one msgpack file that needs neither this
@@ -41,13 +44,22 @@ Modules, in reading order:
 * ``storage``: the three Orbax items of one step directory;
 * ``metadata``: the JSON description and the checks that a trainer fits it;
 * ``remesh``: the restore plan (re-padding, the carry over another node count);
+* ``checksum``: the arrays' checksums; the finite-state check of a save;
 * ``export``: the full parameters as one msgpack file;
-* ``errors``: :class:`CheckpointError` and :class:`CheckpointMismatchError`.
+* ``errors``: :class:`CheckpointError`, :class:`CheckpointMismatchError`,
+  :class:`NonFiniteStateError`.
 """
 
 from zeropp_jax.checkpoint.checkpointer import Checkpointer as Checkpointer
 from zeropp_jax.checkpoint.errors import CheckpointError as CheckpointError
 from zeropp_jax.checkpoint.errors import CheckpointMismatchError as CheckpointMismatchError
+from zeropp_jax.checkpoint.errors import NonFiniteStateError as NonFiniteStateError
 from zeropp_jax.checkpoint.export import export_params as export_params
 
-__all__ = ["Checkpointer", "CheckpointError", "CheckpointMismatchError", "export_params"]
+__all__ = [
+    "Checkpointer",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "NonFiniteStateError",
+    "export_params",
+]

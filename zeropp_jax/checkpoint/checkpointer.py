@@ -17,7 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from zeropp_jax.checkpoint import storage
+from zeropp_jax.checkpoint import checksum, storage
 from zeropp_jax.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from zeropp_jax.checkpoint.metadata import describe_checkpoint
 from zeropp_jax.checkpoint.remesh import plan_restore
@@ -136,7 +136,12 @@ class Checkpointer:
           trainer: the trainer that owns it (for the layout and config).
           extra_metadata: JSON-serializable data stored with the checkpoint.
 
+        Checksums are stored and verified on restore; a non-finite state is
+        never saved, so it cannot rotate finite checkpoints out.
+
         Raises:
+          NonFiniteStateError: the parameters or the optimizer state are
+            not finite (nothing is written).
           ValueError: if ``step`` does not match ``state.step`` or is not
             newer than the newest checkpoint in the directory.
         """
@@ -152,6 +157,10 @@ class Checkpointer:
                 "resume from it, or save into another directory"
             )
         meta = describe_checkpoint(trainer, step, extra_metadata)
+        meta["checksums"] = checksum.checksums_of_finite(
+            {storage.PARAMS: state.params, storage.OPT: state.opt_state},
+            f"step {step} in {self.directory}",
+        )
         if not storage.save_items(self._manager, step, state, meta):
             raise RuntimeError(f"Orbax declined to save step {step} in {self.directory}")
 
@@ -212,16 +221,15 @@ class Checkpointer:
         return self._newest_good(step, lambda s: self._restore_step(trainer, s))
 
     def read_params(self, step: int | None = None) -> tuple[dict, dict]:
-        """Reads the stored (padded) parameter units to host numpy.
-
-        Returns:
-          ``(units, metadata)``: unit name -> float32 ``([L,] padded)``.
-        """
+        """``(units, metadata)``: the stored (padded) units to host numpy, float32 ``([L,] padded)``."""
         self.wait()
 
         def read(s):
             meta = self._check_files(s)
-            return storage.read_to_host(self._manager, s, self.step_path(s), storage.PARAMS), meta
+            units = storage.read_to_host(self._manager, s, self.step_path(s), storage.PARAMS)
+            checksum.verify(meta.get("checksums"), {storage.PARAMS: units},
+                            f"checkpoint {self.step_path(s)}")
+            return units, meta
 
         return self._newest_good(step, read, quarantine=False)
 
@@ -256,14 +264,7 @@ class Checkpointer:
         """Renames unreadable step directories so Orbax no longer lists them."""
         if jax.process_index() == 0:
             for s in steps:
-                src = self.step_path(s)
-                dst = src + _CORRUPT_SUFFIX
-                n = 1
-                while os.path.exists(dst):
-                    dst = f"{src}{_CORRUPT_SUFFIX}{n}"
-                    n += 1
-                os.rename(src, dst)
-                warnings.warn(f"moved unreadable checkpoint {src} to {dst}", stacklevel=4)
+                _set_aside(self.step_path(s))
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("zeropp_checkpoint_quarantine")
         self._manager.reload()
@@ -273,4 +274,17 @@ class Checkpointer:
         stored = self._item_trees(step)
         path = self.step_path(step)
         restore_args, build = plan_restore(meta, stored, trainer, f"checkpoint {path}")
-        return build(storage.read_arrays(self._manager, step, path, restore_args), step), meta
+        values = storage.read_arrays(self._manager, step, path, restore_args)
+        checksum.verify(meta.get("checksums"), values, f"checkpoint {path}")
+        return build(values, step), meta
+
+
+def _set_aside(src: str) -> None:
+    """Renames an unreadable step directory ``src`` to ``src.corrupt`` (or ``.corruptN``)."""
+    dst = src + _CORRUPT_SUFFIX
+    n = 1
+    while os.path.exists(dst):
+        dst = f"{src}{_CORRUPT_SUFFIX}{n}"
+        n += 1
+    os.rename(src, dst)
+    warnings.warn(f"moved unreadable checkpoint {src} to {dst}", stacklevel=5)

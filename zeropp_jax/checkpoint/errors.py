@@ -9,3 +9,7 @@ class CheckpointError(ValueError):
 
 class CheckpointMismatchError(CheckpointError):
     """A readable checkpoint that does not fit the trainer (model or optimizer)."""
+
+
+class NonFiniteStateError(ValueError):
+    """A state to be saved holds ``inf`` or ``nan``: it is not written."""

@@ -36,6 +36,7 @@ def export_params(
     *,
     step: int | None = None,
     trainer: Trainer | None = None,
+    allow_nonfinite: bool = False,
 ) -> dict:
     """Writes the full, unpadded parameters as one msgpack file.
 
@@ -51,6 +52,8 @@ def export_params(
       step: the checkpoint step (default: the newest readable one); only
         with a directory.
       trainer: the trainer of an in-memory ``source``.
+      allow_nonfinite: write parameters that hold ``inf`` or ``nan``
+        (refused by default).
 
     Returns:
       ``{"path", "step", "params", "bytes"}``; ``step`` is ``None`` for an
@@ -73,14 +76,36 @@ def export_params(
         if step is not None:
             raise ValueError("step applies only to a checkpoint directory")
         tree, saved_step = _gathered_state_dict(trainer, source), None
-    data = flax.serialization.msgpack_serialize(tree)
     out_path = os.fspath(out_path)
+    if os.path.isdir(out_path):
+        raise ValueError(f"{out_path} is a directory; give the output file's name")
+    if not allow_nonfinite:
+        _check_finite(tree, saved_step)
+    data = flax.serialization.msgpack_serialize(tree)
     tmp = f"{out_path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, out_path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     count = sum(int(np.size(x)) for x in jax.tree.leaves(tree))
     return {"path": out_path, "step": saved_step, "params": count, "bytes": len(data)}
+
+
+def _check_finite(tree: Any, step: int | None) -> None:
+    """Raises ``ValueError`` naming the first parameter that holds ``inf`` or ``nan``."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    for path, x in flat:
+        x = np.asarray(x)
+        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+            where = "" if step is None else f" of step {step}"
+            raise ValueError(
+                f"parameter {jax.tree_util.keystr(path)}{where} holds "
+                f"{int(x.size - np.isfinite(x).sum())} inf/nan values; not exported "
+                "(allow_nonfinite=True, or zeropp-export --allow-nonfinite, writes them)"
+            )
 
 
 def _stored_state_dict(units: Mapping[str, np.ndarray], layout_json: dict) -> Any:

@@ -192,6 +192,10 @@ def launch(
       port: coordinator port (default: a free one).
       stdout, stderr: binary streams for the prefixed output (default: ours).
 
+    Raises:
+      ValueError: a bad argument, or ``port`` is already in use (checked
+        before any process starts).
+
     Returns:
       0 if every process exited with status 0; otherwise the exit code of the
       first process seen to fail (128 + N if it was killed by signal N), 124
@@ -212,6 +216,11 @@ def launch(
             stderr.write(f"zeropp-launch: {message}\n".encode())
             stderr.flush()
 
+    if port is not None and not _bindable(HOST, port):
+        raise ValueError(
+            f"coordinator port {port} on {HOST} is in use; pick another --port, or leave "
+            "it out for a free one"
+        )
     coordinator = f"{HOST}:{port or free_port()}"
     procs: list[subprocess.Popen] = []
     outputs: list[_Output] = []

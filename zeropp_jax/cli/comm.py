@@ -6,9 +6,16 @@ prints, per collective kind, dtype and mesh axis, the bytes each node takes
 in over its inter-node link and each device over intra-node links, counting
 loop trip counts, plus per-device memory from the compiler.
 
+The headline inter-node figure is two-level (each remote byte enters a node
+once, as NCCL's hierarchical algorithms and DeepSpeed's ZeRO-3 send it); the
+flat sum over devices (what an all-device algorithm such as gloo's sends) is
+a second column. Full-precision payloads are counted at the run's compute
+and reduce dtypes (XLA:CPU compiles bf16 collectives as f32).
+
 When qgZ is active the schedule switches between two compiled variants
-(compressed, and full precision during warm-up or below the gradient gate);
-both are reported.
+(compressed, and full precision during warm-up, refreshes or below the
+gradient gate); both are reported, and their mean over ``--steps`` steps of
+the schedule.
 """
 
 from __future__ import annotations
@@ -28,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--dump-hlo", default=None, metavar="FILE", help="write the compiled HLO text here")
+    parser.add_argument(
+        "--steps", type=common.positive_int, default=300,
+        help="steps of the run whose qgZ schedule (warm-up, refreshes) the mean is taken over",
+    )
     common.add_common_args(parser)
     return parser
 
@@ -57,6 +68,7 @@ def report(args: argparse.Namespace) -> tuple[dict, str]:
     import jax
 
     from zeropp_jax import data
+    from zeropp_jax.analysis import headline
     from zeropp_jax.analysis.comm_report import comm_report
     from zeropp_jax.models import gpt
 
@@ -83,11 +95,12 @@ def report(args: argparse.Namespace) -> tuple[dict, str]:
         compiled = trainer.compile_from_shapes(shapes, batch, compress=compress)
         hlo = compiled.as_text()
         main_hlo = main_hlo or hlo
-        rep = comm_report(compiled, mesh_shape=(trainer.nodes, trainer.local))
+        rep = comm_report(compiled, mesh_shape=(trainer.nodes, trainer.local),
+                          float_dtypes=headline.float_dtypes(trainer))
         out["variants"][name] = {"report": rep.to_json(), "table": rep.format_table()}
     first = next(iter(out["variants"].values()))["report"]
-    out["inter_node_bytes"] = first["inter_node_bytes"]
-    out["intra_node_bytes"] = first["intra_node_bytes"]
+    for key in ("inter_node_bytes", "flat_inter_node_bytes", "intra_node_bytes", "float_dtypes"):
+        out[key] = first[key]
     out["memory"] = first.get("memory")
     refresh = trainer.config.qgz_refresh_every
     if trainer.qgz_active and refresh:
@@ -97,6 +110,11 @@ def report(args: argparse.Namespace) -> tuple[dict, str]:
         out["refresh_every"] = refresh
         for key in ("inter_node_bytes", "intra_node_bytes"):
             out[f"mean_{key}"] = ((refresh - 1) * first[key] + full[key]) / refresh
+    full_steps = headline.full_precision_steps(trainer.schedule, args.steps)
+    out["schedule"] = {"steps": args.steps, "full_precision_steps": full_steps}
+    for key in ("inter_node_bytes", "flat_inter_node_bytes", "intra_node_bytes"):
+        full = out["variants"].get("full_precision", {"report": first})["report"][key]
+        out["schedule"][key] = ((args.steps - full_steps) * first[key] + full_steps * full) / args.steps
     return out, main_hlo
 
 
@@ -109,10 +127,25 @@ def format_result(result: dict) -> str:
             f"{k} {v / 2**20:.2f} MiB" for k, v in t["memory_per_device"].items()
         ),
     ]
+    mib = lambda b: f"{b / 2**20:.3f} MiB"  # noqa: E731
+    lines.append(
+        f"inter-node per node per step: {mib(result['inter_node_bytes'])} two-level (headline), "
+        f"{mib(result['flat_inter_node_bytes'])} flat (every device's transfer counted)")
+    if result["float_dtypes"]:
+        lines.append("full-precision payloads counted at the run's dtypes: gathers {}, "
+                     "reductions {}".format(*result["float_dtypes"]))
+    sched = result["schedule"]
+    if sched["full_precision_steps"]:
+        lines.append(
+            f"mean over {sched['steps']} steps ({sched['full_precision_steps']} at full "
+            f"precision: warm-up and refreshes; a gradient gate is not counted): inter-node "
+            f"{mib(sched['inter_node_bytes'])}/node two-level, "
+            f"{mib(sched['flat_inter_node_bytes'])} flat")
     if "refresh_every" in result:
         lines.append(
             f"mean over one refresh cycle ({result['refresh_every'] - 1} compressed steps + 1 "
-            f"full-precision): inter-node {result['mean_inter_node_bytes'] / 2**20:.3f} MiB/node, "
+            f"full-precision): inter-node {result['mean_inter_node_bytes'] / 2**20:.3f} MiB/node "
+            f"two-level, "
             f"intra-node {result['mean_intra_node_bytes'] / 2**20:.3f} MiB/device"
         )
     for name, variant in result["variants"].items():

@@ -46,9 +46,13 @@ def non_negative_float(text: str) -> float:
 
 
 def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
+    """A finite number > 0 (``inf`` and ``nan`` are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text!r}")
     return value
 
 

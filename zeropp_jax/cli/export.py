@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--step", type=common.non_negative_int, default=None,
         help="checkpoint step (default: the newest readable one)",
     )
+    parser.add_argument(
+        "--allow-nonfinite", action="store_true",
+        help="write parameters that hold inf or nan (refused by default)",
+    )
     return parser
 
 
@@ -47,12 +51,17 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         common.fail(f"output directory {out_dir} does not exist")
+    if os.path.isdir(args.out):
+        common.fail(f"{args.out} is a directory; give the output file's name, e.g. "
+                    f"{os.path.join(args.out, 'params.msgpack')}")
     # Reading a checkpoint needs no accelerator: keep JAX off the GPUs.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from zeropp_jax.checkpoint import CheckpointError, export_params
 
     try:
-        info = export_params(args.directory, args.out, step=args.step)
+        info = export_params(
+            args.directory, args.out, step=args.step, allow_nonfinite=args.allow_nonfinite
+        )
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         common.fail(str(e))
     print(

@@ -147,13 +147,17 @@ def mesh_local_size(command: Sequence[str], num_processes: int) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     options, command = parse_args(sys.argv[1:] if argv is None else argv)
     devices = options.devices_per_process or mesh_local_size(command, options.n) or 1
-    return launch(
-        command, options.n,
-        devices_per_process=devices,
-        timeout_s=options.timeout,
-        kill_grace_s=options.kill_grace,
-        port=options.port,
-    )
+    try:
+        return launch(
+            command, options.n,
+            devices_per_process=devices,
+            timeout_s=options.timeout,
+            kill_grace_s=options.kill_grace,
+            port=options.port,
+        )
+    except ValueError as e:
+        print(f"zeropp-launch: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

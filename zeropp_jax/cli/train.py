@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from zeropp_jax.cli import common
+from zeropp_jax.cli import common, guards
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=common.positive_int, default=300, help="optimizer steps")
     parser.add_argument("--metrics-out", default=None, help="JSON lines file, one line per step")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--allow-divergence", action="store_true",
+        help="exit 0 even when the run diverged (final loss above twice the lowest "
+        "loss of the first 10%% of steps and above the first loss; see "
+        "zeropp_jax.cli.guards.diverged)",
+    )
     g = parser.add_argument_group("checkpoints (Orbax; see zeropp_jax.checkpoint)")
     g.add_argument(
         "--checkpoint-dir", default=None, metavar="DIR",
@@ -67,6 +73,10 @@ def _check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Names
                 parser.error(f"{flag} needs --checkpoint-dir")
     elif os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         parser.error(f"--checkpoint-dir {args.checkpoint_dir} is a file")
+    if args.metrics_out is not None:
+        problem = guards.check_output_file("--metrics-out", args.metrics_out)
+        if problem:
+            parser.error(problem)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,7 +88,10 @@ def run(args: argparse.Namespace) -> int:
     from zeropp_jax.models import gpt
 
     try:
-        tokens, vocab = data.load_tokens(args.data)
+        try:
+            tokens, vocab = data.load_tokens(args.data)
+        except ValueError as e:
+            raise ValueError(f"--data {args.data}: {e}") from None
         batches = data.TokenBatches(
             tokens, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed
         )
@@ -100,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
             f"dtype={info['compute_dtype']} tokens={len(tokens):,} vocab={vocab}",
             flush=True,
         )
-    ckpt, state, saved = _open_checkpoints(args, trainer, is_main)
+    record_of_run = guards.run_record(args, dataclasses.asdict(model_cfg))
+    ckpt, state, saved = _open_checkpoints(args, trainer, is_main, record_of_run)
     if state is None:
         params = gpt.init_params(model_cfg, jax.random.key(args.seed))
         state = trainer.init(params)
@@ -114,14 +128,6 @@ def run(args: argparse.Namespace) -> int:
         if ckpt is not None:
             ckpt.close()
         return 0
-
-    checkpoint_extra = {
-        "model": dataclasses.asdict(model_cfg),
-        "seed": args.seed,
-        "batch_size": args.batch_size,
-        "data": args.data,
-        "preset": args.preset,
-    }
 
     metrics_file = _open_metrics(args.metrics_out, first_step) if is_main else None
     tokens_per_step = args.batch_size * args.seq_len
@@ -140,8 +146,9 @@ def run(args: argparse.Namespace) -> int:
         if not math.isfinite(values["loss"]):
             bar.close()
             common.fail(
-                f"loss became {values['loss']} at step {step}: training diverged or a "
-                "parameter/gradient is not finite (try a lower --lr)"
+                f"loss became {values['loss']} at step {step}: the parameters or the "
+                f"gradient are not finite; training diverged (try a lower --lr than "
+                f"{args.lr}) or the data hold extreme values{_kept(ckpt)}"
             )
         now = time.perf_counter()
         history.append(values["loss"])
@@ -169,7 +176,10 @@ def run(args: argparse.Namespace) -> int:
             done = step + 1
             periodic = args.save_every and done % args.save_every == 0
             if ckpt is not None and (periodic or done == args.steps):
-                ckpt.save(done, state, trainer, checkpoint_extra)
+                # Every step up to the save is checked and logged before it.
+                record(*pending)
+                pending = None
+                _save(ckpt, done, state, trainer, record_of_run, args.lr)
         if pending is not None:
             record(*pending)
     finally:
@@ -180,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
     if metrics_file is not None:
         metrics_file.close()
 
+    diverged = guards.diverged(history)
     if is_main:
         n = len(history)
         tail = history[-max(1, n // 10):]
@@ -191,15 +202,52 @@ def run(args: argparse.Namespace) -> int:
             "first_loss": history[0],
             "final_loss": history[-1],
             "mean_loss_last_10pct": float(np.mean(tail)),
+            "diverged": diverged,
             "seconds": round(elapsed, 2),
             "tokens_per_second": round(n * tokens_per_step / elapsed, 1),
         }
+        from zeropp_jax.analysis import headline
+
+        batch_shape = jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), np.int32)
+        summary.update(headline.step_bytes(trainer, params_shapes, batch_shape, steps=args.steps))
         print("summary: " + json.dumps(summary), flush=True)
-    return 0
+        print("zeropp-train: " + headline.summary_line(summary, steps=args.steps), flush=True)
+        if diverged:
+            print(
+                f"zeropp-train: warning: the run diverged: final loss {history[-1]:.6g} is above "
+                f"the first loss {history[0]:.6g} and twice the lowest of the first 10% of "
+                f"steps (try a lower --lr than {args.lr}; --allow-divergence exits 0)",
+                file=sys.stderr, flush=True,
+            )
+    return 1 if diverged and not args.allow_divergence else 0
 
 
-def _open_checkpoints(args, trainer, is_main: bool):
-    """``(checkpointer or None, restored state or None, its metadata or None)``."""
+def _save(ckpt, step: int, state, trainer, record_of_run: dict, lr: float) -> None:
+    """Saves checkpoint ``step``; a state that is not finite stops the run instead."""
+    from zeropp_jax.checkpoint import NonFiniteStateError
+
+    try:
+        ckpt.save(step, state, trainer, record_of_run)
+    except NonFiniteStateError as e:
+        common.fail(f"{e}; the update of step {step - 1} made them so: the learning rate "
+                    f"may be too high (try a lower --lr than {lr}){_kept(ckpt)}")
+
+
+def _kept(ckpt) -> str:
+    """Names the newest checkpoint that stays (for an error message), or nothing."""
+    if ckpt is None:
+        return ""
+    ckpt.wait()
+    steps = ckpt.all_steps()
+    return f"; the newest checkpoint, step {steps[-1]}, stays" if steps else ""
+
+
+def _open_checkpoints(args, trainer, is_main: bool, record_of_run: dict):
+    """``(checkpointer or None, restored state or None, its metadata or None)``.
+
+    Before restoring, the command is compared with the run recorded in the
+    newest checkpoint (:func:`~zeropp_jax.cli.guards.resume_changes`).
+    """
     if args.checkpoint_dir is None:
         return None, None, None
     from zeropp_jax.checkpoint import CheckpointError, Checkpointer
@@ -221,16 +269,19 @@ def _open_checkpoints(args, trainer, is_main: bool):
             f"{steps}); pass --resume to continue from the newest, or use another directory"
         )
     try:
+        recorded = ckpt.metadata()
+        errors, changed = guards.resume_changes(
+            recorded.get("extra", {}), args, record_of_run["model"],
+            trainer.config.describe(), recorded["config"],
+        )
+        if errors:
+            raise CheckpointError(
+                f"cannot resume from {ckpt.step_path(recorded['step'])}: " + "; ".join(errors)
+            )
         state, meta = ckpt.restore_with_metadata(trainer)
     except (CheckpointError, FileNotFoundError) as e:
         ckpt.close()
         common.fail(str(e))
-    extra = meta.get("extra", {})
-    changed = [
-        f"--{name.replace('_', '-')} {extra[name]} -> {getattr(args, name)}"
-        for name in ("seed", "batch_size", "data")
-        if name in extra and extra[name] != getattr(args, name)
-    ]
     if is_main:
         print(
             f"zeropp-train: resumed from {ckpt.step_path(meta['step'])} (saved on mesh "
@@ -238,28 +289,17 @@ def _open_checkpoints(args, trainer, is_main: bool):
             f"{meta['config']['preset']})", flush=True,
         )
         if changed:
-            print(f"zeropp-train: warning: the data differ from the checkpoint's run: "
+            print(f"zeropp-train: warning: the run differs from the checkpoint's: "
                   f"{', '.join(changed)}", file=sys.stderr, flush=True)
     return ckpt, state, meta
 
 
 def _open_metrics(path: str | None, first_step: int):
-    """The metrics file; a resumed run keeps the lines of earlier steps."""
+    """The metrics file; a resumed run keeps one line of each earlier step."""
     if path is None:
         return None
-    kept = []
-    if first_step > 0 and os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    if line.strip() and json.loads(line)["step"] < first_step:
-                        kept.append(line if line.endswith("\n") else line + "\n")
-                except (ValueError, KeyError, TypeError):
-                    continue
-    f = open(path, "w")
-    f.writelines(kept)
-    f.flush()
-    return f
+    guards.rewrite_metrics(path, first_step)
+    return open(path, "a")
 
 
 def _local_rows(batches, step: int):

@@ -44,6 +44,9 @@ class GatherPlan:
       compute_dtype: dtype of the gathered parameters.
       reduce_dtype: dtype of the gradient reduce-scatter on the wire.
       kernels: the quantization kernels (XLA reference or Pallas).
+      two_level: run both collectives one mesh axis at a time, so only
+        one device per node talks to each other node
+        (:func:`~zeropp_jax.wire.collectives.all_gather`).
     """
 
     gather_axes: tuple[str, ...]
@@ -54,6 +57,7 @@ class GatherPlan:
     compute_dtype: Any
     reduce_dtype: Any
     kernels: Kernels
+    two_level: bool = False
 
 
 @jax.tree_util.register_pytree_node_class
@@ -105,7 +109,7 @@ def _gather_flat(plan: GatherPlan, source: Any, sink: jax.Array, order: Any) -> 
         # over the bytes about to be sent. A group of one sends nothing, and
         # its "gathered" layer is the resident payload itself: nothing to order.
         source = _tie(source, order)
-    gathered = collectives.all_gather(source, plan.gather_axes)
+    gathered = collectives.all_gather(source, plan.gather_axes, two_level=plan.two_level)
     return collectives.decode_gathered(
         gathered, bits=plan.bits, block=plan.block, out_dtype=plan.compute_dtype,
         kernels=plan.kernels,
@@ -117,7 +121,9 @@ def _gather_fwd(plan, source, sink, order):
 
 
 def _gather_bwd(plan, _, cotangent):
-    grad = collectives.reduce_scatter(cotangent, plan.reduce_axes, plan.reduce_dtype)
+    grad = collectives.reduce_scatter(
+        cotangent, plan.reduce_axes, plan.reduce_dtype, two_level=plan.two_level
+    )
     return None, grad.astype(jnp.float32), None
 
 

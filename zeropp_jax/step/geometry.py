@@ -111,6 +111,7 @@ class StepGeometry:
             compute_dtype=self.compute_dtype,
             reduce_dtype=cfg.reduce_dtype or self.compute_dtype,
             kernels=self.kernels,
+            two_level=cfg.hierarchical_collectives,
         )
 
     # ------------------------------------------------------------ specs

@@ -59,13 +59,29 @@ def axes_index(axes: Axes) -> jax.Array:
     return index
 
 
-def all_gather(payload: Any, axes: Axes) -> Any:
+def _levels(axes: tuple[str, ...], two_level: bool) -> tuple[tuple[str, ...], ...]:
+    """The groups one collective over ``axes`` runs as: all at once, or one axis at a time.
+
+    Axes of size 1 are dropped (nothing moves over them).
+    """
+    if not two_level:
+        return (axes,)
+    return tuple((a,) for a in axes if jax.lax.axis_size(a) > 1)
+
+
+def all_gather(payload: Any, axes: Axes, *, two_level: bool = False) -> Any:
     """Concatenates every device's payload along the last axis.
 
     Args:
       payload: array ``(..., n)`` or a pytree of such arrays (a ``Quantized``
         pair gathers codes and scales separately).
       axes: mesh axes to gather over.
+      two_level: gather over one axis at a time, the last (innermost) first:
+        over ``("local", "node")`` a gather over ``node`` (one device per
+        node, the only cross-node step), then over ``local``. The result is
+        the same concatenation: row ``l`` of the second step is the
+        ``node``-gather ``[x(l, 0), x(l, 1), ...]``, so position
+        ``l * nodes + n`` holds ``x(l, n)``.
 
     Returns:
       The same structure with last axes ``n * axes_size(axes)``.
@@ -73,12 +89,15 @@ def all_gather(payload: Any, axes: Axes) -> Any:
     axes = tuple(axes)
     if axes_size(axes) == 1:
         return payload
-    return _each_array(
-        lambda x: jax.lax.all_gather(x, axes, axis=x.ndim - 1, tiled=True), payload
-    )
+    for group in reversed(_levels(axes, two_level)):
+        payload = _each_array(
+            lambda x, g=group: jax.lax.all_gather(x, g, axis=x.ndim - 1, tiled=True), payload
+        )
+    return payload
 
 
-def reduce_scatter(x: jax.Array, axes: Axes, dtype: Any = None) -> jax.Array:
+def reduce_scatter(x: jax.Array, axes: Axes, dtype: Any = None, *,
+                   two_level: bool = False) -> jax.Array:
     """Sums ``x`` over ``axes`` and keeps this device's chunk of the last axis.
 
     Args:
@@ -86,6 +105,12 @@ def reduce_scatter(x: jax.Array, axes: Axes, dtype: Any = None) -> jax.Array:
       axes: mesh axes to reduce over.
       dtype: dtype on the wire (``None``: ``x.dtype``); the result is cast
         back to ``x.dtype``.
+      two_level: reduce over one axis at a time, the first (outermost) first:
+        over ``("local", "node")`` a reduce-scatter over ``local`` keeps chunk
+        ``l`` (``n / local`` long), then one over ``node`` keeps its
+        sub-chunk ``n``, i.e. chunk ``l * nodes + n`` of ``x``, as in one
+        step; only the second step crosses nodes, with ``1 / local`` of the
+        data. Sums are the same up to float rounding (another order).
 
     Returns:
       ``(..., n // axes_size(axes))``.
@@ -93,8 +118,9 @@ def reduce_scatter(x: jax.Array, axes: Axes, dtype: Any = None) -> jax.Array:
     axes = tuple(axes)
     if axes_size(axes) == 1:
         return x
-    wire = x if dtype is None else x.astype(dtype)
-    out = jax.lax.psum_scatter(wire, axes, scatter_dimension=x.ndim - 1, tiled=True)
+    out = x if dtype is None else x.astype(dtype)
+    for group in _levels(axes, two_level):
+        out = jax.lax.psum_scatter(out, group, scatter_dimension=x.ndim - 1, tiled=True)
     return out.astype(x.dtype)
 
 

@@ -1,0 +1,235 @@
+"""Never lose a good checkpoint: finite-state guard, checksums, divergence, resume checks.
+
+The checkpoint tests need no train step (states come from ``init``, with a
+step count or ``nan`` set by hand), so only small init/checksum programs
+compile; the CLI tests run ``zeropp-train``'s ``main`` in this process on a
+tiny model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import zeropp_jax as zp
+from zeropp_jax.checkpoint import CheckpointError, Checkpointer, NonFiniteStateError, export_params
+from zeropp_jax.checkpoint import checksum
+from zeropp_jax.models import gpt
+
+from _util import TINY, gpt_loss, mesh_of, optimizer
+
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@functools.cache
+def trainer() -> zp.Trainer:
+    shapes = jax.eval_shape(lambda: gpt.init_params(TINY, jax.random.key(0)))
+    config = zp.ZeroConfig.from_preset("zero3", compute_dtype="float32")
+    return zp.make_trainer(gpt_loss(), optimizer(), shapes, mesh=mesh_of(2, 4), config=config,
+                           per_layer=True, stacked=("blocks",))
+
+
+def state_at(step: int, *, nan: str | None = None):
+    """An initial state relabelled as step ``step``; ``nan`` poisons "params" or "opt_state"."""
+    tr = trainer()
+    state = tr.init(gpt.init_params(TINY, jax.random.key(0)))
+    state = state._replace(step=state.step + step)
+    poison = lambda t: jax.tree.map(lambda x: x * jnp.nan if x.dtype == jnp.float32 else x, t)
+    if nan == "params":
+        state = state._replace(params=poison(state.params))
+    elif nan == "opt_state":
+        state = state._replace(opt_state=state.opt_state._replace(inner=poison(state.opt_state.inner)))
+    return state
+
+
+def test_fingerprint_is_the_same_on_devices_and_on_the_host():
+    x = np.random.default_rng(0).standard_normal((4, 48)).astype(np.float32)
+    sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh_of(2, 4), jax.P(None, ("local", "node"))))
+    sums, finite = checksum.state_summary({"params": {"w": sharded}})
+    assert sums["params"]["w"] == checksum.host_fingerprint(x) and finite == {"params": True}
+    flipped = x.copy()
+    flipped.view(np.uint32)[2, 5] ^= 1 << 9  # one bit
+    assert checksum.host_fingerprint(flipped) != sums["params"]["w"]
+    swapped = x.copy()
+    swapped[0, [0, 1]] = swapped[0, [1, 0]]  # same values, another order
+    assert checksum.host_fingerprint(swapped) != sums["params"]["w"]
+
+
+@pytest.mark.parametrize("nan", ["params", "opt_state"])
+def test_a_non_finite_state_is_never_saved_nor_counted_toward_keep(tmp_path, nan):
+    with Checkpointer(tmp_path, max_to_keep=1) as ckpt:
+        ckpt.save(1, state_at(1), trainer())
+        what = "parameters" if nan == "params" else "optimizer state"
+        with pytest.raises(NonFiniteStateError, match=f"step 2: the {what} hold inf or nan"):
+            ckpt.save(2, state_at(2, nan=nan), trainer())
+        ckpt.wait()
+        assert ckpt.all_steps() == [1]
+    assert int(Checkpointer(tmp_path).restore(trainer()).step) == 1
+
+
+def _tamper_checksum(step_dir, item: str) -> str:
+    """Changes one digit of a leaf's stored checksum (the data no longer match it)."""
+    path = os.path.join(step_dir, "meta", "metadata")
+    meta = json.load(open(path))
+    key = sorted(meta["checksums"][item])[0]
+    value = meta["checksums"][item][key]
+    meta["checksums"][item][key] = value[:-1] + ("0" if value[-1] != "0" else "1")
+    json.dump(meta, open(path, "w"))
+    return key
+
+
+@pytest.mark.parametrize("item", ["params", "opt_state"])
+def test_data_that_do_not_match_their_checksum_are_a_corrupt_checkpoint(tmp_path, item):
+    """The stored sums are tampered with (zstd-compressed data with flipped bytes
+    mostly fail to decode, which was caught before; benchmarks/reliability.py
+    flips the data)."""
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, state_at(2), trainer())
+        ckpt.save(3, state_at(3), trainer())
+    key = _tamper_checksum(tmp_path / "3", item)
+    if item == "params":  # export reads the parameters only, and leaves the files as they are
+        with pytest.raises(CheckpointError, match=f"params/{key} do not match the checksum"):
+            export_params(tmp_path, tmp_path / "p.msgpack", step=3)
+    ckpt = Checkpointer(tmp_path)
+    with pytest.warns(UserWarning, match=rf"{item}/{key} do not match the checksum"):
+        state = ckpt.restore(trainer())
+    assert int(state.step) == 2 and ckpt.all_steps() == [2]
+    assert (tmp_path / "3.corrupt").is_dir()
+
+
+# --- zeropp-train ---------------------------------------------------------------
+
+TRAIN = ["--no-progress", "--mesh", "2x4", "--layers", "2", "--d-model", "32", "--heads", "2",
+         "--seq-len", "16", "--batch-size", "8", "--dtype", "fp32", "--preset", "zero3"]
+
+
+from zeropp_jax.cli.common import make_optimizer as _MAKE_OPTIMIZER  # noqa: E402
+
+
+def _poison_from(monkeypatch, step: int) -> None:
+    """The CLI's optimizer, turning its update into nan from optimizer step ``step`` on."""
+    import optax
+
+    from zeropp_jax.cli import common
+
+    make = _MAKE_OPTIMIZER
+    nan_from = lambda count: jnp.where(count >= step, jnp.nan, 1.0).astype(jnp.float32)
+    monkeypatch.setattr(
+        common, "make_optimizer",
+        lambda *a, **k: optax.chain(make(*a, **k), optax.scale_by_schedule(nan_from)),
+    )
+
+
+def _train(argv, capsys) -> tuple[int, str, str]:
+    from zeropp_jax.cli import train
+
+    try:
+        rc = train.main(TRAIN + argv)
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _steps(path) -> list[int]:
+    return [json.loads(line)["step"] for line in open(path)]
+
+
+@pytest.mark.slow
+def test_cli_stops_before_saving_a_non_finite_state_and_resumes_from_the_last_good_one(
+    tmp_path, capsys, monkeypatch
+):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    run = ["--checkpoint-dir", str(ckpt), "--save-every", "2", "--keep", "2",
+           "--metrics-out", str(metrics)]
+    _poison_from(monkeypatch, 5)  # the update of step 5 writes nan into the parameters
+    rc, _, err = _train(run + ["--steps", "8"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "step 6: the parameters hold inf or nan; not saved" in err
+    assert "update of step 5" in err and "the newest checkpoint, step 4, stays" in err
+    assert Checkpointer(ckpt).all_steps() == [2, 4] and _steps(metrics) == list(range(6))
+
+    # A model of another shape, or another schedule, is refused before any step.
+    for flags, expected in ((["--heads", "4"], "n_heads=2, the command's 4 (--heads)"),
+                            (["--lr-schedule", "constant"], "pass --lr-schedule cosine")):
+        rc, _, err = _train(run + ["--steps", "8", "--resume", *flags], capsys)
+        assert rc == 2 and expected in err, err
+
+    _poison_from(monkeypatch, 10**6)  # same optimizer state, never poisoned
+    rc, out, err = _train(run + ["--steps", "10", "--resume"], capsys)
+    assert rc == 0 and f"resumed from {ckpt}/4" in out, err
+    assert "--steps 8 -> 10" in err  # the cosine schedule's length changed
+    assert Checkpointer(ckpt).all_steps() == [8, 10] and _steps(metrics) == list(range(10))
+
+
+def test_cli_flags_that_cannot_work_fail_at_parsing(tmp_path, capsys):
+    for argv, expected in (
+        (["--lr", "inf"], "expected a finite positive number, got 'inf'"),
+        (["--lr", "nan"], "expected a finite positive number, got 'nan'"),
+        (["--metrics-out", str(tmp_path / "missing" / "m.jsonl")], "does not exist"),
+        (["--metrics-out", str(tmp_path)], "is a directory"),
+    ):
+        rc, _, err = _train(argv, capsys)
+        assert rc == 2 and expected in err and "Traceback" not in err, err
+
+
+def test_divergence_rule():
+    from zeropp_jax.cli.guards import diverged
+
+    assert not diverged([5.0, 4.0, 3.0, 2.5])
+    assert not diverged([5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.5])  # < first
+    assert diverged([5.0, 4.0, 3.0, 11.0])  # > first and > 2 x 5
+    assert diverged([5.0, 4.0, float("nan")])
+
+
+@pytest.mark.slow
+def test_cli_finite_blow_up_is_flagged_and_exits_non_zero(capsys):
+    rc, out, err = _train(["--steps", "6", "--lr", "30"], capsys)
+    summary = json.loads(out.split("summary: ")[1].splitlines()[0])
+    assert rc == 1 and summary["diverged"] is True and "the run diverged" in err, (out, err)
+
+
+# --- zeropp-export ----------------------------------------------------------------
+
+
+def test_export_refuses_a_directory_and_non_finite_parameters(tmp_path, capsys):
+    from zeropp_jax.checkpoint import storage
+    from zeropp_jax.checkpoint.metadata import describe_checkpoint
+    from zeropp_jax.cli import export
+
+    ckpt = Checkpointer(tmp_path / "ckpt")  # a nan state written past the guard
+    storage.save_items(ckpt._manager, 1, state_at(1, nan="params"),
+                       describe_checkpoint(trainer(), 1))
+    ckpt.close()
+    for argv, expected in (([str(tmp_path)], "is a directory"),
+                           ([str(tmp_path / "p.msgpack")], "inf/nan values; not exported")):
+        with pytest.raises(SystemExit) as e:
+            export.main([str(tmp_path / "ckpt"), *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
+    assert export.main([str(tmp_path / "ckpt"), str(tmp_path / "p.msgpack"), "--allow-nonfinite"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "p.msgpack"]  # no temporary file left
+
+
+# --- zeropp-launch -----------------------------------------------------------------
+
+
+def test_launch_refuses_a_coordinator_port_in_use(capsys):
+    import socket
+
+    from zeropp_jax.cli import launch
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        rc = launch.main(["-n", "2", "--port", str(port), "--", sys.executable, "-c", "pass"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"coordinator port {port} on 127.0.0.1 is in use" in err, err

@@ -1,0 +1,339 @@
+"""``zeropp-cluster-bench``: wall-clock step times on an emulated two-node cluster.
+
+Builds two network namespaces joined by a rate-limited veth pair
+(:mod:`zeropp_jax.cli.netns`), and for every link rate and preset runs the
+same ``zeropp-train`` job as two processes, one per namespace (2 nodes x 4
+CPU devices, gloo collectives over the veth, coordinator on node 0's
+address). For each run it measures, over the steps after ``--warmup``:
+
+* the median step time (differences of the ``time`` field of the metrics
+  file, which process 0 writes after each step's metrics reach the host) and
+  tokens per second;
+* the bytes that crossed the link per step and node: the veth's receive
+  counters of both namespaces, read when the last warm-up step's metrics line
+  appears and when the last step's does (a read can be up to a step early or
+  late; over several steps that averages out).
+
+Then, at each rate, every preset's speedup over ``zero3`` (flat collectives:
+gloo connects every device to every other, so each remote device's share
+crosses the link) and over ``zero3-2level`` (``--hierarchical``: one device
+per node crosses), and the cost model's predicted speedup
+(:mod:`zeropp_jax.analysis.cost_model`): the emulated cluster is 2 nodes x 4
+devices whose compute time is the preset's step at unlimited rate and whose
+inter-node bandwidth is the tc rate; bytes are the model's two-level count of
+the compiled step. Prints a table, writes ``--json`` (one record per preset
+and rate) and draws ``--figure`` (:mod:`zeropp_jax.cli.cluster_report`).
+
+Example (as root)::
+
+  zeropp-cluster-bench --rates 50,0 --presets zero3,zero3-2level,zeropp --steps 8
+
+Without root, ``ip`` or ``tc`` it says so and exits 2. The namespaces, the
+veth pair and the ``/etc/netns`` files are removed on every exit, Ctrl-C and
+SIGTERM included. Timings on a machine shared with other work are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Sequence
+
+from zeropp_jax.cli import cluster_report, common, netns
+from zeropp_jax.cli._processes import _set_parent_death_signal, _stop, describe_status, process_env
+
+NODES, LOCAL = 2, 4
+# The presets of the sweep: zeropp-train flags. The qgZ presets compress from
+# step 1 (the measured steps are the compressed ones, not the warm-up's).
+PRESETS: dict[str, tuple[str, ...]] = {
+    "zero3": ("--preset", "zero3"),
+    "zero3-2level": ("--preset", "zero3", "--hierarchical"),
+    "qwz": ("--preset", "qwz"),
+    "hpz": ("--preset", "hpz"),
+    "zeropp": ("--preset", "zeropp", "--qgz-warmup", "1"),
+    "zeropp-int4": ("--preset", "zeropp", "--qgz", "int4", "--qgz-target", "gradient",
+                    "--qgz-warmup", "1"),
+}
+POLL_S = 0.02
+KILL_GRACE_S = 3.0
+
+
+class RunFailed(RuntimeError):
+    """One training run failed; the message ends with the tail of its log."""
+
+
+class _Stop(Exception):
+    """SIGTERM / SIGHUP: stop, tear down, exit."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zeropp-cluster-bench",
+        allow_abbrev=False,  # --preset is zeropp-train's, not an abbreviation of --presets
+        description="Step times of ZeRO-3 / ZeRO++ presets on an emulated 2-node cluster "
+        "(network namespaces joined by a tc-limited veth; needs root, ip and tc). "
+        "Other arguments are passed to zeropp-train (model flags: --layers, --d-model, "
+        "--heads, --seq-len, --batch-size, --dtype, ...).",
+        epilog="example: zeropp-cluster-bench --rates 50,0 --presets zero3,zero3-2level,zeropp "
+        "--steps 8",
+    )
+    parser.add_argument("--rates", type=_rates, default=_rates("50,200,1000,0"),
+                        help="link rates in Mbit/s, 0 = unlimited (default: 50,200,1000,0)")
+    parser.add_argument("--presets", type=_presets, default=list(PRESETS),
+                        help=f"comma-separated, of {', '.join(PRESETS)} (default: all)")
+    parser.add_argument("--steps", type=common.positive_int, default=10,
+                        help="optimizer steps per run (default: 10)")
+    parser.add_argument("--warmup", type=common.positive_int, default=3,
+                        help="first steps left out of the timing, compilation included "
+                        "(default: 3; fewer than --steps)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write the records here")
+    parser.add_argument("--figure", default=None, metavar="FILE",
+                        help="draw speedup vs link rate here (matplotlib; .png, .svg, ...)")
+    parser.add_argument("--no-predict", action="store_true",
+                        help="skip the cost model's predictions (they compile each preset "
+                        "once more in this process)")
+    parser.add_argument("--timeout", type=common.positive_float, default=900.0, metavar="S",
+                        help="fail a run that takes longer than S seconds (default: 900)")
+    parser.add_argument("--log-dir", default=None, metavar="DIR",
+                        help="keep the runs' logs and metrics here (default: a temporary "
+                        "directory, removed at the end)")
+    return parser
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected Mbit/s numbers like 50,200,0, got {text!r}")
+    if not rates or any(r < 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"expected rates >= 0 (0 = unlimited), got {text!r}")
+    return rates
+
+
+def _presets(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in PRESETS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown preset(s) {unknown or text!r}; choose from {', '.join(PRESETS)}")
+    return names
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """``(bench options, zeropp-train flags)``; the train flags are checked here."""
+    from zeropp_jax.cli import train
+
+    parser = build_parser()
+    options, train_flags = parser.parse_known_args(argv)
+    if options.warmup >= options.steps:
+        parser.error(f"--warmup {options.warmup} must be less than --steps {options.steps}")
+    reserved = {"--mesh", "--steps", "--metrics-out", "--preset", "--coordinator",
+                "--num-processes", "--process-id", "--checkpoint-dir", "--resume"}
+    clash = sorted({f.split("=")[0] for f in train_flags} & reserved)
+    if clash:
+        parser.error(f"{', '.join(clash)}: set by the bench itself (use --presets / --steps)")
+    train_parser = train.build_parser()
+    for name in options.presets:
+        args = train_parser.parse_args(train_command_flags(name, train_flags, options.steps))
+        common.validate_args(train_parser, args)
+    return options, train_flags
+
+
+def train_command_flags(preset: str, train_flags: Sequence[str], steps: int) -> list[str]:
+    """zeropp-train's flags for one run (without the metrics file)."""
+    return ["--mesh", f"{NODES}x{LOCAL}", "--steps", str(steps), "--lr-schedule", "constant",
+            "--no-progress", *PRESETS[preset], *train_flags]
+
+
+def run_once(cluster: netns.TwoNodeCluster, flags: Sequence[str], *, warmup: int, steps: int,
+             log_dir: str, run_id: str, port: int, timeout_s: float) -> dict:
+    """Runs one two-process training job on ``cluster``; returns its measurements.
+
+    Returns:
+      ``step_times_s`` (list of the timed steps), ``link_rx_bytes`` (per node,
+      over the timed steps), ``timed_steps``.
+    """
+    metrics = os.path.join(log_dir, f"{run_id}.jsonl")
+    logs = [os.path.join(log_dir, f"{run_id}.node{n}.log") for n in range(NODES)]
+    procs: list[subprocess.Popen] = []
+    try:
+        for node in range(NODES):
+            env = process_env(
+                os.environ, coordinator=f"{cluster.addresses[0]}:{port}",
+                num_processes=NODES, process_id=node, devices_per_process=LOCAL,
+            )
+            cmd = [*cluster.exec_prefix(node), sys.executable, "-m", "zeropp_jax.cli.train",
+                   *flags, "--metrics-out", metrics]
+            with open(logs[node], "wb") as log:
+                procs.append(subprocess.Popen(
+                    cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True,
+                    preexec_fn=_set_parent_death_signal,
+                ))
+        return _measure(cluster, procs, metrics, logs, warmup, steps, timeout_s)
+    finally:
+        _stop(procs, KILL_GRACE_S)
+
+
+def _measure(cluster, procs, metrics, logs, warmup, steps, timeout_s) -> dict:
+    deadline = time.monotonic() + timeout_s
+    start_rx = end_rx = None
+    lines: list[dict] = []
+    while end_rx is None or any(p.poll() is None for p in procs):
+        if end_rx is None:
+            lines = _read_lines(metrics)
+            if start_rx is None and len(lines) >= warmup:
+                start_rx = _rx(cluster)
+            if len(lines) >= steps:
+                end_rx = _rx(cluster)
+        if end_rx is None and any(p.poll() == 0 for p in procs):
+            lines = _read_lines(metrics)  # the last line may have come just before the exit
+            if len(lines) >= steps:
+                end_rx = _rx(cluster)
+        for node, p in enumerate(procs):
+            if p.poll() not in (None, 0) or (p.poll() == 0 and end_rx is None):
+                status = describe_status(p.returncode)
+                raise RunFailed(f"node {node} {status} (log {logs[node]}):\n{_tail(logs[node])}")
+        if time.monotonic() > deadline:
+            raise RunFailed(f"timed out after {timeout_s:g} s (log {logs[0]}):\n{_tail(logs[0])}")
+        time.sleep(POLL_S)
+    times = [line["time"] for line in lines]
+    timed = steps - warmup
+    return {
+        "step_times_s": [b - a for a, b in zip(times[warmup - 1:], times[warmup:])],
+        "link_rx_bytes": [e - s for s, e in zip(start_rx, end_rx)],
+        "timed_steps": timed,
+    }
+
+
+def _rx(cluster) -> list[int]:
+    return [cluster.link_bytes(node)[0] for node in range(NODES)]
+
+
+def _read_lines(path: str) -> list[dict]:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return []
+    # a line being written has no newline yet
+    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+
+
+def _tail(path: str, n: int = 20) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def record(preset: str, rate: float, measured: dict, tokens_per_step: int) -> dict:
+    """The JSON record of one run (speedups and predictions are added later)."""
+    median = statistics.median(measured["step_times_s"])
+    per_node = [b / measured["timed_steps"] for b in measured["link_rx_bytes"]]
+    return {
+        "preset": preset,
+        "flags": " ".join(PRESETS[preset]),
+        "rate_mbit": rate,
+        "step_time_s": median,
+        "step_times_s": measured["step_times_s"],
+        "tokens_per_s": tokens_per_step / median,
+        "link_bytes_per_node_per_step": sum(per_node) / len(per_node),
+        "link_bytes_by_node_per_step": per_node,
+    }
+
+
+def sweep(options, train_flags, log_dir: str, progress) -> list[dict]:
+    """Every (rate, preset) run on one emulated cluster; returns the records."""
+    from zeropp_jax.cli import train
+
+    args = train.build_parser().parse_args(train_command_flags("zero3", train_flags, 1))
+    tokens_per_step = args.batch_size * args.seq_len
+    records = []
+    with netns.TwoNodeCluster() as cluster:
+        for rate in options.rates:
+            cluster.set_rate(rate)
+            for preset in options.presets:
+                run_id = f"{preset}_{rate:g}mbit"
+                progress.set_description(f"{preset} @ {cluster_report.rate_name(rate)}")
+                measured = run_once(
+                    cluster, train_command_flags(preset, train_flags, options.steps),
+                    warmup=options.warmup, steps=options.steps, log_dir=log_dir,
+                    run_id=run_id, port=20000 + len(records), timeout_s=options.timeout,
+                )
+                records.append(record(preset, rate, measured, tokens_per_step))
+                progress.update(1)
+                r = records[-1]
+                progress.write(f"  {preset:>13} @ {cluster_report.rate_name(rate):>9}: "
+                               f"{r['step_time_s']:.3f} s/step, "
+                               f"{r['link_bytes_per_node_per_step'] / 1e6:.2f} MB/node/step")
+    return records
+
+
+def _install_stop_handlers() -> None:
+    def handler(signum, frame):
+        raise _Stop(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    options, train_flags = parse_args(sys.argv[1:] if argv is None else argv)
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        print(f"zeropp-cluster-bench: cannot build the emulated cluster: {reason}",
+              file=sys.stderr)
+        return 2
+    # This process compiles each preset for the predictions: 8 CPU devices
+    # (the runs' processes get their own device count from process_env).
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from tqdm import tqdm
+
+    _install_stop_handlers()
+    keep_logs = options.log_dir is not None
+    log_dir = options.log_dir or tempfile.mkdtemp(prefix="zeropp-cluster-bench-")
+    os.makedirs(log_dir, exist_ok=True)
+    total = len(options.rates) * len(options.presets)
+    progress = tqdm(total=total, unit="run", dynamic_ncols=True, file=sys.stderr)
+    try:
+        records = sweep(options, train_flags, log_dir, progress)
+    except RunFailed as e:
+        keep_logs = True
+        print(f"zeropp-cluster-bench: a run failed: {e}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, _Stop):
+        print("zeropp-cluster-bench: interrupted; the cluster was torn down", file=sys.stderr)
+        return 130
+    finally:
+        progress.close()
+        if not keep_logs:
+            subprocess.run(("rm", "-rf", log_dir))
+    cluster_report.add_speedups(records)
+    curves = {}
+    if not options.no_predict:
+        curves = cluster_report.add_predictions(records, train_command_flags, train_flags)
+    print(cluster_report.format_table(records))
+    if options.json:
+        with open(options.json, "w") as f:
+            json.dump({"command": sys.argv, "nodes": NODES, "local": LOCAL,
+                       "steps": options.steps, "warmup": options.warmup,
+                       "records": records}, f, indent=1)
+    if options.figure:
+        cluster_report.draw(records, options.figure, curves)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Speedups, the cost model's predictions, the table and the figure of ``zeropp-cluster-bench``.
+
+Records are the bench's dicts (one per preset and link rate, ``rate_mbit``
+0 = unlimited). :func:`add_speedups` adds each record's speedup over the
+baselines measured at the same rate; :func:`add_predictions` the cost model's
+(:mod:`zeropp_jax.analysis.cost_model`) predicted step time and speedups on
+the emulated cluster: 2 nodes x 4 devices, inter-node bandwidth the link
+rate, intra-node links free, compute time the preset's measured step at
+unlimited rate (which so also holds that run's own, short, link time).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+BASELINES = ("zero3", "zero3-2level")
+# What "unlimited" is for the model: far above any rate of the sweep.
+UNLIMITED_GBITS = 1e6
+
+
+def _by_key(records: Sequence[dict]) -> dict:
+    return {(r["preset"], r["rate_mbit"]): r for r in records}
+
+
+def add_speedups(records: list[dict]) -> None:
+    """Adds ``speedup_vs_<baseline>`` (baseline step time / this one; ``None`` if not run)."""
+    index = _by_key(records)
+    for r in records:
+        for base in BASELINES:
+            other = index.get((base, r["rate_mbit"]))
+            r[f"speedup_vs_{base.replace('-', '_')}"] = (
+                other["step_time_s"] / r["step_time_s"] if other else None)
+
+
+def add_predictions(records: list[dict], flags_of: Callable,
+                    train_flags: Sequence[str]) -> dict[str, Callable]:
+    """Adds the cost model's ``predicted_step_time_s``, ``predicted_speedup`` (over
+    zero3), ``predicted_speedup_vs_zero3_2level`` and
+    ``model_link_bytes_per_node_per_step`` (its two-level count) to every
+    record (``None`` where the preset has no unlimited-rate run).
+
+    Compiles each preset's step once in this process (8 CPU devices).
+
+    Args:
+      records: the bench's records.
+      flags_of: ``flags_of(preset, train_flags, steps)``: the run's zeropp-train flags.
+      train_flags: the flags passed through to zeropp-train.
+
+    Returns:
+      preset -> ``step_s(rate_mbit)``, the predicted step time at any rate.
+    """
+    unlimited = {r["preset"]: r["step_time_s"] for r in records if r["rate_mbit"] == 0}
+    curves, link_bytes = {}, {}
+    for preset in dict.fromkeys(r["preset"] for r in records):
+        if preset not in unlimited:
+            continue
+        profile, workload = _profile(flags_of(preset, train_flags, 1))
+        link_bytes[preset] = profile.bytes_at(_cluster(1.0, 1.0, workload), workload)[0]
+        curves[preset] = _curve(profile, workload, unlimited[preset])
+    for r in records:
+        known = r["preset"] in curves
+        r["model_link_bytes_per_node_per_step"] = link_bytes[r["preset"]] if known else None
+        r["predicted_step_time_s"] = curves[r["preset"]](r["rate_mbit"]) if known else None
+    index = _by_key(records)
+    for r in records:
+        for base, key in (("zero3", "predicted_speedup"),
+                          ("zero3-2level", "predicted_speedup_vs_zero3_2level")):
+            other = index.get((base, r["rate_mbit"]), {}).get("predicted_step_time_s")
+            mine = r["predicted_step_time_s"]
+            r[key] = other / mine if other and mine else None
+    return curves
+
+
+def _curve(profile, workload, compute_s: float) -> Callable[[float], float]:
+    """``step_s(rate_mbit)``: the cost model's serial step time on the emulated cluster."""
+    from zeropp_jax.analysis import cost_model as cm
+
+    def step_s(rate_mbit: float) -> float:
+        gbits = rate_mbit / 1e3 if rate_mbit else UNLIMITED_GBITS
+        return cm.predict(profile, _cluster(gbits, compute_s, workload), workload).step_s_serial
+
+    return step_s
+
+
+def _cluster(gbits: float, compute_s: float, workload):
+    """2 x 4 devices, free intra-node links, ``gbits`` per node, ``compute_s`` of compute."""
+    from zeropp_jax.analysis import cost_model as cm
+
+    return cm.Cluster(
+        nodes=2, gpus_per_node=4, intra_node_gbytes_per_s=UNLIMITED_GBITS,
+        inter_node_gbits_per_s=gbits,
+        # the peak that makes the model's compute time the measured one
+        peak_tflops=workload.flops_per_gpu / (compute_s * cm.TERA), efficiency=1.0,
+    )
+
+
+def _profile(flags: Sequence[str]):
+    """``(CommProfile, Workload)`` of the zeropp-train run with ``flags``."""
+    import jax
+
+    import zeropp_jax as zp
+    from zeropp_jax import data
+    from zeropp_jax.analysis import cost_model as cm
+    from zeropp_jax.cli import common, train
+
+    args = train.build_parser().parse_args(list(flags))
+    config = common.build_config(args)
+    _, vocab = data.load_tokens(args.data)
+    model = common.build_model(args, vocab)
+    mesh = zp.make_mesh(2, 4, devices=jax.devices()[:8])
+    # The median step of a qgZ run is a compressed one (the bench starts
+    # compressing at step 1; a refresh step every N is an outlier of the median).
+    profile = cm.profile_config(config, mesh=mesh, model=model, batch_size=args.batch_size,
+                                compress=True if config.qgz != "off" else None,
+                                label=args.preset)
+    # XLA:CPU carries float collectives as float32 whatever the compute dtype.
+    workload = cm.Workload(params=profile.params,
+                           tokens_per_gpu=args.batch_size * args.seq_len / 8, float_bytes=4)
+    return profile, workload
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def rate_name(rate: float) -> str:
+    return "unlimited" if rate == 0 else f"{rate:g} Mbit/s"
+
+
+def format_table(records: Sequence[dict]) -> str:
+    """One row per (rate, preset): measured and predicted step time, speedups, link bytes."""
+    head = ("rate", "preset", "step s", "tok/s", "x zero3", "pred", "x 2level", "pred",
+            "MB/node/step", "model MB")
+    rows = [head]
+    for r in records:
+        mb = lambda x: None if x is None else x / 1e6  # noqa: E731
+        rows.append((
+            rate_name(r["rate_mbit"]), r["preset"], _fmt(r["step_time_s"], ".3f"),
+            _fmt(r["tokens_per_s"], ",.0f"), _fmt(r.get("speedup_vs_zero3"), ".2f"),
+            _fmt(r.get("predicted_speedup"), ".2f"),
+            _fmt(r.get("speedup_vs_zero3_2level"), ".2f"),
+            _fmt(r.get("predicted_speedup_vs_zero3_2level"), ".2f"),
+            _fmt(mb(r["link_bytes_per_node_per_step"]), ".2f"),
+            _fmt(mb(r.get("model_link_bytes_per_node_per_step")), ".2f"),
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
+
+
+def draw(records: Sequence[dict], path: str, curves: dict[str, Callable] | None = None) -> None:
+    """Speedup over each measured baseline vs link rate: points measured, lines predicted.
+
+    The unlimited rate is drawn right of the largest finite rate.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+    import numpy as np
+
+    curves = curves or {}
+    finite = sorted({r["rate_mbit"] for r in records if r["rate_mbit"]}) or [100.0]
+    x_unlimited = finite[-1] * 4
+    bases = [b for b in BASELINES if any(r["preset"] == b for r in records)]
+    fig, axes = plt.subplots(1, max(len(bases), 1), figsize=(6 * max(len(bases), 1), 4.5),
+                             squeeze=False)
+    grid = np.geomspace(finite[0] / 1.5, finite[-1] * 1.5, 60)
+    presets = list(dict.fromkeys(r["preset"] for r in records))
+    for ax, base in zip(axes[0], bases):
+        key = f"speedup_vs_{base.replace('-', '_')}"
+        for i, preset in enumerate(p for p in presets if p != base):
+            color = f"C{i}"
+            mine = [r for r in records if r["preset"] == preset and r.get(key)]
+            ax.plot([r["rate_mbit"] or x_unlimited for r in mine], [r[key] for r in mine],
+                    "o", color=color, label=f"{preset} measured")
+            if preset in curves and base in curves:
+                pred = [curves[base](x) / curves[preset](x) for x in grid]
+                ax.plot(grid, pred, "-", color=color, alpha=0.6, label=f"{preset} model")
+                ax.plot([x_unlimited], [curves[base](0) / curves[preset](0)], "_", color=color,
+                        markersize=14)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ticks = finite + [x_unlimited]
+        ax.set_xticks(ticks, [f"{t:g}" for t in finite] + ["unl."])
+        ax.set_xlabel("link rate per node and direction (Mbit/s)")
+        ax.set_ylabel(f"speedup over {base} (step time)")
+        ax.set_title(f"2 nodes x 4 CPU devices, vs {base}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

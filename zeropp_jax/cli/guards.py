@@ -1,0 +1,153 @@
+"""``zeropp-train``'s guards: what a resume changes, divergence, output files.
+
+Pure functions of flags, checkpoint metadata and losses (no JAX), so each
+rule is tested on its own:
+
+* :func:`resume_changes`: the command against the checkpoint's recorded
+  run: errors where the state cannot follow (another model, learning-rate
+  schedule or optimizer), warnings where the run changes (schedule, preset,
+  data);
+* :func:`diverged`: the divergence rule of the summary and the exit status;
+* :func:`check_output_file` and :func:`rewrite_metrics`: the metrics file,
+  checked before any compile, and rewritten atomically on resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from typing import Sequence
+
+# GPTConfig field -> the flag that sets it.
+_MODEL_FLAGS = {
+    "n_layers": "--layers",
+    "d_model": "--d-model",
+    "n_heads": "--heads",
+    "seq_len": "--seq-len",
+    "vocab_size": "the vocabulary of --data",
+}
+# Recorded flags whose change alters the run but which the state can follow.
+_RUN_FLAGS = ("lr", "lr_warmup", "steps", "seed", "batch_size", "data", "preset")
+
+# The divergence rule (see diverged()).
+DIVERGENCE_FACTOR = 2.0
+EARLY_FRACTION = 0.1
+
+
+def run_record(args: argparse.Namespace, model: dict) -> dict:
+    """What a checkpoint records of the command (its metadata's ``"extra"``)."""
+    return {
+        "model": model,
+        **{name: getattr(args, name) for name in _RUN_FLAGS},
+        "lr_schedule": args.lr_schedule,
+    }
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def resume_changes(
+    record: dict, args: argparse.Namespace, model: dict, config: dict, saved_config: dict
+) -> tuple[list[str], list[str]]:
+    """How the command differs from the run that wrote a checkpoint.
+
+    Args:
+      record: the checkpoint's ``extra`` (:func:`run_record`; keys that an
+        older checkpoint lacks are not compared).
+      args: the command's flags.
+      model: the command's model config (``dataclasses.asdict``).
+      config: the command's ``ZeroConfig.describe()``.
+      saved_config: the checkpoint's ``config``.
+
+    Returns:
+      ``(errors, warnings)``: one line each. Errors: the model (its
+      parameters would be read into another architecture), the
+      learning-rate schedule's kind or the optimizer (``qgz_target``): the
+      optimizer state has another structure. Warnings: every other
+      recorded flag that differs (``--steps`` only under the cosine
+      schedule, whose shape it sets), naming old and new values.
+    """
+    errors, warnings = [], []
+    old_model = record.get("model") or {}
+    for field, flag in _MODEL_FLAGS.items():
+        if field in old_model and field in model and old_model[field] != model[field]:
+            errors.append(
+                f"the checkpoint's model has {field}={old_model[field]}, the command's "
+                f"{model[field]} ({flag}); resume with the model it was trained with"
+            )
+    old_schedule = record.get("lr_schedule")
+    if old_schedule is not None and old_schedule != args.lr_schedule:
+        errors.append(
+            f"the checkpoint was trained with --lr-schedule {old_schedule} (its optimizer "
+            f"state follows it), the command has {args.lr_schedule}; pass --lr-schedule "
+            f"{old_schedule}"
+        )
+    old_target = saved_config.get("qgz_target", "gradient")
+    if old_target != config.get("qgz_target", "gradient"):
+        errors.append(
+            f"the checkpoint was written by preset {saved_config.get('preset')} "
+            f"(qgz_target={old_target}); preset {config.get('preset')} has qgz_target="
+            f"{config.get('qgz_target')} and another optimizer state; pass --preset "
+            f"{saved_config.get('preset')}"
+        )
+    for name in _RUN_FLAGS:
+        if name == "steps" and args.lr_schedule != "cosine":
+            continue
+        if name in record and record[name] != getattr(args, name):
+            warnings.append(f"{_flag(name)} {record[name]} -> {getattr(args, name)}")
+    return errors, warnings
+
+
+def diverged(losses: Sequence[float]) -> bool:
+    """The divergence rule: the run ended far above where it started.
+
+    True when the final loss exceeds both the first loss and
+    ``DIVERGENCE_FACTOR`` (2) times the lowest loss of the first
+    ``EARLY_FRACTION`` (10%, at least one) of the steps, or is not finite.
+    A resumed run applies the rule to the steps it took.
+    """
+    if not losses:
+        return False
+    final = losses[-1]
+    if not math.isfinite(final):
+        return True
+    early = min(losses[: max(1, int(len(losses) * EARLY_FRACTION))])
+    return final > losses[0] and final > DIVERGENCE_FACTOR * early
+
+
+def check_output_file(flag: str, path: str) -> str | None:
+    """Why ``path`` cannot be written as ``flag``'s file (one line), or ``None``."""
+    if os.path.isdir(path):
+        return f"{flag} {path} is a directory; give a file name"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"{flag} {path}: the directory {parent} does not exist"
+    if not os.access(parent, os.W_OK):
+        return f"{flag} {path}: the directory {parent} is not writable"
+    return None
+
+
+def rewrite_metrics(path: str, first_step: int) -> None:
+    """Keeps one line per step below ``first_step`` (the newest of duplicates), atomically.
+
+    A resumed run re-takes the steps from ``first_step`` on, so their lines
+    (and any half-written line of a killed run) go; the file is replaced by
+    a rename, so a kill during the rewrite leaves the old file whole.
+    """
+    kept: dict[int, str] = {}
+    if first_step > 0 and os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    step = json.loads(line)["step"]
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if isinstance(step, int) and 0 <= step < first_step:
+                    kept[step] = line if line.endswith("\n") else line + "\n"
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(kept[s] for s in sorted(kept))
+    os.replace(tmp, path)
