@@ -159,7 +159,7 @@ class Checkpointer:
         meta = describe_checkpoint(trainer, step, extra_metadata)
         meta["checksums"] = checksum.checksums_of_finite(
             {storage.PARAMS: state.params, storage.OPT: state.opt_state},
-            f"step {step} in {self.directory}",
+            f"step {step}",
         )
         if not storage.save_items(self._manager, step, state, meta):
             raise RuntimeError(f"Orbax declined to save step {step} in {self.directory}")
