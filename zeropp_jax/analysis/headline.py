@@ -20,6 +20,7 @@ from zeropp_jax.analysis.hlo import dtype_bytes
 __all__ = [
     "float_dtypes",
     "full_precision_steps",
+    "schedule_mean",
     "step_bytes",
     "step_reports",
     "summary_line",
@@ -71,6 +72,11 @@ def full_precision_steps(schedule, steps: int) -> int:
     return sum(not schedule.compress_at(s, float("inf")) for s in range(steps))
 
 
+def schedule_mean(compressed: float, full_precision: float, full_steps: int, steps: int) -> float:
+    """Per-step mean of a figure over ``steps`` steps, ``full_steps`` of them at full precision."""
+    return ((steps - full_steps) * compressed + full_steps * full_precision) / steps
+
+
 def zero3_inter_node_bytes(trainer) -> int:
     """About what a two-level ZeRO-3 of ``trainer``'s model moves into each
     node per optimizer step, from the model's size alone (nothing compiled).
@@ -104,11 +110,11 @@ def step_bytes(trainer, params_shapes: Any, batch: Any, *, steps: int) -> dict:
       :func:`zero3_inter_node_bytes`, with ``zero3_source`` saying which.
     """
     reports = step_reports(trainer, params_shapes, batch)
-    main = next(iter(reports.values())).inter_node_bytes
+    first = next(iter(reports.values()))
+    main = first.inter_node_bytes
     full = full_precision_steps(trainer.schedule, steps)
-    mean = main
-    if "full_precision" in reports:
-        mean = ((steps - full) * main + full * reports["full_precision"].inter_node_bytes) / steps
+    full_report = reports.get("full_precision", first)
+    mean = schedule_mean(main, full_report.inter_node_bytes, full, steps)
     compiled = _is_zero3(trainer.config)
     return {"inter_node_bytes": main, "mean_inter_node_bytes": round(mean),
             "full_precision_steps": full,

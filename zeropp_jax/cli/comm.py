@@ -114,7 +114,7 @@ def report(args: argparse.Namespace) -> tuple[dict, str]:
     out["schedule"] = {"steps": args.steps, "full_precision_steps": full_steps}
     for key in ("inter_node_bytes", "flat_inter_node_bytes", "intra_node_bytes"):
         full = out["variants"].get("full_precision", {"report": first})["report"][key]
-        out["schedule"][key] = ((args.steps - full_steps) * first[key] + full_steps * full) / args.steps
+        out["schedule"][key] = headline.schedule_mean(first[key], full, full_steps, args.steps)
     return out, main_hlo
 
 

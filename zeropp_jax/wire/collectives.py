@@ -195,37 +195,3 @@ def decode_gathered(
     if bits == 0:
         return payload
     return kernels.dequantize(payload, bits=bits, block=block, dtype=out_dtype)
-
-
-def quantized_all_gather(
-    x: jax.Array,
-    axes: Axes,
-    *,
-    bits: int,
-    block: int,
-    scale_dtype: Any,
-    out_dtype: Any,
-    kernels: kernels_lib.Kernels = kernels_lib.XLA,
-) -> jax.Array:
-    """All-gather that carries ``bits``-bit codes plus per-block scales.
-
-    :func:`encode_for_gather`, :func:`all_gather`, :func:`decode_gathered`.
-
-    Args:
-      x: float ``(..., n)``, ``n`` a multiple of ``block``.
-      axes: mesh axes to gather over.
-      bits: 0 (no quantization: ``x`` is cast to ``out_dtype`` and gathered),
-        8 or 4.
-      block: elements per scale.
-      scale_dtype: dtype of the scales on the wire.
-      out_dtype: dtype of the dequantized result.
-      kernels: the quantization kernels (XLA reference or Pallas).
-
-    Returns:
-      ``(..., n * axes_size(axes))`` in ``out_dtype``.
-    """
-    payload = encode_for_gather(x, bits=bits, block=block, scale_dtype=scale_dtype,
-                                out_dtype=out_dtype, kernels=kernels)
-    return decode_gathered(all_gather(payload, axes), bits=bits, block=block,
-                           out_dtype=out_dtype, kernels=kernels)
-
