@@ -464,7 +464,8 @@ def test_only_process_0_prints(jobs):
     _ok(proc)
     main = [line for line in _lines_of(proc.stdout, 0)
             if line.startswith(("zeropp-train:", "summary:"))]
-    assert [line.split(":")[0] for line in main] == ["zeropp-train", "summary"]
+    # the header, the JSON summary and the summary's bytes line
+    assert [line.split(":")[0] for line in main] == ["zeropp-train", "summary", "zeropp-train"]
     assert "mesh=4x2" in main[0]
     for i in (1, 2, 3):
         assert not [line for line in _lines_of(proc.stdout, i)
