@@ -3,7 +3,8 @@
 ``make_trainer(..., wrap=(Block,), example_batch=...)`` with an NNX class:
 each ``Block`` in an ``nnx.List`` is its own unit, gathered when called and
 again in the backward, with its dropout stream advanced as without the
-trainer.
+trainer; blocks stacked by ``nnx.vmap`` and applied by ``nnx.scan`` are one
+stacked unit, gathered layer by layer.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ WIDTH = 32
 
 
 class Block(nnx.Module):
-    def __init__(self, rngs):
+    def __init__(self, rngs, rate=0.2):
         self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
         self.lin = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
-        self.drop = nnx.Dropout(0.2, rngs=rngs)
+        self.drop = nnx.Dropout(rate, rngs=rngs)
 
     def __call__(self, h):
         return h + self.drop(jnp.tanh(self.lin(self.norm(h))))
@@ -56,11 +57,30 @@ def criterion(model, batch):
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
-def nnx_trainer(n_layers=2, **kwargs):
-    params, loss_fn = zp.nnx_loss(Model(n_layers, nnx.Rngs(0, dropout=1)), criterion)
+def trainer_of(model, **kwargs):
+    params, loss_fn = zp.nnx_loss(model, criterion)
     trainer = zp.make_trainer(loss_fn, optax.adam(1e-2), params, mesh=mesh_of(2, 4), rng=3,
                               config=zp.ZeroConfig(compute_dtype="float32"), **kwargs)
     return trainer, params, loss_fn
+
+
+def nnx_trainer(n_layers=2, **kwargs):
+    return trainer_of(Model(n_layers, nnx.Rngs(0, dropout=1)), **kwargs)
+
+
+def train(trainer, params, steps):
+    """``(losses, trained parameters)`` after ``steps`` steps on ``BATCH``."""
+    state, losses = trainer.init(params), []
+    for _ in range(steps):
+        state, metrics = trainer.step(state, BATCH)
+        losses.append(float(metrics["loss"]))
+    return losses, trainer.gather_params(state)
+
+
+def all_gathers(trainer, params):
+    compiled = trainer.compile_from_shapes(jax.eval_shape(lambda: params), BATCH)
+    return sum(c.count for c in comm_report(compiled, mesh_shape=(2, 4)).collectives
+               if c.kind == "all-gather")
 
 
 @pytest.mark.slow
@@ -68,14 +88,7 @@ def test_nnx_blocks_train_like_the_whole_model_with_the_same_dropout_masks():
     wrapped, params, _ = nnx_trainer(wrap=(Block,), example_batch=BATCH)
     assert wrapped.layout.names == ("rest", "blocks/0", "blocks/1")
     whole, _, _ = nnx_trainer()
-    runs = []
-    for trainer in (wrapped, whole):
-        state, losses = trainer.init(params), []
-        for _ in range(4):
-            state, metrics = trainer.step(state, BATCH)
-            losses.append(float(metrics["loss"]))
-        runs.append((losses, trainer.gather_params(state)))
-    (losses, full), (whole_losses, whole_full) = runs
+    (losses, full), (whole_losses, whole_full) = (train(t, params, 4) for t in (wrapped, whole))
     assert len(set(losses)) == 4 and losses[-1] < losses[0], losses
     np.testing.assert_allclose(losses, whole_losses, rtol=1e-5)
     assert jax.tree.structure(full) == jax.tree.structure(params)
@@ -85,18 +98,16 @@ def test_nnx_blocks_train_like_the_whole_model_with_the_same_dropout_masks():
     nnx.update(model, full)  # trained weights back in the module
     assert np.array_equal(model.blocks[1].lin.kernel[...], full["blocks"][1]["lin"]["kernel"])
 
-    compiled = wrapped.compile_from_shapes(jax.eval_shape(lambda: params), BATCH)
-    gathers = sum(c.count for c in comm_report(compiled, mesh_shape=(2, 4)).collectives
-                  if c.kind == "all-gather")
-    assert gathers == 2 * 3 + 1  # each call forward and backward, the rest once
+    # each call forward and backward, the rest once
+    assert all_gathers(wrapped, params) == 2 * 3 + 1
 
 
 def test_discovery_finds_outermost_blocks_and_restores_the_classes():
     block_call, linear_call = Block.__call__, nnx.Linear.__call__
     _, params, loss_fn = nnx_trainer()
     # the Linears inside a Block belong to the Block's unit
-    paths = wrap_nnx.discover(loss_fn, params, BATCH, (Block, nnx.Linear))
-    assert paths == [("embed",), ("blocks", 0), ("blocks", 1), ("head",)]
+    paths, stacked = wrap_nnx.discover(loss_fn, params, BATCH, (Block, nnx.Linear))
+    assert paths == [("embed",), ("blocks", 0), ("blocks", 1), ("head",)] and stacked == []
     assert Block.__call__ is block_call and nnx.Linear.__call__ is linear_call
     assert "__call__" in Block.__dict__  # put back, not deleted
     wrapped = wrap_nnx.wrap_loss(loss_fn, (Block,), paths[1:3])
@@ -104,30 +115,122 @@ def test_discovery_finds_outermost_blocks_and_restores_the_classes():
     assert float(wrapped(params, BATCH, key)) == float(loss_fn(params, BATCH, key))
 
 
+def stack(n_layers, rngs, rate):
+    """``n_layers`` Blocks with their parameters stacked along axis 0 (Flax's
+    "scan over layers": one dropout key per layer)."""
+
+    @nnx.split_rngs(splits=n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return Block(rngs, rate)
+
+    return make(rngs)
+
+
+def scan_blocks(blocks, h):
+    """``h`` through each layer of ``blocks`` in turn (``nnx.scan``)."""
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def one(h, block):
+        return block(h)
+
+    return one(h, blocks)
+
+
 class Scanned(nnx.Module):
     """Blocks stacked by ``nnx.vmap`` and applied by ``nnx.scan``."""
 
-    def __init__(self, rngs):
-        self.blocks = nnx.vmap(Block, in_axes=0)(rngs.split(2))
+    def __init__(self, rngs, n_layers=3, rate=0.2, stacks=1):
+        self.embed = nnx.Linear(8, WIDTH, rngs=rngs)
+        self.stacks = nnx.List([stack(n_layers, rngs, rate) for _ in range(stacks)])
+        self.head = nnx.Linear(WIDTH, 1, rngs=rngs)
 
-    def __call__(self, h):
-        def one(block, h):
-            return block(h)
+    def __call__(self, x):
+        h = self.embed(x)
+        for blocks in self.stacks:
+            h = scan_blocks(blocks, h)
+        return self.head(h)[:, 0]
 
-        return nnx.scan(one, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.blocks, h)
+
+def scanned_trainer(rate, **kwargs):
+    return trainer_of(Scanned(nnx.Rngs(0, dropout=1), rate=rate), **kwargs)
+
+
+@pytest.mark.slow
+def test_blocks_under_nnx_scan_train_like_plain_optax_on_one_device():
+    trainer, params, loss_fn = scanned_trainer(0.0, wrap=(Block,), example_batch=BATCH)
+    assert [(u.name, u.stack) for u in trainer.layout.units] == [
+        ("rest", None), ("stacks/0", 3)]
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def plain_step(p, opt_state):
+        value, g = jax.value_and_grad(loss_fn)(p, BATCH)
+        updates, opt_state = opt.update(g, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state, value
+
+    state, ref, ref_opt = trainer.init(params), params, opt.init(params)
+    for _ in range(4):
+        state, metrics = trainer.step(state, BATCH)
+        ref, ref_opt, value = plain_step(ref, ref_opt)
+        np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=1e-5)
+    full = trainer.gather_params(state)
+    assert jax.tree.structure(full) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    # each of the 3 layers forward and backward, the rest once
+    assert all_gathers(trainer, params) == 2 * 3 + 1
+
+
+@pytest.mark.slow
+def test_scanned_blocks_draw_the_whole_models_dropout_masks_anew_each_step():
+    wrapped, params, _ = scanned_trainer(0.2, wrap=(Block,), example_batch=BATCH)
+    whole, _, _ = scanned_trainer(0.2)
+    (losses, _), (whole_losses, _) = (train(t, params, 3) for t in (wrapped, whole))
+    assert len(set(losses)) == 3, losses  # a new key (new masks) each step
+    np.testing.assert_allclose(losses, whole_losses, rtol=1e-5)
+
+
+def test_nnx_loss_gives_each_stacked_layer_its_own_dropout_key_each_step():
+    keys = []
+
+    def criterion_keys(model, _):
+        keys.append(jax.random.key_data(model.stacks[0].drop.rngs.key[...]))
+        return jnp.zeros(())
+
+    params, loss_fn = zp.nnx_loss(Scanned(nnx.Rngs(0, dropout=1)), criterion_keys)
+    loss_fn(params, BATCH, jax.random.key(1))
+    loss_fn(params, BATCH, jax.random.key(2))
+    rows = np.concatenate(keys)  # 2 steps x 3 layers
+    assert rows.shape[0] == 6 and len({tuple(r) for r in rows}) == 6
+
+
+def test_discovery_finds_stacked_blocks_under_nnx_scan():
+    params, loss_fn = zp.nnx_loss(Scanned(nnx.Rngs(0, dropout=1)), criterion)
+    key = (jax.random.key(1),)
+    assert wrap_nnx.discover(loss_fn, params, BATCH, (Block,), key) == (
+        [("stacks", 0)], [("stacks", 0)])
+    wrapped = wrap_nnx.wrap_loss(loss_fn, (Block,), [("stacks", 0)])
+    assert float(wrapped(params, BATCH, *key)) == float(loss_fn(params, BATCH, *key))
+    # two stacks of the same shapes: which one a scanned layer belongs to is unknown
+    params, loss_fn = zp.nnx_loss(Scanned(nnx.Rngs(0, dropout=1), stacks=2), criterion)
+    with pytest.raises(ValueError, match=r"2 sub-trees \[\('stacks', 0\), \('stacks', 1\)\]"):
+        wrap_nnx.discover(loss_fn, params, BATCH, (Block,))
 
 
 def test_nnx_wrap_refuses_blocks_it_cannot_find_or_classes_it_does_not_know():
-    params, loss_fn = zp.nnx_loss(Scanned(nnx.Rngs(0, dropout=1)),
-                                  lambda m, b: jnp.mean(m(b) ** 2))
-    h = np.ones((4, WIDTH), np.float32)
-    with pytest.raises(ValueError, match="not the loss's params inputs.*zp.gather/zp.layer"):
-        wrap_nnx.discover(loss_fn, params, h, (Block,))
-    _, plain_params, plain_loss = nnx_trainer()
+    _, params, loss_fn = nnx_trainer()
+
+    def scaled(p, b):  # the blocks see new arrays of the inputs' shapes
+        return loss_fn(jax.tree.map(lambda x: 2 * x, p), b)
+
+    with pytest.raises(ValueError, match="not the loss's params inputs, and no sub-tree.*"
+                                         "nnx.scan.*zp.gather/zp.layer"):
+        wrap_nnx.discover(scaled, params, BATCH, (Block,))
     with pytest.raises(ValueError, match="never called a module of class Conv"):
-        wrap_nnx.discover(plain_loss, plain_params, BATCH, (nnx.Conv,))
+        wrap_nnx.discover(loss_fn, params, BATCH, (nnx.Conv,))
     with pytest.raises(TypeError, match="not mixed"):
         import flax.linen as nn
 
         zp.make_trainer(loss_fn, optax.sgd(0.1), params, mesh=mesh_of(2, 4),
-                        wrap=(Block, nn.Dense), example_batch=h)
+                        wrap=(Block, nn.Dense), example_batch=BATCH)

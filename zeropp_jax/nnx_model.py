@@ -32,7 +32,9 @@ def nnx_loss(
         module on a micro-batch (e.g. ``lambda m, b: mse(m(b["x"]), b["y"])``).
       streams: the module's random streams to reseed from the trainer's key
         each step (``Dropout`` uses ``"dropout"``); pass ``rng=`` to
-        :func:`~zeropp_jax.make_trainer` so the loss gets a key.
+        :func:`~zeropp_jax.make_trainer` so the loss gets a key. A stream
+        of layers stacked by ``nnx.vmap`` (one key per layer) gets the
+        step's key split into one per layer.
 
     Returns:
       ``(params, loss_fn)``: the ``nnx.Param`` values as a nested dict of
@@ -47,7 +49,9 @@ def nnx_loss(
       are not supported.
 
     ``make_trainer(..., wrap=(Block,), example_batch=batch)`` makes each
-    ``Block`` instance the loss calls its own unit (:mod:`zeropp_jax.step.wrap`).
+    ``Block`` instance the loss calls its own unit, and blocks stacked by
+    ``nnx.vmap`` and applied by ``nnx.scan`` one stacked unit gathered layer
+    by layer (:mod:`zeropp_jax.step.wrap_nnx`).
 
     Example::
 
@@ -65,7 +69,10 @@ def nnx_loss(
         # variables that belong to another trace.
         module = nnx.merge(graphdef, params, jax.tree.map(jnp.asarray, rest))
         if key is not None and streams:
-            nnx.reseed(module, **{s: jax.random.fold_in(key, i) for i, s in enumerate(streams)})
+            keys = {s: jax.random.fold_in(key, i) for i, s in enumerate(streams)}
+            # A stream of layers stacked by nnx.vmap holds one key per layer:
+            # "match_shape" splits the step's key into as many.
+            nnx.reseed(module, policy="match_shape", **keys)
         return criterion(module, batch)
 
     return params, loss_fn

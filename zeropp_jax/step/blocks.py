@@ -4,9 +4,11 @@ A wrap policy (:mod:`zeropp_jax.step.wrap` for Linen,
 :mod:`zeropp_jax.step.wrap_nnx` for NNX) replaces a call of a listed module
 class with :func:`as_layer`: the block runs on ``gather(unit)`` inside
 :func:`~zeropp_jax.step.gather.layer`, so its parameters are gathered when it
-is called and again in the backward. :func:`inside_block` counts, per thread,
-the blocks being applied, so calls of listed classes nested in a wrapped
-block pass through (they belong to the outer block's unit).
+is called and again in the backward; a block applied by a scan over stacked
+layers (``nn.scan``, ``nnx.scan``) gets one layer's slice of a stacked unit
+per iteration. :func:`inside_block` counts, per thread, the blocks being
+applied, so calls of listed classes nested in a wrapped block pass through
+(they belong to the outer block's unit).
 """
 
 from __future__ import annotations

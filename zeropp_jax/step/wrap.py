@@ -95,8 +95,8 @@ def prepare(
     key = () if rng is None else (jax.random.key(0),)  # the loss takes a key
     nnx_classes = _nnx_classes(classes)
     if nnx_classes:
-        paths = wrap_nnx.discover(loss_fn, params, example_batch, nnx_classes, key)
-        return wrap_nnx.wrap_loss(loss_fn, nnx_classes, paths), paths, []
+        paths, stacked = wrap_nnx.discover(loss_fn, params, example_batch, nnx_classes, key)
+        return wrap_nnx.wrap_loss(loss_fn, nnx_classes, paths), paths, stacked
     paths, stacked = discover(loss_fn, params, example_batch, classes, key)
     return wrap_loss(loss_fn, classes), paths, stacked
 
