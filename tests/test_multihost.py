@@ -533,10 +533,9 @@ def test_launch_ends_when_a_process_is_killed(jobs):
 
 def test_launch_ends_when_a_process_hangs(jobs):
     """A frozen process (SIGSTOP) neither exits nor closes its connections:
-    JAX's heartbeats make process 0 give up, then the launcher stops the rest."""
+    its heartbeat to the launcher stops, and the launcher names it as stalled
+    (also when JAX's own heartbeats made process 0 give up first), then
+    stops the rest."""
     run = _result(jobs, "frozen")
     _assert_ended_in_time(run)
-    assert run["elapsed"] >= distributed.DEFAULT_HEARTBEAT_TIMEOUT_S / 2
-    log = "\n".join(_lines_of(run["stderr"], 0))
-    assert "heartbeat" in log or "another task died" in log, run["stderr"][-5000:]
-    assert "FAILED: process 0" in run["stderr"]
+    assert "FAILED: process 1 stalled (no heartbeat for" in run["stderr"], run["stderr"][-5000:]

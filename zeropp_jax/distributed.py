@@ -24,6 +24,10 @@ gloo on CPU, 2 processes, SIGKILL / SIGSTOP in the middle of training):
   exception end the process at once (traceback, then exit status 1), which
   turns it into the first case; :func:`exit_now` does the same for a
   deliberate error exit.
+
+Under ``zeropp-launch``, :func:`initialize` also starts beating to the
+launcher (:mod:`zeropp_jax.heartbeat`): the launcher names a process that
+stalls or never gets here, and the process ends if the launcher dies.
 """
 
 from __future__ import annotations
@@ -91,6 +95,10 @@ def initialize(
         they are inconsistent.
     """
     import jax
+
+    from zeropp_jax import heartbeat
+
+    heartbeat.start()  # first: the launcher learns that this process got here
 
     explicit = (coordinator, num_processes, process_id)
     if all(v is None for v in explicit) and os.environ.get(ENV_COORDINATOR):

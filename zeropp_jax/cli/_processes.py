@@ -2,14 +2,18 @@
 
 :func:`launch` starts one child per simulated host with the environment of
 :func:`process_env`, relays each child's output line by line with its index as
-prefix (:class:`_Output`), waits for the children (:func:`_watch`) and, on the
-first failure, a timeout or a stop signal to the launcher, stops all of them
-(:func:`_stop`: SIGTERM to each child's process group, SIGKILL after a grace
-period). ``zeropp_jax.cli.launch`` is the command line around it.
+prefix (:class:`zeropp_jax.cli._output._Output`), waits for the children
+(:func:`_watch`) and, on the first failure, a stalled or never-started
+process (:class:`zeropp_jax.heartbeat.Monitor`), a timeout or a stop signal to
+the launcher, stops all of them (:func:`_stop`: SIGTERM to each child's
+process group, SIGKILL after a grace period). If the launcher itself dies,
+its children die too (:func:`_set_parent_death_signal`, and the heartbeat
+pipe). ``zeropp_jax.cli.launch`` is the command line around it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import random
@@ -23,6 +27,8 @@ import time
 from typing import BinaryIO, Sequence
 
 from zeropp_jax import distributed
+from zeropp_jax.cli._output import _Output
+from zeropp_jax.heartbeat import Monitor
 
 HOST = "127.0.0.1"
 POLL_S = 0.05
@@ -31,8 +37,18 @@ POLL_S = 0.05
 DEFAULT_KILL_GRACE_S = 5.0
 # Exit status when --timeout expires (as timeout(1) does).
 TIMEOUT_EXIT = 124
+# Seconds without a heartbeat after which a running process counts as stalled:
+# shorter than JAX's heartbeat timeout (distributed.DEFAULT_HEARTBEAT_TIMEOUT_S),
+# so that the launcher names it before its peers abort with a C++ stack trace.
+DEFAULT_STALL_TIMEOUT_S = 20.0
+# Seconds after a peer's first heartbeat within which every process must beat.
+DEFAULT_START_TIMEOUT_S = 30.0
+# Exit status when a process stalled or did not start.
+STALL_EXIT = 1
+# When a process fails, a peer silent this long is named as the cause: peers
+# waiting in a collective keep beating, and a lost peer makes them abort.
+STALE_EVIDENCE_S = 10.0
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
-_LINE_END = re.compile(rb"[\r\n]")
 
 
 def free_port(host: str = HOST) -> int:
@@ -109,61 +125,27 @@ def _exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-class _Output:
-    """Copies one child pipe to our stream, prefixing every line.
+def _set_parent_death_signal(parent: int | None = None) -> None:
+    """A ``preexec_fn`` (Linux): the child gets SIGKILL when the launcher dies.
 
-    A carriage return ends a line too (progress bars redraw in place), and is
-    kept, so a bar still redraws on a terminal.
+    SIGKILL, not SIGTERM: a process in a ``jax.distributed`` job takes SIGTERM
+    as a preemption notice and runs on. The signal follows the thread that
+    started the child, so :func:`launch` must run in a thread that lives as
+    long as the launch (the command line calls it in the main thread). It
+    reaches the child only; a zeropp process further down (under a shell, say)
+    stops when its heartbeat pipe breaks (:mod:`zeropp_jax.heartbeat`).
+
+    Args:
+      parent: the launcher's pid; if the child's parent is already another
+        process, the launcher died before the signal was set, and the child
+        exits.
     """
+    import ctypes
 
-    def __init__(self, pipe: BinaryIO, out: BinaryIO, prefix: bytes, lock: threading.Lock):
-        self._pipe, self._out, self._prefix, self._lock = pipe, out, prefix, lock
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        pending = b""
-        read = getattr(self._pipe, "read1", self._pipe.read)
-        try:
-            while chunk := read(65536):
-                pending += chunk
-                pieces, pending = _split_lines(pending)
-                self._write(pieces)
-            if pending:
-                self._write([pending + b"\n"])
-        except (OSError, ValueError):  # pipe closed under us at shutdown
-            pass
-
-    def _write(self, pieces: list[bytes]) -> None:
-        if not pieces:
-            return
-        data = b"".join(self._prefix + p for p in pieces)
-        with self._lock:
-            try:
-                self._out.write(data)
-                self._out.flush()
-            except (OSError, ValueError):
-                pass
-
-
-def _split_lines(data: bytes) -> tuple[list[bytes], bytes]:
-    """Splits after each ``\\n`` or ``\\r``; returns (complete lines, rest)."""
-    pieces, start = [], 0
-    for match in _LINE_END.finditer(data):
-        pieces.append(data[start:match.end()])
-        start = match.end()
-    return pieces, data[start:]
-
-
-def _set_parent_death_signal() -> None:
-    """Linux: the child gets SIGTERM if the launcher dies (even by SIGKILL)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
 
 
 class _Stop(Exception):
@@ -178,6 +160,8 @@ def launch(
     timeout_s: float | None = None,
     kill_grace_s: float = DEFAULT_KILL_GRACE_S,
     port: int | None = None,
+    stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
+    start_timeout_s: float | None = DEFAULT_START_TIMEOUT_S,
     stdout: BinaryIO | None = None,
     stderr: BinaryIO | None = None,
 ) -> int:
@@ -190,6 +174,13 @@ def launch(
       timeout_s: stop everything after this many seconds (status 124).
       kill_grace_s: seconds from SIGTERM to SIGKILL when stopping processes.
       port: coordinator port (default: a free one).
+      stall_timeout_s: a running process whose heartbeat is this many seconds
+        old has stalled: all are stopped and it is named (``None``: never).
+      start_timeout_s: a process with no heartbeat this many seconds after a
+        peer's first did not start: all are stopped and it is named
+        (``None``: never). Only processes that call
+        :func:`zeropp_jax.distributed.initialize` beat; while none has, no
+        process is judged.
       stdout, stderr: binary streams for the prefixed output (default: ours).
 
     Raises:
@@ -198,8 +189,9 @@ def launch(
 
     Returns:
       0 if every process exited with status 0; otherwise the exit code of the
-      first process seen to fail (128 + N if it was killed by signal N), 124
-      on timeout, 130 on Ctrl-C.
+      first process seen to fail (128 + N if it was killed by signal N), 1
+      when a process stalled or did not start (also when a process failed
+      while a peer had stalled), 124 on timeout, 130 on Ctrl-C.
     """
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
@@ -225,6 +217,8 @@ def launch(
     procs: list[subprocess.Popen] = []
     outputs: list[_Output] = []
     received: list[int] = []
+    monitor = Monitor(num_processes, stall_timeout_s=stall_timeout_s,
+                      start_timeout_s=start_timeout_s, stale_evidence_s=STALE_EVIDENCE_S)
     previous = _install_stop_handlers(received)
     try:
         for i in range(num_processes):
@@ -232,19 +226,22 @@ def launch(
                 os.environ, coordinator=coordinator, num_processes=num_processes,
                 process_id=i, devices_per_process=devices_per_process,
             )
+            env.update(monitor.child_env(i))
             try:
                 procs.append(subprocess.Popen(
                     list(command), env=env, stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                     # Own process group: Ctrl-C reaches only the launcher, which
                     # then stops each child's whole tree.
-                    start_new_session=True,
-                    preexec_fn=_set_parent_death_signal if sys.platform == "linux" else None,
+                    start_new_session=True, pass_fds=monitor.child_fds(i),
+                    preexec_fn=(functools.partial(_set_parent_death_signal, os.getpid())
+                                if sys.platform == "linux" else None),
                 ))
             except OSError as e:
                 say(f"cannot start {command[0]!r}: {e}")
                 _stop(procs, kill_grace_s)
                 return 127 if isinstance(e, FileNotFoundError) else 126
+        monitor.started()
         # Readers start after every fork (preexec_fn and threads do not mix).
         for i, p in enumerate(procs):
             prefix = f"[{i}] ".encode()
@@ -255,7 +252,7 @@ def launch(
             f"coordinator {coordinator}, pids "
             + " ".join(f"[{i}]={p.pid}" for i, p in enumerate(procs))
         )
-        status = _watch(procs, timeout_s, kill_grace_s, say, received)
+        status = _watch(procs, timeout_s, kill_grace_s, say, received, monitor)
     except (KeyboardInterrupt, _Stop) as e:
         what = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else "got a stop signal"
         say(f"{what}; stopping all {len(procs)} process(es)")
@@ -267,6 +264,7 @@ def launch(
             if p.poll() is None:  # only on an unexpected error in the launcher
                 _signal(p, signal.SIGKILL)
                 p.wait()
+        monitor.close()
         for out in outputs:
             out.thread.join(timeout=5)
         for p in procs:
@@ -276,12 +274,14 @@ def launch(
     return status
 
 
-def _watch(procs, timeout_s, kill_grace_s, say, received=()) -> int:
+def _watch(procs, timeout_s, kill_grace_s, say, received=(), monitor=None) -> int:
     """Waits for all processes; on the first failure stops the rest.
 
     One thread per process waits for its exit, so exits are seen in the order
     they happen: the process that failed first is named, not a peer that
-    failed a moment later because of it.
+    failed a moment later because of it. A process whose heartbeat went stale
+    is named before any that failed after it (peers abort when JAX declares a
+    silent process dead).
     """
     exits: queue.Queue[int] = queue.Queue()
 
@@ -301,38 +301,43 @@ def _watch(procs, timeout_s, kill_grace_s, say, received=()) -> int:
         except queue.Empty:
             if received:
                 raise _stop_exception(received[0])
+            running = [j for j in range(len(procs)) if j not in exited]
             if deadline is not None and time.monotonic() >= deadline:
-                running = [j for j in range(len(procs)) if j not in exited]
-                say(
-                    f"timed out after {timeout_s:g} s; stopping process(es) "
-                    + ", ".join(map(str, running))
-                )
+                say(f"timed out after {timeout_s:g} s; stopping process(es) "
+                    + ", ".join(map(str, running)))
                 _stop(procs, kill_grace_s)
                 return TIMEOUT_EXIT
+            if monitor is not None and (verdict := monitor.verdict(running)):
+                return _fail(procs, *verdict, running, kill_grace_s, say, STALL_EXIT)
             continue
         exited.append(i)
         code = procs[i].returncode
         if code == 0:
             continue
         running = [j for j in range(len(procs)) if j not in exited]
-        say(
-            f"process {i} (pid {procs[i].pid}) {describe_status(code)}"
-            + (f"; stopping the other {len(running)} process(es)" if running else "")
-        )
-        _stop(procs, kill_grace_s)
-        stopped = (-signal.SIGTERM, -signal.SIGKILL)
-        others = [
-            f"[{j}] {describe_status(procs[j].returncode)}"
-            + (" (stopped by zeropp-launch)"
-               if j in running and procs[j].returncode in stopped else "")
-            for j in range(len(procs)) if j != i
-        ]
-        say(
-            f"FAILED: process {i} {describe_status(code)}"
-            + (f"; others: {', '.join(others)}" if others else "")
-        )
-        return _exit_status(code)
+        if monitor is not None and (stalled := monitor.stalled_peer(running)):
+            say(f"process {i} (pid {procs[i].pid}) {describe_status(code)} after process "
+                f"{stalled[0]} {stalled[1]}")
+            return _fail(procs, *stalled, running, kill_grace_s, say, STALL_EXIT)
+        return _fail(procs, i, describe_status(code), running, kill_grace_s, say,
+                     _exit_status(code))
     return 0
+
+
+def _fail(procs, i: int, cause: str, running, kill_grace_s, say, status: int) -> int:
+    """Names process ``i`` and ``cause``, stops every process, sums up; returns ``status``."""
+    others = [j for j in running if j != i]
+    say(f"process {i} (pid {procs[i].pid}) {cause}"
+        + (f"; stopping the other {len(others)} process(es)" if others else ""))
+    _stop(procs, kill_grace_s)
+    stopped = (-signal.SIGTERM, -signal.SIGKILL)
+    summary = [
+        f"[{j}] {describe_status(procs[j].returncode)}"
+        + (" (stopped by zeropp-launch)" if j in running and procs[j].returncode in stopped else "")
+        for j in range(len(procs)) if j != i
+    ]
+    say(f"FAILED: process {i} {cause}" + (f"; others: {', '.join(summary)}" if summary else ""))
+    return status
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:

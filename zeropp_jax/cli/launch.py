@@ -11,7 +11,7 @@ Process ``i`` runs the command with these environment variables (read by
 
   ZEROPP_COORDINATOR=127.0.0.1:PORT  ZEROPP_NUM_PROCESSES=N  ZEROPP_PROCESS_ID=i
   JAX_PLATFORMS=cpu  XLA_FLAGS=--xla_force_host_platform_device_count=K
-  PYTHONUNBUFFERED=1
+  PYTHONUNBUFFERED=1  ZEROPP_HEARTBEAT=FD:INODE
 
 (other ``XLA_FLAGS`` are kept). ``K`` is ``--devices-per-process``, by default
 the ``LOCAL`` of a ``--mesh NxLOCAL`` in the command, else 1.
@@ -25,6 +25,16 @@ names the process that failed and how, and exits non-zero (the failed
 process's exit code, or 128 + signal number). Ctrl-C and SIGTERM stop all
 processes too.
 
+Processes that call :func:`zeropp_jax.distributed.initialize` (every
+zeropp command does) send a heartbeat to the launcher each second
+(:mod:`zeropp_jax.heartbeat`). A process whose heartbeat stops for
+``--stall-timeout`` seconds (stopped, frozen) is named as stalled; one that
+has not beaten ``--start-timeout`` seconds after a peer's first (hung or
+slow before ``initialize``) is named as not started. Either way all are
+stopped and the launch exits 1. When a process fails while a peer has been
+silent for a while, the silent peer is named: the others abort because of it.
+If the launcher dies, even by SIGKILL, its processes are killed too.
+
 This module is the command line; :mod:`zeropp_jax.cli._processes` starts,
 watches and stops the processes and relays their output.
 """
@@ -35,14 +45,20 @@ import argparse
 import sys
 from typing import Sequence
 
-from zeropp_jax.cli._processes import DEFAULT_KILL_GRACE_S, HOST, launch
+from zeropp_jax.cli._processes import (
+    DEFAULT_KILL_GRACE_S,
+    DEFAULT_START_TIMEOUT_S,
+    DEFAULT_STALL_TIMEOUT_S,
+    HOST,
+    launch,
+)
 from zeropp_jax.mesh import parse_mesh_shape
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zeropp-launch",
-        usage="zeropp-launch -n N [--devices-per-process K] [--timeout S] -- COMMAND [ARGS ...]",
+        usage="zeropp-launch -n N [--devices-per-process K] [--timeout S] [options] -- COMMAND [ARGS ...]",
         description="Run COMMAND as N local processes of one jax.distributed job "
         "(simulated hosts: CPU devices, gloo collectives, coordinator on "
         f"{HOST}). Output lines are prefixed with the process index; if any "
@@ -71,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--port", type=_int_at_least(1), default=None,
         help="coordinator port (default: a free one)",
+    )
+    parser.add_argument(
+        "--stall-timeout", type=_non_negative_float, default=DEFAULT_STALL_TIMEOUT_S,
+        metavar="S", help="name a process whose heartbeat stopped S seconds ago as "
+        f"stalled and stop all (default: {DEFAULT_STALL_TIMEOUT_S:g}; 0: never)",
+    )
+    parser.add_argument(
+        "--start-timeout", type=_non_negative_float, default=DEFAULT_START_TIMEOUT_S,
+        metavar="S", help="name a process with no heartbeat S seconds after a peer's "
+        f"first as not started and stop all (default: {DEFAULT_START_TIMEOUT_S:g}; 0: never)",
     )
     return parser
 
@@ -154,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             timeout_s=options.timeout,
             kill_grace_s=options.kill_grace,
             port=options.port,
+            stall_timeout_s=options.stall_timeout or None,
+            start_timeout_s=options.start_timeout or None,
         )
     except ValueError as e:
         print(f"zeropp-launch: error: {e}", file=sys.stderr)
