@@ -9,15 +9,16 @@ valid. Each field carries its own documentation and command-line spelling
 
 Presets:
 
-=========  ======  =====  ==============================================
-preset     qwZ     hpZ    qgZ
-=========  ======  =====  ==============================================
-``zero3``  off     off    off (full-precision reduce-scatter)
-``qwz``    int8    off    off
-``hpz``    off     on     off
-``qgz``    off     off    1-bit, error feedback on Adam's momentum
-``zeropp`` int8    on     1-bit, error feedback on Adam's momentum
-=========  ======  =====  ==============================================
+==============  ======  =====  ==============================================
+preset          qwZ     hpZ    qgZ
+==============  ======  =====  ==============================================
+``zero3``       off     off    off (full-precision reduce-scatter)
+``qwz``         int8    off    off
+``hpz``         off     on     off
+``qgz``         off     off    1-bit, error feedback on Adam's momentum
+``zeropp``      int8    on     1-bit, error feedback on Adam's momentum
+``zeropp-max``  int8    --     1-bit Adam, parameters replicated over nodes
+==============  ======  =====  ==============================================
 
 The 1-bit presets run 1-bit Adam (``qgz_target="momentum"``, optimizer
 :func:`zeropp_jax.onebit_adam`): error feedback on the gradient in front of
@@ -34,6 +35,8 @@ import math
 from typing import Any
 
 import jax.numpy as jnp
+
+from zeropp_jax.config_checks import check_node_replicated, check_onebit_adam
 
 # 1-bit Adam estimates Adam's second moment in the warm-up and freezes it
 # afterwards; 100 steps is 25% of the 400-step convergence runs, as the
@@ -55,6 +58,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "hpz": dict(qwz_bits=0, hpz=True, qgz="off"),
     "qgz": dict(qwz_bits=0, hpz=False, **_ONEBIT_ADAM),
     "zeropp": dict(qwz_bits=8, hpz=True, **_ONEBIT_ADAM),
+    # 1-bit Adam with the parameters replicated over nodes: no parameter
+    # traffic crosses nodes, only the momentum codes (and refresh steps).
+    "zeropp-max": dict(qwz_bits=8, hpz=False, node_replicated=True, **_ONEBIT_ADAM),
 }
 
 QWZ_BITS = (0, 8, 4)
@@ -211,6 +217,13 @@ class ZeroConfig:
         "local in two steps (one device per node crosses nodes), as a two-level ZeRO-3 "
         "would; same values", flag="--hierarchical", parse=bool,
     )
+    prefetch: bool = _field(
+        True, "gather the next stacked layer while the current one computes, forward and "
+        "backward (depth 1, zeropp_jax.scan_layers); same collectives and values", parse=bool,
+    )
+    node_replicated: bool = _field(
+        False, "with 1-bit Adam: parameters split over local, one copy per node, each node "
+        "applying the same update, so no parameter crosses nodes", parse=bool)
     grad_accum: int = _field(
         1, "micro-batches per optimizer step", parse=int, at_least=1, cli_default=1,
     )
@@ -287,7 +300,8 @@ class ZeroConfig:
             )
         if self.qgz_target not in QGZ_TARGETS:
             raise ValueError(f"qgz_target must be one of {QGZ_TARGETS}, got {self.qgz_target!r}")
-        _check_onebit_adam(self)
+        check_onebit_adam(self)
+        check_node_replicated(self)
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"
@@ -373,42 +387,3 @@ class ZeroConfig:
                 value = jnp.dtype(value).name
             out[f.name] = value
         return out
-
-
-def _check_onebit_adam(config: ZeroConfig) -> None:
-    """The fields 1-bit Adam (``qgz_target="momentum"``) needs, and its refresh period."""
-    if config.qgz_target == "momentum":
-        if config.qgz == "off":
-            raise ValueError(
-                "qgz_target='momentum' compresses Adam's momentum across nodes; it needs "
-                "qgz='1bit' (or 'int8' / 'int4'), got qgz='off'"
-            )
-        if config.qgz_code != "sign":
-            raise ValueError(
-                "qgz_target='momentum' uses the sign code with error feedback on the "
-                f"momentum; got qgz_code={config.qgz_code!r} (use qgz_code='sign', or "
-                "qgz_target='gradient' to compress gradients with it: --qgz-target gradient)"
-            )
-        if config.qgz_warmup_steps < 1:
-            raise ValueError(
-                "qgz_target='momentum' freezes Adam's second moment when compression "
-                "starts, so it needs full-precision warm-up steps to estimate it: "
-                f"qgz_warmup_steps must be >= 1, got {config.qgz_warmup_steps!r} "
-                "(1-bit Adam warms up for 15-25% of training)"
-            )
-        if config.qgz_min_grad_rms:
-            raise ValueError(
-                "qgz_min_grad_rms (the compression gate) applies to qgz_target='gradient'; "
-                "with qgz_target='momentum' the global gradient is not formed on "
-                f"compressed steps, so set qgz_min_grad_rms=0 (got {config.qgz_min_grad_rms!r})"
-            )
-    if (isinstance(config.qgz_refresh_every, bool) or not isinstance(config.qgz_refresh_every, int)
-            or config.qgz_refresh_every < 0):
-        raise ValueError(
-            f"qgz_refresh_every must be an integer >= 0 (0: never), got {config.qgz_refresh_every!r}"
-        )
-    if config.qgz_refresh_every and config.qgz_target != "momentum":
-        raise ValueError(
-            "qgz_refresh_every refreshes 1-bit Adam's frozen second moment; it needs "
-            f"qgz_target='momentum' (got qgz_target={config.qgz_target!r})"
-        )

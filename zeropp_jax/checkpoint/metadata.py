@@ -197,7 +197,17 @@ def check_qgz_target(meta: dict, trainer: Trainer, where: str) -> None:
             f"{where} was written with qgz_target={stored!r} (preset "
             f"{meta['config'].get('preset')!r}) and the trainer has qgz_target={wanted!r}: "
             "their optimizer states differ (1-bit Adam's per-node m and v and two carries vs "
-            f"an optax state). Build the trainer with qgz_target={stored!r} "
-            f"(--qgz-target {stored}); the presets qgz and zeropp meant qgz_target='gradient' "
-            "before they ran 1-bit Adam"
+            f"an optax state). Build the trainer with {_same_optimizer_flags(meta['config'])}; "
+            "the presets qgz and zeropp meant qgz_target='gradient' before they ran 1-bit Adam"
         )
+
+
+def _same_optimizer_flags(stored: dict) -> str:
+    """zeropp-train flags that give a trainer the stored config's optimizer."""
+    target = stored.get("qgz_target", "gradient")
+    if target == "momentum":  # 1-bit Adam needs qgZ on and a warm-up
+        flags = (f"--qgz {stored.get('qgz')} --qgz-target momentum "
+                 f"--qgz-warmup {stored.get('qgz_warmup_steps')} "
+                 f"--qgz-refresh-every {stored.get('qgz_refresh_every')}")
+        return f"1-bit Adam: --preset {stored.get('preset')}, or {flags}"
+    return "qgz_target='gradient' (--qgz-target gradient)"

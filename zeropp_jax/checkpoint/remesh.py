@@ -18,8 +18,11 @@ way its shapes allow:
   elsewhere; with the same node count each row is re-padded.  A trainer
   without error feedback (qgZ off, or a single node) drops the carry, with a
   warning; a checkpoint without a carry starts the new one at zeros;
-* 1-bit Adam's per-node ``m`` / ``v`` ``(nodes, [L,] padded)``: re-padded
-  row by row onto the same node count only.
+* leaves with one equal row per node, ``(nodes, [L,] padded)`` (1-bit
+  Adam's ``m`` / ``v``: every node decodes the same codes; node-replicated
+  parameters): row 0, re-padded, copied onto the trainer's node count, or
+  made the parameter-shaped leaf of a trainer without node replication (and
+  back).
 
 Host memory of the conversion path: every process reads the *full* leaves
 it converts (e.g. params + Adam ``mu`` + ``nu`` = 3x the float32 model, plus
@@ -180,30 +183,38 @@ class _Plan:
             return name
         return None
 
-    def _per_node_unit_of(self, key, stored_shape, target_shape):
-        """The unit of a ``(nodes, [L,] padded)`` leaf under a unit's name, else ``None``."""
+    def _rows_of(self, key, stored_shape, target_shape):
+        """``(unit, stored per node, target per node)`` for a leaf under a unit's
+        name that has one equal row per node on either side (1-bit Adam's
+        ``m`` / ``v``, node-replicated parameters), else ``None``."""
         name = key[-1] if key else None
-        if name not in self.new_units or len(stored_shape) < 2:
+        if name not in self.new_units:
             return None
         old, new = self.old_units[name], self.new_units[name]
-        if (tuple(stored_shape[1:]) == old.global_shape and stored_shape[0] == self.old_nodes
-                and tuple(target_shape[1:]) == new.global_shape):
-            return name
+        src_rows = (len(stored_shape) >= 2 and stored_shape[0] == self.old_nodes
+                    and tuple(stored_shape[1:]) == old.global_shape)
+        tgt_rows = len(target_shape) >= 2 and tuple(target_shape[1:]) == new.global_shape
+        src_flat = tuple(stored_shape) == old.global_shape
+        tgt_flat = tuple(target_shape) == new.global_shape
+        if (src_rows or tgt_rows) and (src_rows or src_flat) and (tgt_rows or tgt_flat):
+            return name, src_rows, tgt_rows
         return None
 
-    def _per_node_maker(self, key, unit, tgt, args):
+    def _rows_maker(self, key, rows, tgt, args):
+        """A leaf whose rows are equal copies (one per node): row 0 re-padded,
+        then copied onto the trainer's node count (or kept as one shard)."""
+        unit, src_rows, tgt_rows = rows
         old, new = self.old_units[unit], self.new_units[unit]
-        src_nodes, new_nodes = self.old_nodes, tgt.shape[0]
-        if src_nodes != new_nodes:
-            raise CheckpointMismatchError(
-                f"{self.where}: {'/'.join(key)} holds one row per node ({src_nodes} in the "
-                f"checkpoint, mesh {self.old_mesh}); the trainer has {new_nodes} nodes. "
-                "1-bit Adam's per-node state restores onto the same node count only"
-            )
-        if _same_layout(old, new):
+        if src_rows and tgt_rows and self.old_nodes == tgt.shape[0] and _same_layout(old, new):
             return _read_as_stored(args, key, tgt)
         args[key] = NUMPY
-        return lambda values: _place(_repack(np.asarray(values[key]), old, new, tgt.dtype), tgt)
+
+        def make(values):
+            x = np.asarray(values[key])
+            host = _repack(x[0] if src_rows else x, old, new, tgt.dtype)
+            return _place(np.broadcast_to(host, tgt.shape) if tgt_rows else host, tgt)
+
+        return make
 
     def item(self, stored: dict, target: dict, *, params: bool):
         """Restore args per stored key, and a function making the target leaves.
@@ -229,9 +240,9 @@ class _Plan:
                     "was it written with another optimizer?"
                 )
             src = stored[key]
-            per_node = self._per_node_unit_of(key, src.shape, tgt.shape)
-            if per_node is not None:  # 1-bit Adam's m / v: one row per node
-                makers.append(self._per_node_maker(key, per_node, tgt, args))
+            rows = self._rows_of(key, src.shape, tgt.shape)
+            if rows is not None:  # one equal row per node on either side
+                makers.append(self._rows_maker(key, rows, tgt, args))
                 continue
             unit = self._unit_of(key, src.shape, tgt.shape)
             same = unit is None or _same_layout(self.old_units[unit], self.new_units[unit])

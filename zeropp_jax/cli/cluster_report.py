@@ -128,14 +128,16 @@ def rate_name(rate: float) -> str:
 
 
 def format_table(records: Sequence[dict]) -> str:
-    """One row per (rate, preset): measured and predicted step time, speedups, link bytes."""
-    head = ("rate", "preset", "step s", "tok/s", "x zero3", "pred", "x 2level", "pred",
+    """One row per (rate, preset): measured (median and mean) and predicted step
+    time, speedups, link bytes."""
+    head = ("rate", "preset", "step s", "mean s", "tok/s", "x zero3", "pred", "x 2level", "pred",
             "MB/node/step", "model MB")
     rows = [head]
     for r in records:
         mb = lambda x: None if x is None else x / 1e6  # noqa: E731
         rows.append((
             rate_name(r["rate_mbit"]), r["preset"], _fmt(r["step_time_s"], ".3f"),
+            _fmt(r.get("mean_step_time_s"), ".3f"),
             _fmt(r["tokens_per_s"], ",.0f"), _fmt(r.get("speedup_vs_zero3"), ".2f"),
             _fmt(r.get("predicted_speedup"), ".2f"),
             _fmt(r.get("speedup_vs_zero3_2level"), ".2f"),

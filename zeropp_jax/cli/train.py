@@ -20,12 +20,15 @@ import time
 
 from zeropp_jax.cli import common, guards
 
+DEFAULT_PRESET = "zeropp"
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zeropp-train",
         description="Train the example byte-level GPT with ZeRO-3 / ZeRO++ "
-        "sharded data parallelism over a (node, local) mesh.",
+        "sharded data parallelism over a (node, local) mesh. Runs the "
+        f"{DEFAULT_PRESET} preset unless --preset says otherwise.",
     )
     parser.add_argument("--steps", type=common.positive_int, default=300, help="optimizer steps")
     parser.add_argument("--metrics-out", default=None, help="JSON lines file, one line per step")
@@ -56,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(any mesh); start from step 0 if there is none",
     )
     common.add_common_args(parser)
+    # The main job shows the point of the library: ZeRO++ (ZeroConfig's own
+    # default, and zeropp-comm's, stays plain ZeRO-3).
+    parser.set_defaults(preset=DEFAULT_PRESET)
     return parser
 
 

@@ -10,10 +10,12 @@ stacked; ``D = nodes * local``):
 
 * parameters (and optax state over them, and 1-bit Adam's receiver carry):
   float32 ``([L,] U)`` sharded ``P([None,] ("local", "node"))``, a
-  ``U / D`` shard per device;
-* per-node arrays (qgZ's sender carry, 1-bit Adam's ``m`` and ``v``):
-  float32 ``(nodes, [L,] U)`` sharded ``P("node", [None,] "local")``: row
-  ``n`` is node ``n``'s copy, split over ``local``;
+  ``U / D`` shard per device (:meth:`StepGeometry.shard_specs`);
+* per-node arrays (qgZ's sender carry, 1-bit Adam's ``m`` and ``v``, and
+  the parameters with ``node_replicated``): float32 ``(nodes, [L,] U)``
+  sharded ``P("node", [None,] "local")``: row ``n`` is node ``n``'s copy,
+  split over ``local`` (the rows of ``m``, ``v`` and node-replicated
+  parameters are equal);
 * the batch: leading axis split over ``("node", "local")``.
 """
 
@@ -103,7 +105,7 @@ class StepGeometry:
         """How every unit is gathered and its gradient reduced."""
         cfg = self.config
         return GatherPlan(
-            gather_axes=(LOCAL,) if cfg.hpz else SHARD_AXES,
+            gather_axes=(LOCAL,) if cfg.hpz or cfg.node_replicated else SHARD_AXES,
             reduce_axes=(LOCAL,) if cfg.hierarchical_grads else SHARD_AXES,
             bits=cfg.qwz_bits,
             block=cfg.qwz_block,
@@ -115,12 +117,17 @@ class StepGeometry:
         )
 
     # ------------------------------------------------------------ specs
-    def param_specs(self, axes: Any = SHARD_AXES) -> dict:
-        """Unit name -> spec of a parameter-shaped ``([L,] U)`` array."""
+    def shard_specs(self, axes: Any = SHARD_AXES) -> dict:
+        """Unit name -> spec of a ``([L,] U)`` array split over all devices."""
         return {
             u.name: P(None, axes) if u.stack is not None else P(axes)
             for u in self.layout.units
         }
+
+    def param_specs(self) -> dict:
+        """Unit name -> spec of the master parameters: per node with
+        ``node_replicated`` (``(nodes, [L,] U)``), else split over all devices."""
+        return self.per_node_specs() if self.config.node_replicated else self.shard_specs()
 
     def per_node_specs(self) -> dict:
         """Unit name -> spec of a per-node ``(nodes, [L,] U)`` array."""
@@ -142,6 +149,16 @@ class StepGeometry:
     @property
     def param_shardings(self) -> dict:
         return jax.tree.map(self.sharding, self.param_specs())
+
+    def place_params(self, flat: dict) -> dict:
+        """Master parameters from full flat units ``([L,] U)`` (under ``jit``).
+
+        Split over all devices, or with ``node_replicated`` one equal row
+        per node, ``(nodes, [L,] U)``, each split over ``local``.
+        """
+        if self.config.node_replicated:
+            flat = {n: jnp.broadcast_to(x, (self.nodes,) + x.shape) for n, x in flat.items()}
+        return jax.sharding.reshard(flat, self.param_shardings)
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -168,7 +185,8 @@ class StepGeometry:
         per step (:func:`~zeropp_jax.step.accumulate.unit_source`): this
         device's shard cast to the compute dtype (nothing extra when that is
         float32) or quantized with qwZ; with hpZ the node's copy of the
-        model, sharded over ``local`` only. ``grad_accumulator``
+        model, sharded over ``local`` only. ``master_params`` is ``1/local``
+        of the float32 model with ``node_replicated``. ``grad_accumulator``
         holds gradients between the backward and the cross-node reduction:
         ``1/local`` of the model with hierarchical gradients (hpZ or qgZ),
         ``1/(nodes*local)`` otherwise. ``qgz_carry`` is the error-feedback
@@ -178,7 +196,8 @@ class StepGeometry:
         cfg = self.config
         padded = self.layout.padded_numel
         per_local = padded // self.local
-        source = per_local if cfg.hpz else padded // self.n_devices
+        in_node = cfg.hpz or cfg.node_replicated
+        source = per_local if in_node else padded // self.n_devices
         if cfg.qwz_bits:
             source_bytes = quantization.wire_bytes(
                 source, bits=cfg.qwz_bits, block=cfg.qwz_block, scale_dtype=cfg.scale_dtype
@@ -189,7 +208,7 @@ class StepGeometry:
             source_bytes = 0  # the float32 master shard is sent as it is
         accumulator = 4 * (per_local if cfg.hierarchical_grads else padded // self.n_devices)
         return {
-            "master_params": 4 * padded // self.n_devices,
+            "master_params": 4 * (per_local if cfg.node_replicated else padded // self.n_devices),
             "gather_source": source_bytes,
             "grad_accumulator": accumulator,
             "qgz_carry": 4 * per_local if self.error_feedback else 0,

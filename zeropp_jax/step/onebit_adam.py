@@ -46,6 +46,13 @@ steps all-reduce the gradient), since it needs all of its ``local`` slice to
 form its own momentum; the receiver carry is sharded like the parameters,
 ``P([None,] ("local", "node"))``; the sender carry is
 :class:`zeropp_jax.wire.qgz.QgzState`'s, ``P("node", [None,] "local")``.
+
+With ``ZeroConfig(node_replicated=True)`` (the ``zeropp-max`` preset) the
+parameters are laid out like ``m``: ``(nodes, [L,] U)``, one equal row per
+node. Each node then steps its whole ``local`` slice with the same ``u`` and
+``v``, so the rows stay bit-identical, the per-layer gathers run over
+``local`` only and no parameter crosses nodes: only the momentum codes
+(compressed steps) and the gradient all-reduce (warm-up and refresh steps).
 """
 
 from __future__ import annotations
@@ -217,7 +224,7 @@ class OneBitAdamRule:
         """Zero ``m``, ``v`` (one copy per node) and carries for float32 ``params``."""
         del params  # shapes come from the layout
         moments = geo.per_node_specs()
-        receiver_specs = geo.param_specs() if geo.error_feedback else {}
+        receiver_specs = geo.shard_specs() if geo.error_feedback else {}
         inner = OneBitAdamState(
             count=jnp.zeros((), jnp.int32),
             v_count=jnp.zeros((), jnp.int32),
@@ -234,7 +241,7 @@ class OneBitAdamRule:
         """One optimizer step (global, under ``jit``): everything inside shard_map."""
         inner: OneBitAdamState = state.opt_state.inner
         params_spec, moments_spec = geo.param_specs(), geo.per_node_specs()
-        receiver_spec = params_spec if geo.error_feedback else {}
+        receiver_spec = geo.shard_specs() if geo.error_feedback else {}
         sender_spec = geo.carry_specs()
         specs = (params_spec, moments_spec, moments_spec, receiver_spec, sender_spec)
         params, m, v, receiver_carry, sender_carry, v_count, metrics = jax.shard_map(
@@ -276,8 +283,10 @@ def _local_update(
       geo: the step geometry.
       loss_fn: the user's loss.
       adam: the hyperparameters.
-      params, receiver_carry: name -> float32 ``([L,] U / D)``
-        (``receiver_carry`` empty without error feedback).
+      params: name -> float32 ``([L,] U / D)``, or with ``node_replicated``
+        ``(1, [L,] U / local)``, this ``local`` slice (the same on every node).
+      receiver_carry: name -> float32 ``([L,] U / D)`` (empty without
+        error feedback).
       m, v: name -> float32 ``(1, [L,] U / local)``, this ``local`` slice
         (the same on every node).
       sender_carry: name -> float32 ``(1, [L,] U / local)`` or empty.
@@ -294,6 +303,9 @@ def _local_update(
       an all-gather). Everything else stays inside the node.
     """
     cfg = geo.config
+    replicated = cfg.node_replicated
+    if replicated:
+        params = {name: p[0] for name, p in params.items()}
     acc, losses = accumulate(geo, loss_fn, params, batch, step=step, key=key)
     compress = compress and geo.qgz_active
     local_index = jax.lax.axis_index(LOCAL)
@@ -347,6 +359,11 @@ def _local_update(
                 new["sender"][name] = sender_carry[name] * ratio[None]
                 new["receiver"][name] = receiver_carry[name] * own_chunk(ratio, NODE)
         new["m"][name], new["v"][name] = m_slice[None], v_slice[None]
+        if replicated:  # every node steps its whole local slice, identically
+            stepped = adam_step(params[name], m_slice, v_slice, count=count_now,
+                                v_count=new_v_count, hyper=adam)
+            new["params"][name] = jnp.where(slice_masks[name], stepped, params[name])[None]
+            continue
         stepped = adam_step(
             params[name], own_chunk(m_slice, NODE), own_chunk(v_slice, NODE),
             count=count_now, v_count=new_v_count, hyper=adam,

@@ -131,7 +131,7 @@ class Trainer:
         def init(params):
             trees = split_units(params, self.layout)
             flat = {u.name: flatten_unit(trees[u.name], u) for u in self.layout.units}
-            flat = jax.sharding.reshard(flat, self.param_shardings)
+            flat = self.geometry.place_params(flat)
             opt_state = self.rule.init(self.geometry, flat)
             return TrainState(jnp.zeros((), jnp.int32), flat, opt_state)
 
@@ -268,6 +268,8 @@ class Trainer:
         trees = {}
         for u in self.layout.units:
             host = np.asarray(replicated[u.name].addressable_data(0))
+            if self.config.node_replicated:
+                host = host[0]  # every node's row is the same
             trees[u.name] = jax.tree.map(
                 np.asarray, unflatten_unit(jnp.asarray(host), u, "original")
             )

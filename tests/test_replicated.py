@@ -1,0 +1,144 @@
+"""Node-replicated 1-bit Adam (``node_replicated``, the ``zeropp-max`` preset)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import zeropp_jax as zp
+from zeropp_jax.checkpoint import Checkpointer
+from zeropp_jax.models import gpt
+
+from _util import TINY, gpt_loss, gpt_step, mesh_of, tiny_batches, zero_run
+
+# A short 1-bit Adam schedule: 2 warm-up steps, then every 3rd step refreshes v.
+SCHEDULE = dict(qgz_warmup_steps=2, qgz_refresh_every=3)
+STEPS = 8
+
+
+def _trainer(preset, mesh=(2, 4), **overrides):
+    params = gpt.init_params(TINY, jax.random.key(0))
+    config = zp.ZeroConfig.from_preset(preset, compute_dtype="float32", **SCHEDULE, **overrides)
+    trainer = zp.make_trainer(
+        gpt_loss(), zp.onebit_adam(3e-3, clip_norm=1.0), params, mesh=mesh_of(*mesh),
+        config=config, per_layer=True, stacked=("blocks",),
+    )
+    return trainer, params
+
+
+@functools.cache
+def _runs():
+    out = {}
+    for preset in ("zeropp", "zeropp-max"):
+        trainer, params = _trainer(preset)
+        losses, state = zero_run(trainer, params, tiny_batches(), STEPS)
+        out[preset] = trainer, losses, state
+    return out
+
+
+def _continue(trainer, state, start, stop):
+    batches = tiny_batches()
+    losses = []
+    for i in range(start, stop):
+        state, metrics = trainer.step(state, batches.batch_at(i))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), state
+
+
+@pytest.mark.slow
+def test_zeropp_max_takes_zeropps_steps():
+    """The same update as zeropp: its hpZ secondary is the local slice that
+    zeropp-max keeps, quantized in the same blocks; only where it lives differs."""
+    runs = _runs()
+    (t_max, l_max, s_max), (t_pp, l_pp, s_pp) = runs["zeropp-max"], runs["zeropp"]
+    np.testing.assert_allclose(l_max, l_pp, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(t_max.gather_params(s_max)),
+                    jax.tree.leaves(t_pp.gather_params(s_pp))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_replicas_stay_bit_identical_across_nodes():
+    trainer, _, state = _runs()["zeropp-max"]
+    for name, p in state.params.items():
+        assert p.shape[0] == trainer.nodes, (name, p.shape)
+        rows = np.asarray(jax.device_get(p))
+        for node in range(1, trainer.nodes):
+            np.testing.assert_array_equal(rows[node], rows[0], err_msg=name)
+        assert np.abs(rows[0]).sum() > 0
+
+
+@pytest.mark.slow
+def test_checkpoint_restores_into_zeropp_and_onto_another_node_count(tmp_path):
+    """Saved at step 4 (after a compressed and a refresh step): restored into
+    zeropp (parameters sharded over all devices) it takes zeropp-max's steps;
+    on a 4x2 mesh the equal rows are copied onto 4 nodes."""
+    first = 4
+    trainer, params = _trainer("zeropp-max")
+    _, state = zero_run(trainer, params, tiny_batches(), first)
+    saved = trainer.gather_params(state)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(first, state, trainer)
+    want, _ = _continue(trainer, state, first, first + 2)
+    zeropp, _ = _trainer("zeropp")
+    got, _ = _continue(zeropp, Checkpointer(tmp_path).restore(zeropp), first, first + 2)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    other, _ = _trainer("zeropp-max", mesh=(4, 2))
+    restored = Checkpointer(tmp_path).restore(other)
+    for a, b in zip(jax.tree.leaves(other.gather_params(restored)), jax.tree.leaves(saved)):
+        np.testing.assert_array_equal(a, b)
+    m = {name: np.asarray(jax.device_get(x)) for name, x in restored.opt_state.inner.m.items()}
+    assert all(x.shape[0] == 4 and (x == x[:1]).all() and np.abs(x).sum() > 0 for x in m.values())
+    losses, _ = _continue(other, restored, first, first + 2)
+    assert np.isfinite(losses).all()
+
+
+def test_master_parameters_are_one_local_slice_per_device():
+    trainer, _ = _trainer("zeropp-max")
+    reference, _ = _trainer("zeropp")
+    mem, ref = trainer.memory_per_device(), reference.memory_per_device()
+    assert mem["master_params"] == ref["master_params"] * trainer.nodes
+    assert mem["gather_source"] == ref["gather_source"]  # int8 local slice either way
+
+
+def _crosses_node(c):
+    return c.axis in ("node", "node+local")
+
+
+@functools.cache
+def _report(compress: bool):
+    return gpt_step(3, "zeropp-max", compress=compress, qgz_warmup_steps=1)[2]
+
+
+def test_no_parameter_crosses_nodes():
+    """Compressed: only the momentum's codes and scales cross (an all-to-all
+    and an all-gather); full precision: only the gradient all-reduce."""
+    METRIC_BYTES = 16  # the loss and norm scalars
+    compressed = [c for c in _report(True).collectives
+                  if _crosses_node(c) and not (c.kind == "all-reduce" and c.operand_bytes <= METRIC_BYTES)]
+    assert {(c.kind, c.dtype) for c in compressed} == {
+        ("all-to-all", "u8"), ("all-to-all", "f32"), ("all-gather", "u8"), ("all-gather", "f32"),
+    }
+    assert all(c.axis == "node" for c in compressed)
+    full = [c for c in _report(False).collectives if _crosses_node(c)]
+    assert {c.kind for c in full} == {"all-reduce"}
+
+
+def test_compressed_step_is_zeropps_without_the_hpz_refresh():
+    zeropp = gpt_step(3, "zeropp", compress=True, qgz_warmup_steps=1)[2]
+    refresh = sum(zeropp.counted_bytes(c)[0] for c in zeropp.collectives
+                  if "hpz_secondary" in c.op_name)
+    assert refresh > zeropp.inter_node_bytes / 2
+    assert _report(True).inter_node_bytes == pytest.approx(zeropp.inter_node_bytes - refresh, rel=1e-3)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(qgz_target="gradient", qgz_refresh_every=0), "needs 1-bit Adam"),
+    (dict(hpz=True), "set hpz=False"),
+])
+def test_config_errors(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        zp.ZeroConfig.from_preset("zeropp-max", **overrides)

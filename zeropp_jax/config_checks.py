@@ -1,0 +1,64 @@
+"""Checks of :class:`~zeropp_jax.config.ZeroConfig` that span several fields.
+
+Run once by ``ZeroConfig.__post_init__``; each raises a ``ValueError`` that
+names the fields, the values given and a combination that works.
+"""
+
+from __future__ import annotations
+
+
+def check_node_replicated(config) -> None:
+    """Node-replicated parameters need every node to compute the same update."""
+    if not config.node_replicated:
+        return
+    if config.qgz_target != "momentum":
+        raise ValueError(
+            "node_replicated=True needs 1-bit Adam (qgz_target='momentum', as in the "
+            "zeropp and zeropp-max presets): then every node holds the same momentum and "
+            f"applies the same update; got qgz_target={config.qgz_target!r}"
+        )
+    if config.hpz:
+        raise ValueError(
+            "node_replicated=True keeps the parameters on every node already, so hpZ's "
+            "secondary partition has nothing to add: set hpz=False (--no-hpz), or use "
+            "the zeropp-max preset"
+        )
+
+
+def check_onebit_adam(config) -> None:
+    """The fields 1-bit Adam (``qgz_target="momentum"``) needs, and its refresh period."""
+    if config.qgz_target == "momentum":
+        if config.qgz == "off":
+            raise ValueError(
+                "qgz_target='momentum' compresses Adam's momentum across nodes; it needs "
+                "qgz='1bit' (or 'int8' / 'int4'), got qgz='off'"
+            )
+        if config.qgz_code != "sign":
+            raise ValueError(
+                "qgz_target='momentum' uses the sign code with error feedback on the "
+                f"momentum; got qgz_code={config.qgz_code!r} (use qgz_code='sign', or "
+                "qgz_target='gradient' to compress gradients with it: --qgz-target gradient)"
+            )
+        if config.qgz_warmup_steps < 1:
+            raise ValueError(
+                "qgz_target='momentum' freezes Adam's second moment when compression "
+                "starts, so it needs full-precision warm-up steps to estimate it: "
+                f"qgz_warmup_steps must be >= 1, got {config.qgz_warmup_steps!r} "
+                "(1-bit Adam warms up for 15-25% of training)"
+            )
+        if config.qgz_min_grad_rms:
+            raise ValueError(
+                "qgz_min_grad_rms (the compression gate) applies to qgz_target='gradient'; "
+                "with qgz_target='momentum' the global gradient is not formed on "
+                f"compressed steps, so set qgz_min_grad_rms=0 (got {config.qgz_min_grad_rms!r})"
+            )
+    if (isinstance(config.qgz_refresh_every, bool) or not isinstance(config.qgz_refresh_every, int)
+            or config.qgz_refresh_every < 0):
+        raise ValueError(
+            f"qgz_refresh_every must be an integer >= 0 (0: never), got {config.qgz_refresh_every!r}"
+        )
+    if config.qgz_refresh_every and config.qgz_target != "momentum":
+        raise ValueError(
+            "qgz_refresh_every refreshes 1-bit Adam's frozen second moment; it needs "
+            f"qgz_target='momentum' (got qgz_target={config.qgz_target!r})"
+        )
