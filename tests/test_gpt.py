@@ -267,6 +267,20 @@ def test_opaque_stored_subtrees_with_checkpoint_match_plain(params):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_zero_hooks_on_plain_params_are_plain_training(params):
+    """Outside a ZeRO step ``zp.gather`` / ``zp.layer`` and the blocks' ``scan_layers`` change nothing."""
+    import zeropp_jax as zp
+
+    batch = _batch(3)
+    loss, grads = jax.jit(jax.value_and_grad(
+        lambda p: _loss(p, batch, gather=zp.gather, layer=zp.layer)
+    ))(params)
+    ref_loss, ref_grads = _jit_value_and_grad(params, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_attention_is_causal_softmax_attention_and_picks_cudnn_only_on_gpu():
     """``jax.nn.dot_product_attention`` == explicit causal softmax attention (float32)."""
     from zeropp_jax.models import gpt

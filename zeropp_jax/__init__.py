@@ -27,6 +27,7 @@ from zeropp_jax.config import ZeroConfig as ZeroConfig
 from zeropp_jax.step.gather import Unit as Unit
 from zeropp_jax.step.gather import gather as gather
 from zeropp_jax.step.gather import layer as layer
+from zeropp_jax.step.prefetch import scan_layers as scan_layers
 from zeropp_jax.mesh import make_mesh as make_mesh
 from zeropp_jax.step.onebit_adam import OneBitAdam as OneBitAdam
 from zeropp_jax.step.onebit_adam import onebit_adam as onebit_adam

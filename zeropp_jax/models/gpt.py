@@ -9,11 +9,13 @@ Parameters are stored as a plain pytree with three top-level subtrees,
 ``embed``, ``blocks`` (every leaf stacked along a leading ``n_layers`` axis)
 and ``ln_f``. The forward pass never touches a stored subtree except through
 the ``gather`` hook, and gathers the blocks one layer at a time inside a
-``jax.lax.scan``. A ZeRO-3 trainer can thus store each subtree sharded (or as
-an opaque pytree node) and all-gather only the layer being computed; the
-``layer`` hook lets it wrap each per-layer function, e.g. in
-``jax.checkpoint``, so gathered weights are not kept alive for the backward
-pass.
+``jax.lax.scan`` (:func:`zeropp_jax.scan_layers`). A ZeRO-3 trainer can thus
+store each subtree sharded (or as an opaque pytree node) and all-gather only
+the layer being computed; the ``layer`` hook lets it wrap each per-layer
+function, e.g. in ``jax.checkpoint``, so gathered weights are not kept alive
+for the backward pass. Inside a ZeRO step with prefetch on, ``scan_layers``
+runs the blocks itself, gathering the next block while the current one
+computes (rematerialized like ``zeropp_jax.layer``).
 
 Dtypes: compute follows the parameters' dtype (float32 or bfloat16). LayerNorm
 statistics, attention softmax, logits and the loss are float32.
@@ -29,6 +31,8 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from zeropp_jax.step.prefetch import scan_layers
 
 PyTree = Any
 
@@ -284,7 +288,7 @@ def _forward(
         return head_out(logits)
 
     h = layer(embed_fn)(params["embed"], inputs)
-    h, _ = jax.lax.scan(layer(block_fn), h, params["blocks"])
+    h, _ = scan_layers(block_fn, h, params["blocks"], layer_fn=layer)
     return layer(head_fn)(params["embed"], params["ln_f"], h)
 
 

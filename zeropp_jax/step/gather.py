@@ -9,7 +9,9 @@ the layer's gradient straight into a reduce-scatter and hands the result to
 the sink, so the step differentiates with respect to the sinks and never
 holds a full gradient.  ``layer(fn)`` is ``jax.checkpoint``: the gathered
 weights are not saved for the backward pass, which gathers them again (the
-``2L`` gathers of ZeRO-3).
+``2L`` gathers of ZeRO-3). Stacked layers run by
+:func:`~zeropp_jax.step.prefetch.scan_layers` gather one layer ahead instead
+(:func:`gather_flat` and :func:`reduce_gradient` are its two collectives).
 
 Outside a ZeRO step (plain parameter dicts) ``gather`` is the identity, so
 the same model code trains on one device unchanged.
@@ -47,6 +49,8 @@ class GatherPlan:
       two_level: run both collectives one mesh axis at a time, so only
         one device per node talks to each other node
         (:func:`~zeropp_jax.wire.collectives.all_gather`).
+      prefetch: stacked layers run by :func:`~zeropp_jax.step.prefetch.scan_layers`
+        gather the next layer while the current one computes (depth 1).
     """
 
     gather_axes: tuple[str, ...]
@@ -58,6 +62,7 @@ class GatherPlan:
     reduce_dtype: Any
     kernels: Kernels
     two_level: bool = False
+    prefetch: bool = True
 
 
 @jax.tree_util.register_pytree_node_class
@@ -100,10 +105,20 @@ class Unit:
         return f"Unit({self.layout.name!r}, stack={self.layout.stack})"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gather_flat(plan: GatherPlan, source: Any, sink: jax.Array, order: Any) -> jax.Array:
-    """Wait for ``order``, gather the encoded ``source``, decode to the compute dtype."""
-    del sink  # only carries the gradient
+def gather_flat(plan: GatherPlan, source: Any, order: jax.Array | None = None) -> jax.Array:
+    """One layer's flat parameters: wait for ``order``, gather ``source``, decode.
+
+    Args:
+      plan: the unit's gather plan.
+      source: one layer's encoded shard (``(s,)`` array or ``Quantized``).
+      order: ``None``, or a float32 scalar zero (:func:`zero_after`) that
+        the payload is made to depend on.
+
+    Returns:
+      The layer's flat ``(U,)`` parameters in ``plan.compute_dtype``, after
+      an all-gather over ``plan.gather_axes``. Not differentiable (see
+      :func:`reduce_gradient` for its transpose).
+    """
     if collectives.axes_size(plan.gather_axes) > 1:
         # The dependency rides on the (narrow, shard-sized) payload: one pass
         # over the bytes about to be sent. A group of one sends nothing, and
@@ -116,15 +131,27 @@ def _gather_flat(plan: GatherPlan, source: Any, sink: jax.Array, order: Any) -> 
     )
 
 
+def reduce_gradient(plan: GatherPlan, cotangent: jax.Array) -> jax.Array:
+    """The gradient of a layer's sink: its ``(U,)`` cotangent reduce-scattered, float32."""
+    grad = collectives.reduce_scatter(
+        cotangent, plan.reduce_axes, plan.reduce_dtype, two_level=plan.two_level
+    )
+    return grad.astype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gather_flat(plan: GatherPlan, source: Any, sink: jax.Array, order: Any) -> jax.Array:
+    """:func:`gather_flat` whose VJP hands :func:`reduce_gradient` to ``sink``."""
+    del sink  # only carries the gradient
+    return gather_flat(plan, source, order)
+
+
 def _gather_fwd(plan, source, sink, order):
     return _gather_flat(plan, source, sink, order), None
 
 
 def _gather_bwd(plan, _, cotangent):
-    grad = collectives.reduce_scatter(
-        cotangent, plan.reduce_axes, plan.reduce_dtype, two_level=plan.two_level
-    )
-    return None, grad.astype(jnp.float32), None
+    return None, reduce_gradient(plan, cotangent), None
 
 
 _gather_flat.defvjp(_gather_fwd, _gather_bwd)
@@ -198,7 +225,7 @@ def _in_order(args: tuple, after: Any = None) -> tuple:
     activations = jax.tree.map(lambda x: None if _is_unit(x) else x, args, is_leaf=_is_unit)
     # The cotangent first (backward): a layer's first activation may be a
     # replicated constant that _tie cannot add to a varying payload.
-    order = _zero_after((after, activations))
+    order = zero_after((after, activations))
     if order is None:  # nothing to wait for; a scalar all the same (one pytree structure)
         order = jnp.zeros((), jnp.float32)
     return jax.tree.map(lambda x: x.ordered(order) if _is_unit(x) else x, args, is_leaf=_is_unit)
@@ -220,7 +247,7 @@ def _remat_fwd(fn, consts, args):
 def _remat_bwd(fn, residuals, cotangent):
     # The recomputation's inputs (activations and constants) wait for the
     # cotangent; the units' gathers wait for those and the cotangent.
-    zero = _zero_after(cotangent)
+    zero = zero_after(cotangent)
     consts, args = jax.tree.map(
         lambda x: x if _is_unit(x) else _tie(x, zero), residuals, is_leaf=_is_unit
     )
@@ -231,7 +258,7 @@ def _remat_bwd(fn, residuals, cotangent):
 _rematerialized.defvjp(_remat_fwd, _remat_bwd)
 
 
-def _zero_after(deps: Any) -> jax.Array | None:
+def zero_after(deps: Any) -> jax.Array | None:
     """A float32 scalar zero computed from the first numeric leaf of ``deps`` (``None`` if none).
 
     ``0 * probe``, guarded against a non-finite probe: opaque to every
@@ -256,19 +283,19 @@ def _tie(tree: Any, zero: jax.Array | None) -> Any:
     """``tree`` unchanged in value but computed after ``zero`` (``x + zero`` per array)."""
     if zero is None:
         return tree
-    zero_vma = _varying_axes(zero)
+    zero_vma = varying_axes(zero)
 
     def tie(x):
         if not _is_numeric(x):
             return x  # bools, PRNG keys, empty arrays, non-arrays
-        if not zero_vma <= _varying_axes(x):
+        if not zero_vma <= varying_axes(x):
             return x  # adding a varying zero would change x's type
         return x + zero.astype(x.dtype)
 
     return jax.tree.map(tie, tree)
 
 
-def _varying_axes(x: jax.Array) -> frozenset:
+def varying_axes(x: jax.Array) -> frozenset:
     """Mesh axes over which ``x`` varies inside shard_map (JAX 0.10 and 0.11)."""
     aval = jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)

@@ -114,6 +114,7 @@ class StepGeometry:
             reduce_dtype=cfg.reduce_dtype or self.compute_dtype,
             kernels=self.kernels,
             two_level=cfg.hierarchical_collectives,
+            prefetch=cfg.prefetch,
         )
 
     # ------------------------------------------------------------ specs

@@ -1,0 +1,249 @@
+"""Depth-1 prefetch of stacked layers' gathers (``zp.scan_layers``, ``ZeroConfig.prefetch``).
+
+Read from the compiled HLO: inside each scan (``while``) body the all-gather
+and that iteration's dot products do not depend on each other, so they may
+overlap (without prefetch the gathered layer feeds the dots); the step keeps
+its ``2L`` gathers and ``L`` reduce-scatters per stacked unit, and its
+temporaries grow by at most one gathered layer. Values equal those without
+prefetch (same collectives, only ordered differently).
+"""
+
+from __future__ import annotations
+
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zeropp_jax as zp
+from zeropp_jax.analysis.hlo import parse_module
+from zeropp_jax.models import gpt
+
+from _util import (
+    TINY, assert_trees_close, compile_step, executions, gpt_loss, gpt_step, mesh_of,
+    optimizer, tiny_batches, zero_run,
+)
+
+WIDTH, LAYERS = 128, 3
+_CALLS_RE = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
+_BODY_RE = re.compile(r"\bbody=%?([\w.\-]+)")
+
+
+# ------------------------------------------------------------ HLO dataflow check
+def _has_dot(comps, name, seen=None):
+    """Whether computation ``name`` (or one it calls) contains a dot product."""
+    seen = set() if seen is None else seen
+    if name in seen:
+        return False
+    seen.add(name)
+    for inst in comps[name].instructions:
+        if inst.opcode in ("dot", "convolution"):
+            return True
+        if any(_has_dot(comps, c, seen) for c in _CALLS_RE.findall(inst.attrs_clean)):
+            return True
+    return False
+
+
+def _closure(graph, start):
+    out, todo = set(), list(start)
+    while todo:
+        n = todo.pop()
+        for m in graph.get(n, ()):
+            if m not in out:
+                out.add(m)
+                todo.append(m)
+    return out
+
+
+def gather_dot_paths(hlo_text):
+    """Per scan body with all-gathers and dots: ``(dots -> gather operand, gather -> dots)``.
+
+    Data edges only (operands, not ``control-predecessors``), inside the
+    body computation: whether some all-gather's operand is computed from a
+    dot of the same iteration, and whether some dot reads a value computed
+    from an all-gather of the same iteration.
+    """
+    comps, _ = parse_module(hlo_text)
+    bodies = {
+        b for c in comps.values() for i in c.instructions if i.opcode == "while"
+        for b in _BODY_RE.findall(i.attrs_clean)
+    }
+    paths = {}
+    for body in sorted(bodies):
+        insts = comps[body].instructions
+        operands = {i.name: [n for n, _ in i.operands if n] for i in insts}
+        users = {}
+        for name, ops in operands.items():
+            for op in ops:
+                users.setdefault(op, []).append(name)
+        dots = {
+            i.name for i in insts
+            if i.opcode in ("dot", "convolution")
+            or any(_has_dot(comps, c) for c in _CALLS_RE.findall(i.attrs_clean))
+        }
+        gathers = [i.name for i in insts if i.opcode in ("all-gather", "all-gather-start")]
+        if gathers and dots:
+            paths[body] = (
+                bool(_closure(operands, gathers) & dots),
+                bool(_closure(users, gathers) & dots),
+            )
+    return paths
+
+
+# ------------------------------------------------------------ a tiny stacked model
+def _mlp_params(layers=LAYERS):
+    k1, k2 = jax.random.split(jax.random.key(1))
+    return {
+        "scale": 1.0 + 0.1 * jax.random.normal(k1, (WIDTH,)),
+        "blocks": {"w": jax.random.normal(k2, (layers, WIDTH, WIDTH)) / np.sqrt(WIDTH),
+                   "b": jnp.zeros((layers, WIDTH))},
+    }
+
+
+def _mlp_shapes():
+    return jax.eval_shape(_mlp_params)
+
+
+def _mlp_loss(params, x):
+    """Stacked layers that close over a gathered parameter and return ``ys``."""
+    scale = zp.gather(params["scale"])  # a closure constant of every layer, with a gradient
+
+    def block(h, stored):
+        p = zp.gather(stored)
+        h = jnp.tanh(h @ p["w"] + p["b"][None, :]) * scale[None, :]
+        return h, jnp.mean(h)
+
+    h, ys = zp.scan_layers(block, x, params["blocks"])
+    return jnp.mean(jnp.square(h)) + jnp.sum(ys)
+
+
+def _mlp_step(prefetch, preset="zero3"):
+    config = zp.ZeroConfig.from_preset(preset, compute_dtype="float32", prefetch=prefetch)
+    batch = jax.ShapeDtypeStruct((8, WIDTH), jnp.float32)
+    return compile_step(_mlp_loss, _mlp_shapes(), config=config, stacked=("blocks",), batch=batch)
+
+
+@pytest.fixture(scope="module")
+def mlp_steps():
+    return {pf: _mlp_step(pf) for pf in (True, False)}
+
+
+def test_gather_and_dots_of_one_iteration_are_independent(mlp_steps):
+    on = gather_dot_paths(mlp_steps[True][1].as_text())
+    off = gather_dot_paths(mlp_steps[False][1].as_text())
+    assert len(on) == 2, on  # the forward and the backward scan
+    assert not any(a or b for a, b in on.values()), on
+    # without prefetch the gathered layer feeds the same iteration's dots
+    assert all(gather_to_dot for _, gather_to_dot in off.values()), off
+
+
+def test_collectives_are_those_without_prefetch(mlp_steps):
+    (_, _, on), (_, _, off) = mlp_steps[True], mlp_steps[False]
+    for kind in ("all-gather", "reduce-scatter"):
+        assert executions(on, kind) == executions(off, kind), kind
+    # 2L gathers and L reduce-scatters of the blocks, one of each for "scale"
+    assert executions(on, "all-gather") == 2 * LAYERS + 1
+    assert executions(on, "reduce-scatter") == LAYERS + 1
+
+
+def test_prefetch_holds_at_most_two_more_gathered_layers(mlp_steps):
+    # The next layer's gathered parameters are alive beside the current
+    # one's. On a one-matmul layer XLA:CPU also keeps the loop-carried layer
+    # while the gradient of the current one is formed, where without prefetch
+    # it reuses the gathered layer's buffer: up to two layers more here; on
+    # the GPT's blocks one (test_gpt_step_prefetches_...).
+    trainer, on, _ = mlp_steps[True]
+    off = mlp_steps[False][1]
+    layer_bytes = 4 * trainer.layout.unit("blocks").padded  # one layer, float32
+    extra = on.memory_analysis().temp_size_in_bytes - off.memory_analysis().temp_size_in_bytes
+    assert extra <= 2 * layer_bytes + 8192, (extra, layer_bytes)
+
+
+def _train(trainer, params, batches):
+    state = trainer.init(params)
+    losses = []
+    for b in batches:
+        state, metrics = trainer.step(state, b)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), jax.device_get(trainer.gather_params(state))
+
+
+@pytest.mark.parametrize(
+    "layers", [LAYERS, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
+)
+def test_values_equal_without_prefetch_with_constants_and_ys(layers):
+    params = _mlp_params(layers)
+    batches = [jax.random.normal(jax.random.key(i), (8, WIDTH)) for i in range(2)]
+    runs = {}
+    for pf in (True, False):
+        config = zp.ZeroConfig(compute_dtype="float32", prefetch=pf)
+        trainer = zp.make_trainer(
+            _mlp_loss, optax.adam(1e-2), params, mesh=mesh_of(2, 4), config=config,
+            per_layer=True, stacked=("blocks",),
+        )
+        runs[pf] = _train(trainer, params, batches)
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
+    assert_trees_close(runs[True][1], runs[False][1], rtol=1e-5, atol=1e-6)
+
+
+def test_without_units_it_is_lax_scan():
+    params = _mlp_params()
+    x = jax.random.normal(jax.random.key(2), (4, WIDTH))
+
+    def loss(scan, blocks, scale, x):
+        def block(h, p):
+            return jnp.tanh(h @ p["w"] + p["b"][None, :]) * scale[None, :], jnp.sum(h)
+
+        h, ys = scan(block, x, blocks)
+        return jnp.sum(h) + jnp.sum(ys)
+
+    args = (params["blocks"], params["scale"], x)
+    got = jax.value_and_grad(loss, argnums=(1, 2, 3))(zp.scan_layers, *args)
+    want = jax.value_and_grad(loss, argnums=(1, 2, 3))(jax.lax.scan, *args)
+    assert_trees_close(got, want, rtol=0)
+
+
+def test_mismatched_layer_axes_are_rejected():
+    plan = types.SimpleNamespace(prefetch=True)
+    unit = zp.Unit(jnp.zeros((3, 8)), jnp.zeros((3, 8)), layout=None, plan=plan)
+    with pytest.raises(ValueError, match="leading layer axis"):
+        zp.scan_layers(lambda h, x: (h, None), jnp.zeros(()), {"u": unit, "x": jnp.zeros((2,))})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["zero3", "qwz", "hpz", "zeropp"])
+def test_gpt_values_equal_without_prefetch(preset):
+    # zeropp in its full-precision warm-up: its 1-bit steps take signs of
+    # momenta that are zero up to rounding (embedding rows a batch does not
+    # touch), which turns last-bit differences into different updates. Adam
+    # divides by the root of tiny second moments, hence atol on parameters.
+    params = gpt.init_params(TINY, jax.random.key(0))
+    runs = {}
+    for pf in (True, False):
+        config = zp.ZeroConfig.from_preset(preset, compute_dtype="float32", prefetch=pf)
+        trainer = zp.make_trainer(
+            gpt_loss(), optimizer(config), params, mesh=mesh_of(2, 4), config=config,
+            per_layer=True, stacked=("blocks",),
+        )
+        losses, state = zero_run(trainer, params, tiny_batches(), 2)
+        runs[pf] = losses, jax.device_get(trainer.gather_params(state))
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
+    assert_trees_close(runs[True][1], runs[False][1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_gpt_step_prefetches_with_the_same_collectives_and_one_more_layer():
+    t_on, c_on, r_on = gpt_step(3)
+    _, c_off, r_off = gpt_step(3, prefetch=False)
+    on, off = gather_dot_paths(c_on.as_text()), gather_dot_paths(c_off.as_text())
+    assert len(on) == 2 and not any(a or b for a, b in on.values()), on
+    assert all(gather_to_dot for _, gather_to_dot in off.values()), off
+    for kind in ("all-gather", "reduce-scatter"):
+        assert executions(r_on, kind) == executions(r_off, kind), kind
+    layer_bytes = 4 * t_on.layout.unit("blocks").padded
+    extra = c_on.memory_analysis().temp_size_in_bytes - c_off.memory_analysis().temp_size_in_bytes
+    assert extra <= layer_bytes * 1.25, (extra, layer_bytes)

@@ -1,0 +1,287 @@
+"""Stacked layers with depth-1 prefetch of their parameter gathers: ``scan_layers``.
+
+``jax.lax.scan(layer(fn), carry, stacked)`` gathers layer ``i`` after layer
+``i - 1`` has produced its output (:func:`~zeropp_jax.step.gather.layer`
+orders each gather after the layer's inputs), so the all-gather and the
+layer's compute run one after the other. :func:`scan_layers` computes the
+same values with the gathers one layer ahead:
+
+* forward: iteration ``i`` computes layer ``i`` on gathered parameters
+  carried in from iteration ``i - 1`` and issues the gather of layer
+  ``i + 1``, ordered after layer ``i``'s *input* only. Nothing in the gather
+  depends on layer ``i``'s compute, and nothing in that compute depends on
+  the gather, so the two may overlap. Only the layers' inputs are saved for
+  the backward pass, never gathered parameters.
+* backward (in reverse): iteration ``i`` issues the gather of layer
+  ``i - 1``, ordered after the cotangent arriving at layer ``i``, recomputes
+  layer ``i``'s forward on the gathered parameters carried in, takes its VJP
+  and reduce-scatters the parameter gradient into the unit's sink.
+
+Each layer is still gathered twice and its gradient reduce-scattered once
+(``2L`` gathers and ``L`` reduce-scatters per stacked unit, the collectives
+of ZeRO-3), and at most two layers' gathered parameters are alive at a time:
+one more than without prefetch. The first layer of each direction is
+gathered before the loop and the last one computed after it, so no
+iteration gathers a layer that does not exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zeropp_jax.layout import unflatten_unit
+from zeropp_jax.step.gather import (
+    Unit, gather_flat, layer, reduce_gradient, varying_axes, zero_after,
+)
+
+
+def scan_layers(
+    fn: Callable, carry: Any, stacked: Any, *, layer_fn: Callable | None = None,
+) -> tuple[Any, Any]:
+    """``jax.lax.scan`` over stacked layers, gathering each layer's parameters one layer ahead.
+
+    Args:
+      fn: ``fn(carry, x) -> (carry, y)``, one layer. ``x`` is one layer's
+        slice of ``stacked``; ``fn`` reads parameters through
+        :func:`~zeropp_jax.gather` (with prefetch it receives them already
+        gathered, and ``gather`` passes them through).
+      carry: the initial carry (the first layer's input activations).
+      stacked: pytree whose leaves have a leading layer axis ``L``: stacked
+        :class:`~zeropp_jax.Unit` handles (inside a ZeRO step) or plain
+        parameter arrays, and any other per-layer inputs.
+      layer_fn: how each layer is wrapped where prefetch does not run
+        (``None``: :func:`~zeropp_jax.layer` when ``stacked`` holds units,
+        nothing otherwise).
+
+    Returns:
+      ``(carry, ys)`` as ``jax.lax.scan(fn, carry, stacked)``: the last
+      layer's carry and the stacked ``y``s (``None`` if ``fn`` returns none).
+
+    Raises:
+      ValueError: if the units disagree on prefetch or the leaves of
+        ``stacked`` on ``L``.
+
+    With units whose plan has ``prefetch`` on (``ZeroConfig.prefetch``, the
+    default) it is the prefetching custom VJP described in this module, which
+    rematerializes like ``layer`` and replaces ``layer_fn``; with prefetch
+    off (or ``L = 1``) it is ``jax.lax.scan(layer_fn(fn), carry, stacked)``;
+    without units (one device, plain parameters) ``jax.lax.scan`` of ``fn``
+    (or ``layer_fn(fn)``).
+
+    Example::
+
+      def block(h, params):
+          p = zp.gather(params)
+          return jnp.tanh(h @ p["w"]), None
+
+      h, _ = zp.scan_layers(block, h, params["blocks"])
+    """
+    leaves, treedef = jax.tree.flatten(stacked, is_leaf=_is_unit)
+    units = [x for x in leaves if _is_unit(x)]
+    prefetch = {u.plan.prefetch for u in units}
+    if len(prefetch) > 1:
+        raise ValueError(
+            "the stacked units disagree on prefetch (GatherPlan.prefetch); build them from "
+            "one ZeroConfig"
+        )
+    # One layer has no next layer to prefetch.
+    if not units or not prefetch.pop() or _length(leaves) == 1:
+        if layer_fn is None:
+            layer_fn = layer if units else _identity
+        return jax.lax.scan(layer_fn(fn), carry, stacked)
+    length = _length(leaves)
+    others = tuple(x for x in leaves if not _is_unit(x))
+    stack = _Stack(
+        fn=None, treedef=treedef, is_unit=tuple(map(_is_unit, leaves)),
+        plans=tuple(u.plan for u in units), layouts=tuple(u.layout for u in units),
+        length=length,
+    )
+    example_flats = tuple(
+        jax.eval_shape(lambda s, p=u.plan: gather_flat(p, s), _at(u.source, 0)) for u in units
+    )
+    converted, consts = jax.closure_convert(
+        stack.apply(fn), carry, _at(others, 0), example_flats
+    )
+    stack = dataclasses.replace(stack, fn=converted)
+    sources = tuple(u.source for u in units)
+    sinks = tuple(u.sink for u in units)
+    return _prefetched(stack, tuple(consts), carry, others, sources, sinks)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stack:
+    """Static description of the stacked layers (the custom VJP's non-differentiable argument).
+
+    ``fn(carry, others_i, flats, *consts) -> (carry, y)`` is the closure-converted
+    layer on one layer's non-unit leaves and gathered flat parameters.
+    """
+
+    fn: Callable | None
+    treedef: Any
+    is_unit: tuple[bool, ...]  # per leaf of ``stacked``
+    plans: tuple
+    layouts: tuple
+    length: int
+
+    def apply(self, fn: Callable) -> Callable:
+        """``fn`` on one layer's slice rebuilt from its other leaves and gathered flats."""
+
+        def one_layer(carry, others_i, flats):
+            others_i, units_i = iter(others_i), iter(zip(flats, self.layouts))
+            leaves = [
+                unflatten_unit(*next(units_i)) if unit else next(others_i)
+                for unit in self.is_unit
+            ]
+            return fn(carry, jax.tree.unflatten(self.treedef, leaves))
+
+        return one_layer
+
+    def gather(self, sources: tuple, i: Any, after: Any) -> tuple:
+        """Layer ``i``'s flat parameters of every unit, gathered after ``after``."""
+        order = zero_after(after)
+        flats = []
+        for plan, layout, source in zip(self.plans, self.layouts, sources):
+            with jax.named_scope(f"gather_{layout.name}"):
+                flats.append(gather_flat(plan, _at(source, i), order))
+        return tuple(flats)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _prefetched(stack: _Stack, consts: tuple, carry: Any, others: tuple, sources: tuple,
+                sinks: tuple) -> tuple[Any, Any]:
+    del sinks  # only carry the gradients
+    out, ys, _ = _forward(stack, consts, carry, others, sources)
+    return out, ys
+
+
+def _forward(stack, consts, carry, others, sources):
+    """Layers ``0 .. L-1``, each gathered one iteration ahead.
+
+    Returns the last carry, the stacked ``ys`` and the carries into layers
+    ``1 .. L-1`` (stacked, the residuals of the backward pass).
+    """
+    n = stack.length
+
+    def step(state, i):
+        h, flats = state
+        ahead = stack.gather(sources, i + 1, after=h)  # waits for this layer's input only
+        h_out, y = stack.fn(h, _at(others, i), flats, *consts)
+        return (h_out, ahead), (h_out, y)
+
+    flats = stack.gather(sources, 0, after=carry)
+    (h, flats), (inputs, ys) = jax.lax.scan(step, (carry, flats), jnp.arange(n - 1))
+    h_out, y = stack.fn(h, _at(others, n - 1), flats, *consts)
+    return h_out, _append(ys, y), inputs
+
+
+def _prefetched_fwd(stack, consts, carry, others, sources, sinks):
+    out, ys, inputs = _forward(stack, consts, carry, others, sources)
+    return (out, ys), (consts, carry, others, sources, sinks, inputs)
+
+
+def _prefetched_bwd(stack, residuals, cotangents):
+    consts, carry, others, sources, sinks, inputs = residuals
+    ct_out, ct_ys = cotangents
+    n = stack.length
+
+    def layer_vjp(i, h, flats, ct_h):
+        def run(c, h, x, f):
+            return stack.fn(h, x, f, *c)
+
+        _, vjp = jax.vjp(run, consts, h, _at(others, i), flats)
+        d_consts, d_h, d_x, d_flats = vjp((ct_h, _at_cotangent(ct_ys, i)))
+        grads = tuple(map(reduce_gradient, stack.plans, d_flats))
+        return _floats_only(d_consts), d_h, _floats_only(d_x), grads
+
+    def step(state, i):  # i = L-1 .. 1
+        ct_h, flats, d_consts, sink_grads = state
+        ahead = stack.gather(sources, i - 1, after=ct_h)  # waits for the incoming cotangent only
+        dc, d_h, d_x, grads = layer_vjp(i, _at(inputs, i - 1), flats, ct_h)
+        sink_grads = tuple(map(lambda g, gi: _set_row(g, i, gi), sink_grads, grads))
+        return (d_h, ahead, _add(d_consts, dc), sink_grads), d_x
+
+    flats = stack.gather(sources, n - 1, after=(ct_out, ct_ys))
+    state = (ct_out, flats, _zeros(_floats_only(consts)), _zeros(sinks))
+    state, d_xs = jax.lax.scan(step, state, jnp.arange(1, n), reverse=True)
+    ct_h, flats, d_consts, sink_grads = state
+    dc, d_carry, d_x, grads = layer_vjp(0, carry, flats, ct_h)
+    sink_grads = tuple(map(lambda g, gi: _set_row(g, 0, gi), sink_grads, grads))
+    return _add(d_consts, dc), d_carry, _prepend(d_x, d_xs), None, sink_grads
+
+
+_prefetched.defvjp(_prefetched_fwd, _prefetched_bwd)
+
+
+# ---------------------------------------------------------------- pytree helpers
+def _is_unit(x: Any) -> bool:
+    return isinstance(x, Unit)
+
+
+def _identity(fn: Callable) -> Callable:
+    return fn
+
+
+def _length(leaves: list) -> int:
+    """The common leading axis ``L`` of the stacked leaves (units: their sinks)."""
+    arrays = [x.sink if _is_unit(x) else x for x in leaves]
+    lengths = {np.shape(a)[0] if np.ndim(a) else 0 for a in arrays}
+    if len(lengths) != 1 or 0 in lengths:
+        raise ValueError(
+            "scan_layers needs every leaf of `stacked` to have the same leading layer axis "
+            f"L >= 1; got leading axes {sorted(lengths)}"
+        )
+    return lengths.pop()
+
+
+def _at(tree: Any, i: Any) -> Any:
+    """Row ``i`` (a traced or static index) of every leaf."""
+    return jax.tree.map(lambda a: a[i], tree)
+
+
+def _at_cotangent(tree: Any, i: Any) -> Any:
+    """Row ``i`` of stacked cotangents; integer outputs' (``float0``) rows built, not indexed."""
+    def row(a):
+        if a.dtype == jax.dtypes.float0:
+            return np.zeros(a.shape[1:], jax.dtypes.float0)
+        return a[i]
+
+    return jax.tree.map(row, tree)
+
+
+def _append(ys: Any, y: Any) -> Any:
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys, y)
+
+
+def _prepend(y: Any, ys: Any) -> Any:
+    return jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), y, ys)
+
+
+def _set_row(stacked: jax.Array, i: Any, row: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(stacked, row, i, 0)
+
+
+def _add(a: Any, b: Any) -> Any:
+    return jax.tree.map(jnp.add, a, b)
+
+
+def _floats_only(tree: Any) -> Any:
+    """``tree`` with non-float leaves (integer inputs' ``float0`` cotangents) as ``None``."""
+    return jax.tree.map(
+        lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else None, tree
+    )
+
+
+def _zeros(tree: Any) -> Any:
+    """Zeros of each leaf's shape, dtype and varying mesh axes (a scan carry's start)."""
+    def zeros(x):
+        z = jnp.zeros(x.shape, x.dtype)
+        vary = tuple(sorted(varying_axes(x) - varying_axes(z)))
+        return jax.lax.pcast(z, vary, to="varying") if vary else z
+
+    return jax.tree.map(zeros, tree)
