@@ -66,6 +66,16 @@ def zero_run(trainer, params, batches, steps):
     return np.array(losses), state
 
 
+def continue_run(trainer, state, start, stop):
+    """Steps ``start .. stop - 1`` of the tiny batches from ``state``; ``(losses, state)``."""
+    batches = tiny_batches()
+    losses = []
+    for i in range(start, stop):
+        state, metrics = trainer.step(state, batches.batch_at(i))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), state
+
+
 def mesh_of(nodes, local):
     return zp.make_mesh(nodes, local, devices=jax.devices()[: nodes * local])
 

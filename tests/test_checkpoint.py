@@ -32,6 +32,7 @@ from zeropp_jax.checkpoint import (
 )
 from zeropp_jax.models import gpt
 
+import _util
 from _util import TINY, gpt_loss, mesh_of, optimizer, run_cli, tiny_batches
 
 # After a failed read of a corrupted checkpoint, a tensorstore read may finish
@@ -65,12 +66,7 @@ def trainer(preset: str, nodes: int, local: int, model=TINY, opt=None) -> zp.Tra
 
 
 def continue_run(tr, state, start, stop=STEPS):
-    batches = tiny_batches()
-    losses = []
-    for i in range(start, stop):
-        state, m = tr.step(state, batches.batch_at(i))
-        losses.append(float(m["loss"]))
-    return np.array(losses), state
+    return _util.continue_run(tr, state, start, stop)
 
 
 @pytest.fixture(scope="module")

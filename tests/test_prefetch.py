@@ -215,7 +215,9 @@ def test_mismatched_layer_axes_are_rejected():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["zero3", "qwz", "hpz", "zeropp"])
+# qwz: quantized gathers over all devices; zeropp: hpZ's in-node gathers of
+# the int8 secondary (plain float gathers: the MLP tests above).
+@pytest.mark.parametrize("preset", ["qwz", "zeropp"])
 def test_gpt_values_equal_without_prefetch(preset):
     # zeropp in its full-precision warm-up: its 1-bit steps take signs of
     # momenta that are zero up to rounding (embedding rows a batch does not

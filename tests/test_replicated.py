@@ -12,7 +12,7 @@ import zeropp_jax as zp
 from zeropp_jax.checkpoint import Checkpointer
 from zeropp_jax.models import gpt
 
-from _util import TINY, gpt_loss, gpt_step, mesh_of, tiny_batches, zero_run
+from _util import TINY, continue_run, gpt_loss, gpt_step, mesh_of, tiny_batches, zero_run
 
 # A short 1-bit Adam schedule: 2 warm-up steps, then every 3rd step refreshes v.
 SCHEDULE = dict(qgz_warmup_steps=2, qgz_refresh_every=3)
@@ -37,15 +37,6 @@ def _runs():
         losses, state = zero_run(trainer, params, tiny_batches(), STEPS)
         out[preset] = trainer, losses, state
     return out
-
-
-def _continue(trainer, state, start, stop):
-    batches = tiny_batches()
-    losses = []
-    for i in range(start, stop):
-        state, metrics = trainer.step(state, batches.batch_at(i))
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), state
 
 
 @pytest.mark.slow
@@ -82,9 +73,9 @@ def test_checkpoint_restores_into_zeropp_and_onto_another_node_count(tmp_path):
     saved = trainer.gather_params(state)
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(first, state, trainer)
-    want, _ = _continue(trainer, state, first, first + 2)
+    want, _ = continue_run(trainer, state, first, first + 2)
     zeropp, _ = _trainer("zeropp")
-    got, _ = _continue(zeropp, Checkpointer(tmp_path).restore(zeropp), first, first + 2)
+    got, _ = continue_run(zeropp, Checkpointer(tmp_path).restore(zeropp), first, first + 2)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     other, _ = _trainer("zeropp-max", mesh=(4, 2))
     restored = Checkpointer(tmp_path).restore(other)
@@ -92,7 +83,7 @@ def test_checkpoint_restores_into_zeropp_and_onto_another_node_count(tmp_path):
         np.testing.assert_array_equal(a, b)
     m = {name: np.asarray(jax.device_get(x)) for name, x in restored.opt_state.inner.m.items()}
     assert all(x.shape[0] == 4 and (x == x[:1]).all() and np.abs(x).sum() > 0 for x in m.values())
-    losses, _ = _continue(other, restored, first, first + 2)
+    losses, _ = continue_run(other, restored, first, first + 2)
     assert np.isfinite(losses).all()
 
 
