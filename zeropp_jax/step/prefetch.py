@@ -90,12 +90,11 @@ def scan_layers(
             "the stacked units disagree on prefetch (GatherPlan.prefetch); build them from "
             "one ZeroConfig"
         )
-    # One layer has no next layer to prefetch.
-    if not units or not prefetch.pop() or _length(leaves) == 1:
+    length = _length(leaves) if units and prefetch.pop() else None
+    if length is None or length == 1:  # one layer has no next layer to prefetch
         if layer_fn is None:
             layer_fn = layer if units else _identity
         return jax.lax.scan(layer_fn(fn), carry, stacked)
-    length = _length(leaves)
     others = tuple(x for x in leaves if not _is_unit(x))
     stack = _Stack(
         fn=None, treedef=treedef, is_unit=tuple(map(_is_unit, leaves)),
