@@ -22,6 +22,9 @@ device-to-host copy; the write runs in the background.
 Restore works onto another mesh, process count or config (same model and
 optimizer): each leaf is read as stored, or re-padded on the host, or (the
 qgZ carry) summed over nodes; see :mod:`~zeropp_jax.checkpoint.remesh`.
+1-bit Adam's state (``qgz_target="momentum"``) and optax Adam's convert
+into each other on restore, announced with a warning; see
+:mod:`~zeropp_jax.checkpoint.convert`.
 
 Bad input.  A checkpoint whose units (names, numel, leaves) or optimizer
 state do not match the trainer raises :class:`CheckpointMismatchError`
@@ -44,6 +47,7 @@ Modules, in reading order:
 * ``storage``: the three Orbax items of one step directory;
 * ``metadata``: the JSON description and the checks that a trainer fits it;
 * ``remesh``: the restore plan (re-padding, the carry over another node count);
+* ``convert``: 1-bit Adam's optimizer state as optax Adam's, and back;
 * ``checksum``: the arrays' checksums; the finite-state check of a save;
 * ``export``: the full parameters as one msgpack file;
 * ``errors``: :class:`CheckpointError`, :class:`CheckpointMismatchError`,

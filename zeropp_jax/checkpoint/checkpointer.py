@@ -4,7 +4,8 @@ One checkpoint is one directory ``DIR/<step>`` with three Orbax items
 (:mod:`~zeropp_jax.checkpoint.storage`).  A save is atomic; restore picks
 the newest readable step and moves unreadable ones aside as
 ``<step>.corrupt``; the conversion onto another mesh is planned by
-:mod:`~zeropp_jax.checkpoint.remesh`.
+:mod:`~zeropp_jax.checkpoint.remesh`, that of 1-bit Adam's state into optax
+Adam's (and back) by :mod:`~zeropp_jax.checkpoint.convert`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from zeropp_jax.checkpoint import checksum, storage
+from zeropp_jax.checkpoint.convert import converter_for
 from zeropp_jax.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from zeropp_jax.checkpoint.metadata import describe_checkpoint
 from zeropp_jax.checkpoint.remesh import plan_restore
@@ -200,7 +202,7 @@ class Checkpointer:
         Args:
           trainer: the trainer to continue with; its mesh and config may
             differ from the ones that wrote the checkpoint, its model and
-            optimizer may not.
+            optimizer may not (but 1-bit Adam <-> optax Adam converts).
           step: the step to restore; ``None``: the newest readable one.
 
         Returns:
@@ -270,10 +272,10 @@ class Checkpointer:
         self._manager.reload()
 
     def _restore_step(self, trainer: Trainer, step: int) -> tuple[TrainState, dict]:
-        meta = self._check_files(step)
-        stored = self._item_trees(step)
-        path = self.step_path(step)
-        restore_args, build = plan_restore(meta, stored, trainer, f"checkpoint {path}")
+        meta, stored, path = self._check_files(step), self._item_trees(step), self.step_path(step)
+        where = f"checkpoint {path}"
+        restore_args, build = plan_restore(meta, stored, trainer, where,
+                                           converter_for(meta, trainer, where))
         values = storage.read_arrays(self._manager, step, path, restore_args)
         checksum.verify(meta.get("checksums"), values, f"checkpoint {path}")
         return build(values, step), meta

@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 from zeropp_jax.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from zeropp_jax.layout import LeafSpec, ParamLayout, UnitLayout
 from zeropp_jax.mesh import mesh_shape
+from zeropp_jax.step.onebit_adam import OneBitAdam
 from zeropp_jax.step.trainer import Trainer
 
 FORMAT = "zeropp_jax.checkpoint"
@@ -106,7 +107,8 @@ def describe_checkpoint(trainer: Trainer, step: int, extra_metadata: Mapping | N
     Returns:
       A dict with ``format``, ``version``, ``step``, ``mesh``,
       ``process_count``, ``config``, ``error_feedback``, ``layout`` (see
-      :func:`layout_to_json`), ``extra``, ``time`` and library versions.
+      :func:`layout_to_json`), ``optimizer`` (:func:`optimizer_to_json`),
+      ``extra``, ``time`` and library versions.
     """
     nodes, local = mesh_shape(trainer.mesh)
     meta = {
@@ -119,6 +121,7 @@ def describe_checkpoint(trainer: Trainer, step: int, extra_metadata: Mapping | N
         "qgz_active": trainer.qgz_active,
         "error_feedback": trainer.error_feedback,
         "layout": layout_to_json(trainer.layout),
+        "optimizer": optimizer_to_json(trainer.optimizer),
         "extra": dict(extra_metadata or {}),
         "time": time.time(),
         "versions": {"jax": jax.__version__, "orbax": getattr(ocp, "__version__", "?")},
@@ -189,17 +192,31 @@ def check_layout(saved: dict, layout: ParamLayout, where: str) -> None:
 
 
 def check_qgz_target(meta: dict, trainer: Trainer, where: str) -> None:
-    """1-bit Adam's state (``m``, ``v``, carries) is not optax's: refuse a switch."""
+    """Refuses a switch between 1-bit Adam's state and optax's.
+
+    Used where no conversion is planned (:mod:`~zeropp_jax.checkpoint.convert`
+    converts 1-bit Adam <-> optax Adam on restore)."""
+    if meta["config"].get("qgz_target", "gradient") != trainer.config.qgz_target:
+        raise qgz_target_mismatch(meta, trainer, where, "no conversion was asked for.")
+
+
+def qgz_target_mismatch(meta: dict, trainer: Trainer, where: str, why: str) -> CheckpointMismatchError:
+    """The error for a checkpoint of the other ``qgz_target`` that cannot be converted.
+
+    Args:
+      why: the reason the conversion does not apply (one sentence).
+    """
     stored = meta["config"].get("qgz_target", "gradient")  # written before the field
-    wanted = trainer.config.qgz_target
-    if stored != wanted:
-        raise CheckpointMismatchError(
-            f"{where} was written with qgz_target={stored!r} (preset "
-            f"{meta['config'].get('preset')!r}) and the trainer has qgz_target={wanted!r}: "
-            "their optimizer states differ (1-bit Adam's per-node m and v and two carries vs "
-            f"an optax state). Build the trainer with {_same_optimizer_flags(meta['config'])}; "
-            "the presets qgz and zeropp meant qgz_target='gradient' before they ran 1-bit Adam"
-        )
+    return CheckpointMismatchError(
+        f"{where} was written with qgz_target={stored!r} (preset "
+        f"{meta['config'].get('preset')!r}) and the trainer has "
+        f"qgz_target={trainer.config.qgz_target!r}: their optimizer states differ (1-bit "
+        "Adam's per-node m and v and two carries vs an optax state). Restore converts "
+        "1-bit Adam's state into an optax Adam's (optax.adam inside the chain, same b1 and "
+        f"b2) and back, but not here: {why} Build the trainer with "
+        f"{_same_optimizer_flags(meta['config'])}; the presets qgz and zeropp meant "
+        "qgz_target='gradient' before they ran 1-bit Adam"
+    )
 
 
 def _same_optimizer_flags(stored: dict) -> str:
@@ -211,3 +228,14 @@ def _same_optimizer_flags(stored: dict) -> str:
                  f"--qgz-refresh-every {stored.get('qgz_refresh_every')}")
         return f"1-bit Adam: --preset {stored.get('preset')}, or {flags}"
     return "qgz_target='gradient' (--qgz-target gradient)"
+
+
+def optimizer_to_json(optimizer: Any) -> dict:
+    """The optimizer's hyperparameters that a conversion needs (see
+    :mod:`~zeropp_jax.checkpoint.convert`): 1-bit Adam's ``b1``, ``b2``,
+    ``eps`` and ``clip_norm``; an optax optimizer keeps its hyperparameters
+    in closures, so only its name."""
+    if isinstance(optimizer, OneBitAdam):
+        return {"name": "onebit_adam", "b1": optimizer.b1, "b2": optimizer.b2,
+                "eps": optimizer.eps, "clip_norm": optimizer.clip_norm}
+    return {"name": "optax"}

@@ -24,6 +24,10 @@ way its shapes allow:
   made the parameter-shaped leaf of a trainer without node replication (and
   back).
 
+The optimizer state of another optimizer (1-bit Adam <-> optax Adam) is
+planned by :mod:`~zeropp_jax.checkpoint.convert` through ``convert_opt``,
+with :func:`repack` and :func:`place`.
+
 Host memory of the conversion path: every process reads the *full* leaves
 it converts (e.g. params + Adam ``mu`` + ``nu`` = 3x the float32 model, plus
 ``nodes``x the model for the carry) and holds them while placing the new
@@ -60,7 +64,8 @@ log = logging.getLogger(__name__)
 
 
 def plan_restore(
-    meta: dict, stored: dict[str, Any], trainer: Trainer, where: str
+    meta: dict, stored: dict[str, Any], trainer: Trainer, where: str,
+    convert_opt: Callable | None = None,
 ) -> tuple[dict, Callable[[dict, int], TrainState]]:
     """Checks that a checkpoint fits ``trainer`` and plans how to read it.
 
@@ -70,6 +75,11 @@ def plan_restore(
         (:func:`~zeropp_jax.checkpoint.storage.read_item_trees`).
       trainer: the trainer to restore for (any mesh and config).
       where: names the checkpoint in error messages.
+      convert_opt: plans the optimizer state when it is another optimizer's
+        (:func:`~zeropp_jax.checkpoint.convert.converter_for`):
+        ``convert_opt(plan, stored, target, target_tree)`` with the stored
+        and target leaves by key, returning ``(args, fill)`` like
+        :meth:`_Plan.item`; ``None``: the optimizers must be the same.
 
     Returns:
       ``(restore_args, build)``: ``restore_args`` for
@@ -81,22 +91,28 @@ def plan_restore(
       CheckpointMismatchError: the checkpoint does not fit the trainer.
     """
     check_layout(meta["layout"], trainer.layout, where)
-    check_qgz_target(meta, trainer, where)
+    if convert_opt is None:
+        check_qgz_target(meta, trainer, where)
     target = _abstract_state(trainer)
     plan = _Plan(meta, trainer, where)
     params_args, params_fill = plan.item(
         flat_with_keys(stored[PARAMS]), flat_with_keys(target.params), params=True
     )
-    opt_args, opt_fill = plan.item(
-        flat_with_keys(stored[OPT]), flat_with_keys(target.opt_state), params=False
-    )
+    if convert_opt is None:
+        opt_args, opt_fill = plan.item(
+            flat_with_keys(stored[OPT]), flat_with_keys(target.opt_state), params=False
+        )
+    else:
+        opt_args, opt_fill = convert_opt(
+            plan, flat_with_keys(stored[OPT]), flat_with_keys(target.opt_state), target.opt_state
+        )
     if plan.dropped_carry:
         _warn_dropped_carry(meta, trainer, where)
 
     def build(values: dict, step: int) -> TrainState:
         params = params_fill(flat_with_keys(values[PARAMS]))
         opt_state = opt_fill(flat_with_keys(values[OPT]))
-        step_array = _place(np.asarray(step, np.int32), target.step)
+        step_array = place(np.asarray(step, np.int32), target.step)
         state = TrainState(
             step_array,
             jax.tree_util.tree_unflatten(jax.tree.structure(target.params), params),
@@ -111,7 +127,7 @@ def plan_restore(
 
 
 # -------------------------------------------------------------- re-padding
-def _repack(x: np.ndarray, old: UnitLayout, new: UnitLayout, dtype: Any) -> np.ndarray:
+def repack(x: np.ndarray, old: UnitLayout, new: UnitLayout, dtype: Any) -> np.ndarray:
     """Moves every leaf from its offset in the stored layout to the trainer's.
 
     Args:
@@ -142,7 +158,7 @@ def _read_as_stored(args: dict, key: tuple[str, ...], tgt: jax.ShapeDtypeStruct)
     return lambda values: values[key]
 
 
-def _place(host: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
+def place(host: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
     """Host array (the same on every process) -> global array on the target sharding."""
     host = np.asarray(host, target.dtype)
     if host.shape != target.shape:
@@ -211,8 +227,8 @@ class _Plan:
 
         def make(values):
             x = np.asarray(values[key])
-            host = _repack(x[0] if src_rows else x, old, new, tgt.dtype)
-            return _place(np.broadcast_to(host, tgt.shape) if tgt_rows else host, tgt)
+            host = repack(x[0] if src_rows else x, old, new, tgt.dtype)
+            return place(np.broadcast_to(host, tgt.shape) if tgt_rows else host, tgt)
 
         return make
 
@@ -260,7 +276,7 @@ class _Plan:
             old_unit, new_unit = self.old_units[unit], self.new_units[unit]
 
             def make(values, key=key, tgt=tgt, old_unit=old_unit, new_unit=new_unit):
-                return _place(_repack(values[key], old_unit, new_unit, tgt.dtype), tgt)
+                return place(repack(values[key], old_unit, new_unit, tgt.dtype), tgt)
 
             makers.append(make)
         unused = [k for k in stored if k not in target and k not in carry_keys]
@@ -284,7 +300,7 @@ class _Plan:
         unit = key[-1]
         if key not in stored:
             log.info("%s: no qgZ carry for unit %r; starting it at zeros", self.where, unit)
-            return lambda values: _place(np.zeros(tgt.shape, tgt.dtype), tgt)
+            return lambda values: place(np.zeros(tgt.shape, tgt.dtype), tgt)
         src = stored[key]
         old, new = self.old_units[unit], self.new_units[unit]
         expected = (self.old_nodes,) + old.global_shape
@@ -301,12 +317,12 @@ class _Plan:
         def make(values):
             carry = np.asarray(values[key], np.float32)
             if new_nodes == self.old_nodes:
-                host = _repack(carry, old, new, tgt.dtype)
+                host = repack(carry, old, new, tgt.dtype)
             else:
                 total = carry.sum(axis=0, dtype=np.float64)
                 host = np.zeros(tgt.shape, tgt.dtype)
-                host[0] = _repack(total, old, new, tgt.dtype)
-            return _place(host, tgt)
+                host[0] = repack(total, old, new, tgt.dtype)
+            return place(host, tgt)
 
         return make
 

@@ -64,9 +64,11 @@ def resume_changes(
 
     Returns:
       ``(errors, warnings)``: one line each. Errors: the model (its
-      parameters would be read into another architecture), the
-      learning-rate schedule's kind or the optimizer (``qgz_target``): the
-      optimizer state has another structure. Warnings: every other
+      parameters would be read into another architecture) or the
+      learning-rate schedule's kind (the optimizer state follows it).
+      Warnings: a change between 1-bit Adam and optax Adam
+      (``qgz_target``), whose state the restore converts or refuses
+      (:mod:`zeropp_jax.checkpoint.convert`), and every other
       recorded flag that differs (``--steps`` only under the cosine
       schedule, whose shape it sets), naming old and new values.
     """
@@ -87,11 +89,12 @@ def resume_changes(
         )
     old_target = saved_config.get("qgz_target", "gradient")
     if old_target != config.get("qgz_target", "gradient"):
-        errors.append(
-            f"the checkpoint was written by preset {saved_config.get('preset')} "
-            f"(qgz_target={old_target}); preset {config.get('preset')} has qgz_target="
-            f"{config.get('qgz_target')} and another optimizer state; pass --preset "
-            f"{saved_config.get('preset')}"
+        # The library converts 1-bit Adam's state to optax Adam's and back
+        # (zeropp_jax.checkpoint.convert) and refuses where it cannot.
+        warnings.append(
+            f"optimizer state converted: qgz_target {old_target} (preset "
+            f"{saved_config.get('preset')}) -> {config.get('qgz_target')} (preset "
+            f"{config.get('preset')})"
         )
     for name in _RUN_FLAGS:
         if name == "steps" and args.lr_schedule != "cosine":

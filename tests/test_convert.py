@@ -1,0 +1,176 @@
+"""1-bit Adam's checkpoints restore into optax Adam trainers and back
+(:mod:`zeropp_jax.checkpoint.convert`): zeropp-max <-> zero3 on the 2x4 mesh."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zeropp_jax as zp
+from zeropp_jax.checkpoint import Checkpointer, CheckpointMismatchError
+from zeropp_jax.models import gpt
+
+from _util import TINY, continue_run, gpt_loss, mesh_of, optimizer, tiny_batches, zero_run
+
+# 1-bit Adam: steps 0-1 warm-up, 2-3 compressed, 4 refreshes v, 5 compressed.
+SCHEDULE = dict(qgz_warmup_steps=2, qgz_refresh_every=3)
+ONEBIT_STEPS = 6
+ADAM_STEPS = 3
+B1, B2, EPS = 0.9, 0.999, 1e-8  # onebit_adam's and optax.adam's defaults
+
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@functools.cache
+def params():
+    return gpt.init_params(TINY, jax.random.key(0))
+
+
+SHAPES = jax.eval_shape(lambda: gpt.init_params(TINY, jax.random.key(0)))
+
+
+@functools.cache
+def trainer(preset: str, opt=None) -> zp.Trainer:
+    onebit = preset == "zeropp-max"
+    config = zp.ZeroConfig.from_preset(preset, compute_dtype="float32",
+                                       **(SCHEDULE if onebit else {}))
+    return zp.make_trainer(
+        gpt_loss(), opt or optimizer(config), SHAPES, mesh=mesh_of(2, 4),
+        config=config, per_layer=True, stacked=("blocks",),
+    )
+
+
+def real(x, unit) -> np.ndarray:
+    """The real entries of a unit's ``(..., padded)`` array, leaf after leaf (float64)."""
+    x = np.asarray(x, np.float64)
+    return np.concatenate([x[..., s.offset:s.offset + s.size] for s in unit.leaves], axis=-1)
+
+
+def adam_state(state):
+    """The ScaleByAdamState of an optax chain(clip, adam) train state."""
+    return state.opt_state.inner[1][0]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """zeropp-max after ONEBIT_STEPS and zero3 after ADAM_STEPS: checkpoint
+    directories, host copies of the saved states, and each run continued."""
+    out = {}
+    for preset, steps in (("zeropp-max", ONEBIT_STEPS), ("zero3", ADAM_STEPS)):
+        tr = trainer(preset)
+        _, state = zero_run(tr, params(), tiny_batches(), steps)
+        directory = tmp_path_factory.mktemp(preset)
+        with Checkpointer(directory, async_save=False) as ckpt:
+            ckpt.save(steps, state, tr)
+        host, before = jax.device_get((state, tr.gather_params(state)))
+        losses, after = continue_run(tr, state, steps, steps + 2)
+        out[preset] = dict(dir=directory, state=host, before=before, losses=losses,
+                           after=jax.device_get(tr.gather_params(after)))
+    return out
+
+
+@pytest.mark.slow
+def test_onebit_adam_restores_into_zero3(saved):
+    """mu = m + d * carries / b1 and nu = v * (1 - b2**count) / (1 - b2**v_count),
+    computed here from the saved state; then zero3 steps on from it."""
+    run = saved["zeropp-max"]
+    zero3, onebit = trainer("zero3"), trainer("zeropp-max")
+    meta = Checkpointer(run["dir"]).metadata()
+    assert meta["optimizer"] == {"name": "onebit_adam", "b1": B1, "b2": B2, "eps": EPS,
+                                 "clip_norm": 1.0}
+    with pytest.warns(UserWarning, match="FOLDED the error-feedback carries"):
+        restored = Checkpointer(run["dir"]).restore(zero3)
+    inner, qgz = run["state"].opt_state.inner, run["state"].opt_state.qgz
+    count, v_count = int(inner.count), int(inner.v_count)
+    assert (count, v_count) == (ONEBIT_STEPS, 5)  # v last updated by the refresh (step 4)
+    adam = adam_state(restored)
+    assert int(adam.count) == count
+    for name in inner.m:
+        old, new = onebit.layout.unit(name), zero3.layout.unit(name)
+        m, v = real(inner.m[name][0], old), real(inner.v[name][0], old)
+        carry = real(qgz.carry[name], old).mean(axis=0) + real(inner.receiver_carry[name], old)
+        assert np.abs(carry).max() > 0, name  # a compressed step left something deferred
+        d = np.sqrt(v / (1 - B2**v_count)) + EPS
+        np.testing.assert_allclose(real(adam.mu[name], new), m + d * carry / B1,
+                                   rtol=1e-6, atol=1e-12, err_msg=name)
+        np.testing.assert_allclose(real(adam.nu[name], new),
+                                   v * (1 - B2**count) / (1 - B2**v_count),
+                                   rtol=1e-6, atol=1e-20, err_msg=name)
+    losses, after = continue_run(zero3, restored, ONEBIT_STEPS, ONEBIT_STEPS + 2)
+    # The same parameters: the same first loss; then optax's full-precision
+    # step from the converted state lands close to 1-bit Adam's compressed one.
+    np.testing.assert_allclose(losses[0], run["losses"][0], rtol=1e-6)
+    np.testing.assert_allclose(losses[1], run["losses"][1], rtol=5e-3)
+    # Two steps move the parameters about as far as 1-bit Adam's, in about
+    # the same direction (1-bit Adam's compressed steps differ from Adam's).
+    got, want, before = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)]) for t in (
+        zero3.gather_params(after), run["after"], run["before"]))
+    assert np.isfinite(got).all()
+    moved, reference = got - before, want - before
+    ratio = np.linalg.norm(moved) / np.linalg.norm(reference)
+    cosine = moved @ reference / (np.linalg.norm(moved) * np.linalg.norm(reference))
+    assert 0.5 < ratio < 2 and cosine > 0.7, (ratio, cosine)
+
+
+@pytest.mark.slow
+def test_zero3_restores_into_onebit_adam_and_back(saved, tmp_path):
+    """optax Adam -> 1-bit Adam is exact: m = mu, v = nu, v_count = count;
+    its next full-precision step (a clipped Adam step, as in its warm-up) is
+    zero3's, and saved again it restores into zero3 as it was."""
+    run = saved["zero3"]
+    zero3, onebit = trainer("zero3"), trainer("zeropp-max")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # exact: nothing to warn about
+        restored = Checkpointer(run["dir"]).restore(onebit)
+    adam = adam_state(run["state"])
+    inner = jax.device_get(restored.opt_state.inner)
+    assert int(inner.count) == int(inner.v_count) == ADAM_STEPS
+    for name in inner.m:
+        old, new = zero3.layout.unit(name), onebit.layout.unit(name)
+        for rows, flat in ((inner.m[name], adam.mu[name]), (inner.v[name], adam.nu[name])):
+            assert rows.shape[0] == onebit.nodes
+            for row in rows:
+                np.testing.assert_array_equal(real(row, new), real(flat, old), err_msg=name)
+        assert not np.asarray(inner.receiver_carry[name]).any()
+        assert not np.asarray(restored.opt_state.qgz.carry[name]).any()
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(ADAM_STEPS, restored, onebit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        back = jax.device_get(Checkpointer(tmp_path).restore(zero3))
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(run["state"])):
+        np.testing.assert_array_equal(a, b)
+    state, metrics = onebit.step(restored, tiny_batches().batch_at(ADAM_STEPS), compress=False)
+    np.testing.assert_allclose(float(metrics["loss"]), run["losses"][0], rtol=1e-6)
+    _, after = continue_run(zero3, Checkpointer(run["dir"]).restore(zero3),
+                            ADAM_STEPS, ADAM_STEPS + 1)
+    for a, b in zip(jax.tree.leaves(onebit.gather_params(state)),
+                    jax.tree.leaves(zero3.gather_params(after))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _init_checkpoint(directory, tr):
+    """A step-0 checkpoint of ``tr``'s initial state (no step compiled)."""
+    with Checkpointer(directory, async_save=False) as ckpt:
+        ckpt.save(0, tr.init(params()), tr)
+    return directory
+
+
+def test_conversion_is_refused_where_it_does_not_fit(tmp_path):
+    onebit_dir = _init_checkpoint(tmp_path / "onebit", trainer("zeropp-max"))
+    clipped_sgd = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"qgz_target='momentum'.*has 0 ScaleByAdamState.*exactly one"):
+        Checkpointer(onebit_dir).restore(trainer("zero3", clipped_sgd))
+    other_b2 = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(3e-3, b2=0.99))
+    with pytest.raises(CheckpointMismatchError, match=r"b2=0.999 .* b2=0.99 \("):
+        Checkpointer(onebit_dir).restore(trainer("zero3", other_b2))
+    sgd_dir = _init_checkpoint(tmp_path / "sgd", trainer("zero3", clipped_sgd))
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"optax state has 0 Adam states .* exactly one"):
+        Checkpointer(sgd_dir).restore(trainer("zeropp-max"))
