@@ -90,3 +90,33 @@ def test_predictions_add_link_time_at_the_rate_to_the_unlimited_step(monkeypatch
     assert curves["zeropp"](8) == pytest.approx(1.2)
     table = cluster_report.format_table(records)
     assert "8 Mbit/s" in table and "unlimited" in table
+
+
+def test_record_separates_compressed_and_refresh_steps():
+    """A 1-bit Adam run's record: the compressed steps' median and bytes, the
+    refresh steps' apart, and the mean over the preset's own refresh cycle."""
+    measured = {
+        "step_times_s": [1.0, 3.0, 1.2, 0.8, 3.4],
+        "compressed": [1, 0, 1, 1, 0],
+        "link_rx_bytes": [[100, 110], [900, 910], [100, 110], [100, 110], [1100, 1110]],
+    }
+    r = cluster_bench.record("zeropp-max", 50.0, measured, tokens_per_step=10, refresh=40)
+    assert r["step_time_s"] == 1.0 and r["full_precision_step_time_s"] == pytest.approx(3.2)
+    assert r["cycle_step_time_s"] == pytest.approx((39 * 1.0 + 3.2) / 40)
+    assert r["link_bytes_per_node_per_step"] == 105 and r["tokens_per_s"] == 10
+    assert r["full_precision_link_bytes_per_node_per_step"] == 1005
+    # without qgZ every timed step is the step, and the cycle is that step
+    plain = cluster_bench.record("zero3", 50.0, {**measured, "compressed": [0] * 5}, 10)
+    assert plain["step_time_s"] == 1.2 and plain["cycle_step_time_s"] == 1.2
+    assert plain["full_precision_step_time_s"] is None
+    # a refresh schedule with no refresh step timed has no cycle figure
+    none = cluster_bench.record("zeropp", 50.0, {**measured, "compressed": [1] * 5}, 10, 10)
+    assert none["cycle_step_time_s"] is None
+
+
+def test_the_bench_times_refresh_steps_of_1bit_adam_presets():
+    flags = cluster_bench.train_command_flags("zeropp-max", [], 10, probe_refresh=True)
+    assert flags[flags.index("--qgz-refresh-every") + 1] == str(cluster_bench.REFRESH_PROBE_EVERY)
+    assert cluster_bench.refresh_every("zeropp-max", []) == 40  # the preset's own cycle
+    assert "--qgz-refresh-every" not in cluster_bench.train_command_flags(
+        "zeropp-int4", [], 10, probe_refresh=True)  # gradient qgZ: no refreshes

@@ -8,11 +8,16 @@ address). For each run it measures, over the steps after ``--warmup``:
 
 * the median step time (differences of the ``time`` field of the metrics
   file, which process 0 writes after each step's metrics reach the host) and
-  tokens per second;
-* the bytes that crossed the link per step and node: the veth's receive
-  counters of both namespaces, read when the last warm-up step's metrics line
-  appears and when the last step's does (a read can be up to a step early or
-  late; over several steps that averages out).
+  tokens per second; for a qgZ preset, of its compressed steps;
+* for a 1-bit Adam preset, the median full-precision (refresh) step too,
+  and the mean over the preset's refresh cycle, ``((N - 1) * compressed +
+  full) / N``: the bench refreshes every ``REFRESH_PROBE_EVERY`` steps so
+  that the timed window holds refresh steps, while ``N`` is the preset's
+  own ``qgz_refresh_every``;
+* the bytes that crossed the link per step and node, compressed and
+  full-precision steps apart: the veth's receive counters of both
+  namespaces, read whenever a metrics line appears (a read can be up to a
+  step early or late; over several steps that averages out).
 
 Then, at each rate, every preset's speedup over ``zero3`` (flat collectives:
 gloo connects every device to every other, so each remote device's share
@@ -62,6 +67,9 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "zeropp-int4": ("--preset", "zeropp", "--qgz", "int4", "--qgz-target", "gradient",
                     "--qgz-warmup", "1"),
 }
+# 1-bit Adam refreshes every qgz_refresh_every (10-40) steps, too rarely for
+# a short timed window; the bench's runs refresh this often instead.
+REFRESH_PROBE_EVERY = 4
 POLL_S = 0.02
 KILL_GRACE_S = 3.0
 
@@ -142,15 +150,30 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"{', '.join(clash)}: set by the bench itself (use --presets / --steps)")
     train_parser = train.build_parser()
     for name in options.presets:
-        args = train_parser.parse_args(train_command_flags(name, train_flags, options.steps))
+        args = train_parser.parse_args(
+            train_command_flags(name, train_flags, options.steps, probe_refresh=True))
         common.validate_args(train_parser, args)
     return options, train_flags
 
 
-def train_command_flags(preset: str, train_flags: Sequence[str], steps: int) -> list[str]:
-    """zeropp-train's flags for one run (without the metrics file)."""
+def train_command_flags(preset: str, train_flags: Sequence[str], steps: int, *,
+                        probe_refresh: bool = False) -> list[str]:
+    """zeropp-train's flags for one run (without the metrics file); with
+    ``probe_refresh`` a 1-bit Adam preset refreshes every
+    ``REFRESH_PROBE_EVERY`` steps (unless ``train_flags`` say otherwise)."""
+    probe = []
+    if probe_refresh and refresh_every(preset, train_flags):
+        probe = ["--qgz-refresh-every", str(REFRESH_PROBE_EVERY)]
     return ["--mesh", f"{NODES}x{LOCAL}", "--steps", str(steps), "--lr-schedule", "constant",
-            "--no-progress", *PRESETS[preset], *train_flags]
+            "--no-progress", *PRESETS[preset], *probe, *train_flags]
+
+
+def refresh_every(preset: str, train_flags: Sequence[str]) -> int:
+    """The preset's own ``qgz_refresh_every`` with ``train_flags`` (0: none)."""
+    from zeropp_jax.cli import train
+
+    flags = ["--mesh", f"{NODES}x{LOCAL}", *PRESETS[preset], *train_flags]
+    return common.build_config(train.build_parser().parse_args(flags)).qgz_refresh_every
 
 
 def run_once(cluster: netns.TwoNodeCluster, flags: Sequence[str], *, warmup: int, steps: int,
@@ -158,8 +181,8 @@ def run_once(cluster: netns.TwoNodeCluster, flags: Sequence[str], *, warmup: int
     """Runs one two-process training job on ``cluster``; returns its measurements.
 
     Returns:
-      ``step_times_s`` (list of the timed steps), ``link_rx_bytes`` (per node,
-      over the timed steps), ``timed_steps``.
+      ``step_times_s`` and ``compressed`` (0 or 1) of the timed steps, and
+      ``link_rx_bytes``: per timed step, the bytes each node received.
     """
     metrics = os.path.join(log_dir, f"{run_id}.jsonl")
     logs = [os.path.join(log_dir, f"{run_id}.node{n}.log") for n in range(NODES)]
@@ -185,32 +208,35 @@ def run_once(cluster: netns.TwoNodeCluster, flags: Sequence[str], *, warmup: int
 
 def _measure(cluster, procs, metrics, logs, warmup, steps, timeout_s) -> dict:
     deadline = time.monotonic() + timeout_s
-    start_rx = end_rx = None
+    rx: dict[int, list[int]] = {}  # metrics lines seen -> counters then
     lines: list[dict] = []
-    while end_rx is None or any(p.poll() is None for p in procs):
-        if end_rx is None:
-            lines = _read_lines(metrics)
-            if start_rx is None and len(lines) >= warmup:
-                start_rx = _rx(cluster)
-            if len(lines) >= steps:
-                end_rx = _rx(cluster)
-        if end_rx is None and any(p.poll() == 0 for p in procs):
-            lines = _read_lines(metrics)  # the last line may have come just before the exit
-            if len(lines) >= steps:
-                end_rx = _rx(cluster)
+
+    def read():
+        nonlocal lines
+        lines = _read_lines(metrics)
+        if len(lines) >= warmup and len(lines) not in rx:
+            now = _rx(cluster)
+            for seen in range(max(rx, default=warmup - 1) + 1, min(len(lines), steps) + 1):
+                rx[seen] = now
+
+    while steps not in rx or any(p.poll() is None for p in procs):
+        if steps not in rx:
+            read()
+        if steps not in rx and any(p.poll() == 0 for p in procs):
+            read()  # the last line may have come just before the exit
         for node, p in enumerate(procs):
-            if p.poll() not in (None, 0) or (p.poll() == 0 and end_rx is None):
+            if p.poll() not in (None, 0) or (p.poll() == 0 and steps not in rx):
                 status = describe_status(p.returncode)
                 raise RunFailed(f"node {node} {status} (log {logs[node]}):\n{_tail(logs[node])}")
         if time.monotonic() > deadline:
             raise RunFailed(f"timed out after {timeout_s:g} s (log {logs[0]}):\n{_tail(logs[0])}")
         time.sleep(POLL_S)
-    times = [line["time"] for line in lines]
-    timed = steps - warmup
+    times = [line["time"] for line in lines[:steps]]
     return {
         "step_times_s": [b - a for a, b in zip(times[warmup - 1:], times[warmup:])],
-        "link_rx_bytes": [e - s for s, e in zip(start_rx, end_rx)],
-        "timed_steps": timed,
+        "compressed": [int(line.get("compressed", 0)) for line in lines[warmup:steps]],
+        "link_rx_bytes": [[e - s for s, e in zip(rx[k], rx[k + 1])]
+                          for k in range(warmup, steps)],
     }
 
 
@@ -236,22 +262,44 @@ def _tail(path: str, n: int = 20) -> str:
         return "(no log)"
 
 
-def record(preset: str, rate: float, measured: dict, tokens_per_step: int) -> dict:
-    """The JSON record of one run (speedups and predictions are added later)."""
-    median = statistics.median(measured["step_times_s"])
-    per_node = [b / measured["timed_steps"] for b in measured["link_rx_bytes"]]
+def _per_node_mean(by_step: list[list[int]]) -> list[float]:
+    return [sum(node) / len(by_step) for node in zip(*by_step)]
+
+
+def record(preset: str, rate: float, measured: dict, tokens_per_step: int,
+           refresh: int = 0) -> dict:
+    """The JSON record of one run (speedups and predictions are added later).
+
+    ``step_time_s`` and the link bytes are those of the compressed steps
+    where the run has any (else of every timed step); ``cycle_step_time_s``
+    the mean over a refresh cycle of ``refresh`` steps (the median step
+    otherwise, or ``None`` when no full-precision step was timed).
+    """
+    times, flags = measured["step_times_s"], measured["compressed"]
+    main = [i for i, c in enumerate(flags) if c] or list(range(len(times)))
+    full = [i for i, c in enumerate(flags) if not c] if any(flags) else []
+    median = statistics.median(times[i] for i in main)
+    per_node = _per_node_mean([measured["link_rx_bytes"][i] for i in main])
+    full_s = statistics.median(times[i] for i in full) if full else None
+    cycle = median
+    if refresh:
+        cycle = None if full_s is None else ((refresh - 1) * median + full_s) / refresh
     return {
         "preset": preset,
         "flags": " ".join(PRESETS[preset]),
         "rate_mbit": rate,
         "step_time_s": median,
-        # the mean includes what the median leaves out: a qgZ refresh step
-        # every qgz_refresh_every steps, when one falls in the timed window
-        "mean_step_time_s": statistics.fmean(measured["step_times_s"]),
-        "step_times_s": measured["step_times_s"],
+        "full_precision_step_time_s": full_s,
+        "refresh_every": refresh,
+        "cycle_step_time_s": cycle,
+        "step_times_s": times,
+        "compressed": flags,
         "tokens_per_s": tokens_per_step / median,
         "link_bytes_per_node_per_step": sum(per_node) / len(per_node),
         "link_bytes_by_node_per_step": per_node,
+        "full_precision_link_bytes_per_node_per_step": (
+            statistics.fmean(_per_node_mean([measured["link_rx_bytes"][i] for i in full]))
+            if full else None),
     }
 
 
@@ -269,11 +317,13 @@ def sweep(options, train_flags, log_dir: str, progress) -> list[dict]:
                 run_id = f"{preset}_{rate:g}mbit"
                 progress.set_description(f"{preset} @ {cluster_report.rate_name(rate)}")
                 measured = run_once(
-                    cluster, train_command_flags(preset, train_flags, options.steps),
+                    cluster, train_command_flags(preset, train_flags, options.steps,
+                                                 probe_refresh=True),
                     warmup=options.warmup, steps=options.steps, log_dir=log_dir,
                     run_id=run_id, port=20000 + len(records), timeout_s=options.timeout,
                 )
-                records.append(record(preset, rate, measured, tokens_per_step))
+                records.append(record(preset, rate, measured, tokens_per_step,
+                                      refresh_every(preset, train_flags)))
                 progress.update(1)
                 r = records[-1]
                 progress.write(f"  {preset:>13} @ {cluster_report.rate_name(rate):>9}: "

@@ -23,13 +23,18 @@ def _by_key(records: Sequence[dict]) -> dict:
 
 
 def add_speedups(records: list[dict]) -> None:
-    """Adds ``speedup_vs_<baseline>`` (baseline step time / this one; ``None`` if not run)."""
+    """Adds ``speedup_vs_<baseline>`` (baseline step time / this one) and
+    ``cycle_speedup_vs_<baseline>`` (the same over a refresh cycle, the
+    refresh step included); ``None`` where either was not measured."""
     index = _by_key(records)
+    ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
     for r in records:
         for base in BASELINES:
-            other = index.get((base, r["rate_mbit"]))
-            r[f"speedup_vs_{base.replace('-', '_')}"] = (
-                other["step_time_s"] / r["step_time_s"] if other else None)
+            other = index.get((base, r["rate_mbit"]), {})
+            name = base.replace("-", "_")
+            r[f"speedup_vs_{name}"] = ratio(other.get("step_time_s"), r["step_time_s"])
+            r[f"cycle_speedup_vs_{name}"] = ratio(other.get("cycle_step_time_s"),
+                                                  r.get("cycle_step_time_s"))
 
 
 def add_predictions(records: list[dict], flags_of: Callable,
@@ -112,8 +117,9 @@ def _profile(flags: Sequence[str]):
     # compressing at step 1; a refresh step every N is an outlier of the median).
     profile = cm.profile_config(config, mesh=mesh, model=model, batch_size=args.batch_size,
                                 compress=True if config.qgz != "off" else None,
-                                label=args.preset)
-    # XLA:CPU carries float collectives as float32 whatever the compute dtype.
+                                label=args.preset, scales_as_compiled=True)
+    # XLA:CPU carries float collectives (quantization scales too) as float32
+    # whatever the compute and scale dtypes.
     workload = cm.Workload(params=profile.params,
                            tokens_per_gpu=args.batch_size * args.seq_len / 8, float_bytes=4)
     return profile, workload
@@ -128,20 +134,21 @@ def rate_name(rate: float) -> str:
 
 
 def format_table(records: Sequence[dict]) -> str:
-    """One row per (rate, preset): measured (median and mean) and predicted step
-    time, speedups, link bytes."""
-    head = ("rate", "preset", "step s", "mean s", "tok/s", "x zero3", "pred", "x 2level", "pred",
-            "MB/node/step", "model MB")
+    """One row per (rate, preset): measured (median and refresh cycle) and
+    predicted step time, speedups, link bytes."""
+    head = ("rate", "preset", "step s", "cycle s", "tok/s", "x zero3", "pred", "x 2level", "pred",
+            "x 2level cycle", "MB/node/step", "model MB")
     rows = [head]
     for r in records:
         mb = lambda x: None if x is None else x / 1e6  # noqa: E731
         rows.append((
             rate_name(r["rate_mbit"]), r["preset"], _fmt(r["step_time_s"], ".3f"),
-            _fmt(r.get("mean_step_time_s"), ".3f"),
+            _fmt(r.get("cycle_step_time_s"), ".3f"),
             _fmt(r["tokens_per_s"], ",.0f"), _fmt(r.get("speedup_vs_zero3"), ".2f"),
             _fmt(r.get("predicted_speedup"), ".2f"),
             _fmt(r.get("speedup_vs_zero3_2level"), ".2f"),
             _fmt(r.get("predicted_speedup_vs_zero3_2level"), ".2f"),
+            _fmt(r.get("cycle_speedup_vs_zero3_2level"), ".2f"),
             _fmt(mb(r["link_bytes_per_node_per_step"]), ".2f"),
             _fmt(mb(r.get("model_link_bytes_per_node_per_step")), ".2f"),
         ))
