@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -99,13 +102,46 @@ TINY_ARGS = (
 )
 
 
+# Console scripts that run as one JAX process: their runs share compiled programs.
+SINGLE_PROCESS_SCRIPTS = {
+    "zeropp_jax.cli.train", "zeropp_jax.cli.comm", "zeropp_jax.cli.export",
+    "zeropp_jax.cli.simulate",
+}
+
+
+@functools.cache
+def compile_cache_dir() -> str:
+    """A JAX persistent compilation cache private to this test process.
+
+    Each pytest-xdist worker has its own, and the scripts it starts use it one
+    at a time, so no two processes write one entry at once.
+    """
+    path = tempfile.mkdtemp(prefix="zeropp-test-jax-cache-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def run_cli(*args, env_devices=None, timeout=600):
-    """Runs a console script module in a fresh process; returns CompletedProcess."""
+    """Runs a console script module in a fresh process; returns CompletedProcess.
+
+    A single-process script (``-m`` one of ``SINGLE_PROCESS_SCRIPTS``) reads
+    and fills :func:`compile_cache_dir`: a program an earlier script compiled
+    loads instead of compiling again, the same executable with the same
+    results. Source locations and named scopes are part of the cache key, so
+    a loaded program's HLO carries its own op names (the comm reports
+    classify collectives by them). Not for multi-process jobs: with a cache,
+    JAX hands one process's compiled binary to its peers instead of each
+    compiling its own.
+    """
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     if env_devices:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={env_devices}"
     env["JAX_PLATFORMS"] = "cpu"
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    if len(args) > 1 and args[0] == "-m" and args[1] in SINGLE_PROCESS_SCRIPTS:
+        env["JAX_COMPILATION_CACHE_DIR"] = compile_cache_dir()
+        env["JAX_COMPILATION_CACHE_INCLUDE_METADATA_IN_KEY"] = "1"
     return subprocess.run(
         [sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout
     )

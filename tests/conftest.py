@@ -1,10 +1,13 @@
-"""Test set-up: 8 simulated CPU devices and a strict JAX.
+"""Test set-up: 8 simulated CPU devices, a strict JAX and a compilation cache.
 
 The device count must be fixed before JAX is imported anywhere, so this file
 sets ``XLA_FLAGS`` at import time (pytest imports conftest first).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -17,3 +20,16 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # Strict dtype promotion is not used: optax itself (bias correction in adam)
 # mixes Python floats and int32 step counts, which "strict" rejects.
 jax.config.update("jax_numpy_dtype_promotion", "standard")
+
+# A persistent compilation cache private to this process (each pytest-xdist
+# worker has its own): a program an earlier test compiled loads instead of
+# compiling again, the same executable with the same results. Source
+# locations and named scopes are part of the key, so a loaded program's HLO
+# carries its own op names (the comm reports classify collectives by them);
+# a location keeps only its innermost frame, so the same library code reached
+# from two tests makes one key.
+_COMPILE_CACHE = tempfile.mkdtemp(prefix="zeropp-test-jax-cache-")
+atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _COMPILE_CACHE)
+jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
+jax.config.update("jax_traceback_in_locations_limit", 1)

@@ -21,7 +21,7 @@ from _util import COMM, TINY_ARGS, TRAIN, read_jsonl, run_cli
 pytestmark = pytest.mark.slow  # the console scripts run as subprocesses
 
 EQUIVALENCE_STEPS = 20
-DEFAULT_MODEL_STEPS = 60
+DEFAULT_MODEL_STEPS = 30
 # Argument checks need no compilation; a few seconds of interpreter and JAX
 # start-up are allowed, a compiled train step is not.
 QUICK_FAILURE_S = 20.0
@@ -204,9 +204,13 @@ def test_zero_flags_build_the_config_of_their_fields():
 
 
 def test_device_count_follows_mesh_when_not_forced(tmp_path):
-    """Without XLA_FLAGS the CLI asks XLA for NODES*LOCAL host devices."""
+    """Without XLA_FLAGS the CLI asks XLA for NODES*LOCAL host devices.
+
+    Plain ZeRO-3 (one compiled step): the device count is the point here.
+    """
     proc, metrics = _train(
-        tmp_path, "3x3", *TINY_ARGS, "--mesh", "3x3", "--batch-size", "9", "--steps", "2"
+        tmp_path, "3x3", *TINY_ARGS, "--mesh", "3x3", "--batch-size", "9", "--steps", "2",
+        "--preset", "zero3",
     )
     _ok(proc)
     assert "mesh=3x3" in _header(proc.stdout)
@@ -275,6 +279,11 @@ def test_comm_table(comm_runs):
 
 # --- 5. --data: a text file and a .npy of token ids -------------------------
 
+# The data are the point: plain ZeRO-3 on the default 2x4 mesh, the program
+# mesh_runs compiled for byte tokens (a text file's run loads it from the
+# compilation cache instead of compiling it again).
+DATA_RUN_ARGS = ("--preset", "zero3")
+
 
 def _text(n_bytes: int) -> str:
     words = (
@@ -293,7 +302,9 @@ def _text(n_bytes: int) -> str:
 def test_train_on_text_file(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text(_text(4096))
-    proc, metrics = _train(tmp_path, "text", *TINY_ARGS, "--data", str(path), "--steps", "3")
+    proc, metrics = _train(
+        tmp_path, "text", *TINY_ARGS, *DATA_RUN_ARGS, "--data", str(path), "--steps", "3"
+    )
     _ok(proc)
     header = _header(proc.stdout)
     assert "vocab=256" in header  # bytes
@@ -310,7 +321,9 @@ def test_train_on_npy_token_ids(tmp_path):
     ids[0] = vocab - 1  # the vocabulary is max id + 1
     path = tmp_path / "ids.npy"
     np.save(path, ids)
-    proc, metrics = _train(tmp_path, "npy", *TINY_ARGS, "--data", str(path), "--steps", "3")
+    proc, metrics = _train(
+        tmp_path, "npy", *TINY_ARGS, *DATA_RUN_ARGS, "--data", str(path), "--steps", "3"
+    )
     _ok(proc)
     header = _header(proc.stdout)
     assert f"vocab={vocab}" in header
