@@ -413,7 +413,7 @@ def test_bfloat16_run_counted_at_bfloat16(mesh):
         comm_report(compiled, mesh_shape=MESH_SHAPE, float_dtypes=("int8", "bf16"))
 
 
-def test_quantization_scales_keep_their_width(mesh):
+def test_quantization_scales_count_at_the_runs_scale_dtype(mesh):
     from zeropp_jax.wire.collectives import SCALES_SCOPE
 
     def f(a):
@@ -421,9 +421,17 @@ def test_quantization_scales_keep_their_width(mesh):
             return jax.lax.all_gather(a, "node", tiled=True)
 
     x = jnp.zeros((64, 8), jnp.float32)
-    report = comm_report(_compile(mesh, f, x), mesh_shape=MESH_SHAPE,
-                         float_dtypes=("bf16", "bf16"))
+    compiled = _compile(mesh, f, x)
+    report = comm_report(compiled, mesh_shape=MESH_SHAPE, float_dtypes=("bf16", "bf16"))
     assert report.inter_node_bytes == 4 * 64 * 4 and not report.narrowed
+    # ... unless the run's scale dtype is narrower: then they count at it.
+    bf16 = comm_report(compiled, mesh_shape=MESH_SHAPE, float_dtypes=("bf16", "bf16"),
+                       scale_dtype=jnp.bfloat16)
+    assert bf16.inter_node_bytes == 4 * 64 * 2 and bf16.narrowed
+    assert bf16.summary()[0].dtype == "bf16" and "scales bf16" in bf16.format_table()
+    assert bf16.to_json()["scale_dtype"] == "bf16"
+    f32 = comm_report(compiled, mesh_shape=MESH_SHAPE, scale_dtype="float32")
+    assert f32.inter_node_bytes == 4 * 64 * 4 and not f32.narrowed
 
 
 def test_full_precision_steps_of_a_schedule():

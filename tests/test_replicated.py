@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import zeropp_jax as zp
+from zeropp_jax.analysis.comm_report import comm_report
 from zeropp_jax.checkpoint import Checkpointer
 from zeropp_jax.models import gpt
 
@@ -29,11 +30,19 @@ def _trainer(preset, mesh=(2, 4), **overrides):
     return trainer, params
 
 
+# zeropp-max's 1-bit wire, with qwZ int8 on both presets: both then gather
+# values dequantized from the same codes and take bit-identical steps.
+# Without qwZ they compile the same float arithmetic differently, and the
+# 1-bit code turns last-bit differences of momenta near zero into sign flips.
+WIRE = {**{k: zp.config.PRESETS["zeropp-max"][k] for k in ("qgz_block", "scale_dtype")},
+        "qwz_bits": 8}
+
+
 @functools.cache
 def _runs():
     out = {}
     for preset in ("zeropp", "zeropp-max"):
-        trainer, params = _trainer(preset)
+        trainer, params = _trainer(preset, **WIRE)
         losses, state = zero_run(trainer, params, tiny_batches(), STEPS)
         out[preset] = trainer, losses, state
     return out
@@ -68,16 +77,16 @@ def test_checkpoint_restores_into_zeropp_and_onto_another_node_count(tmp_path):
     zeropp (parameters sharded over all devices) it takes zeropp-max's steps;
     on a 4x2 mesh the equal rows are copied onto 4 nodes."""
     first = 4
-    trainer, params = _trainer("zeropp-max")
+    trainer, params = _trainer("zeropp-max", **WIRE)
     _, state = zero_run(trainer, params, tiny_batches(), first)
     saved = trainer.gather_params(state)
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(first, state, trainer)
     want, _ = continue_run(trainer, state, first, first + 2)
-    zeropp, _ = _trainer("zeropp")
+    zeropp, _ = _trainer("zeropp", **WIRE)
     got, _ = continue_run(zeropp, Checkpointer(tmp_path).restore(zeropp), first, first + 2)
     np.testing.assert_allclose(got, want, rtol=1e-6)
-    other, _ = _trainer("zeropp-max", mesh=(4, 2))
+    other, _ = _trainer("zeropp-max", mesh=(4, 2), **WIRE)
     restored = Checkpointer(tmp_path).restore(other)
     for a, b in zip(jax.tree.leaves(other.gather_params(restored)), jax.tree.leaves(saved)):
         np.testing.assert_array_equal(a, b)
@@ -88,11 +97,13 @@ def test_checkpoint_restores_into_zeropp_and_onto_another_node_count(tmp_path):
 
 
 def test_master_parameters_are_one_local_slice_per_device():
-    trainer, _ = _trainer("zeropp-max")
-    reference, _ = _trainer("zeropp")
+    trainer, _ = _trainer("zeropp-max", **WIRE)
+    reference, _ = _trainer("zeropp", **WIRE)
     mem, ref = trainer.memory_per_device(), reference.memory_per_device()
     assert mem["master_params"] == ref["master_params"] * trainer.nodes
     assert mem["gather_source"] == ref["gather_source"]  # int8 local slice either way
+    # The preset (no qwZ, float32 here): the gathers send the master slice itself.
+    assert _trainer("zeropp-max")[0].memory_per_device()["gather_source"] == 0
 
 
 def _crosses_node(c):
@@ -100,8 +111,15 @@ def _crosses_node(c):
 
 
 @functools.cache
+def _compiled(preset: str, compress: bool | None, accum: int = 1):
+    """The example GPT's (3 layers, d_model 128) compiled step; 1-bit Adam
+    compresses from step 1."""
+    schedule = dict(qgz_warmup_steps=1) if preset != "zero3" else {}
+    return gpt_step(3, preset, compress=compress, grad_accum=accum, **schedule)[1]
+
+
 def _report(compress: bool):
-    return gpt_step(3, "zeropp-max", compress=compress, qgz_warmup_steps=1)[2]
+    return comm_report(_compiled("zeropp-max", compress), mesh_shape=(2, 4))
 
 
 def test_no_parameter_crosses_nodes():
@@ -110,20 +128,42 @@ def test_no_parameter_crosses_nodes():
     METRIC_BYTES = 16  # the loss and norm scalars
     compressed = [c for c in _report(True).collectives
                   if _crosses_node(c) and not (c.kind == "all-reduce" and c.operand_bytes <= METRIC_BYTES)]
+    # bf16 scales (XLA:CPU may carry them as f32)
+    scales = {c.dtype for c in compressed if c.dtype != "u8"}
+    assert len(scales) == 1 and scales <= {"bf16", "f32"}
     assert {(c.kind, c.dtype) for c in compressed} == {
-        ("all-to-all", "u8"), ("all-to-all", "f32"), ("all-gather", "u8"), ("all-gather", "f32"),
-    }
+        (kind, dtype) for kind in ("all-to-all", "all-gather") for dtype in ("u8", *scales)}
     assert all(c.axis == "node" for c in compressed)
     full = [c for c in _report(False).collectives if _crosses_node(c)]
     assert {c.kind for c in full} == {"all-reduce"}
 
 
 def test_compressed_step_is_zeropps_without_the_hpz_refresh():
-    zeropp = gpt_step(3, "zeropp", compress=True, qgz_warmup_steps=1)[2]
+    preset_wire = {k: zp.config.PRESETS["zeropp-max"][k]
+                   for k in ("qwz_bits", "qgz_block", "scale_dtype")}
+    zeropp = gpt_step(3, "zeropp", compress=True, qgz_warmup_steps=1, **preset_wire)[2]
     refresh = sum(zeropp.counted_bytes(c)[0] for c in zeropp.collectives
                   if "hpz_secondary" in c.op_name)
     assert refresh > zeropp.inter_node_bytes / 2
     assert _report(True).inter_node_bytes == pytest.approx(zeropp.inter_node_bytes - refresh, rel=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accum, limit", [(1, 16), (4, 64)])
+def test_refresh_cycle_moves_16x_fewer_bytes_than_zero3_in_bf16(accum, limit):
+    """Two-level per-node bytes at the widths a bf16 GPU run sends (floats
+    and scales in bf16), over one refresh cycle of the preset."""
+    wire = dict(float_dtypes=("bf16", "bf16"), scale_dtype="bf16")
+
+    def inter(preset, compress):
+        compiled = _compiled(preset, compress, accum)
+        return comm_report(compiled, mesh_shape=(2, 4), **wire).inter_node_bytes
+
+    every = zp.ZeroConfig.from_preset("zeropp-max").qgz_refresh_every
+    compressed, full = inter("zeropp-max", True), inter("zeropp-max", False)
+    cycle = ((every - 1) * compressed + full) / every
+    assert compressed < cycle < full
+    assert cycle * limit <= inter("zero3", None), (compressed, full, cycle)
 
 
 @pytest.mark.parametrize("overrides, message", [

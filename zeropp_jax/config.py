@@ -17,7 +17,7 @@ preset          qwZ     hpZ    qgZ
 ``hpz``         off     on     off
 ``qgz``         off     off    1-bit, error feedback on Adam's momentum
 ``zeropp``      int8    on     1-bit, error feedback on Adam's momentum
-``zeropp-max``  int8    --     1-bit Adam, parameters replicated over nodes
+``zeropp-max``  off     --     1-bit Adam, parameters replicated over nodes
 ==============  ======  =====  ==============================================
 
 The 1-bit presets run 1-bit Adam (``qgz_target="momentum"``, optimizer
@@ -47,6 +47,11 @@ DEFAULT_QGZ_WARMUP = 100
 # in training (benchmarks/RESULTS.md).
 DEFAULT_QGZ_REFRESH_EVERY = 10
 
+# zeropp-max's compact wire: 1-bit codes with one bf16 scale per this many,
+# and a refresh this rarely (measured: no loss cost over 5 seeds).
+COMPACT_QGZ_BLOCK = 128
+COMPACT_REFRESH_EVERY = 40
+
 _ONEBIT_ADAM = dict(
     qgz="1bit", qgz_error_feedback=True, qgz_target="momentum",
     qgz_warmup_steps=DEFAULT_QGZ_WARMUP, qgz_refresh_every=DEFAULT_QGZ_REFRESH_EVERY,
@@ -59,8 +64,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qgz": dict(qwz_bits=0, hpz=False, **_ONEBIT_ADAM),
     "zeropp": dict(qwz_bits=8, hpz=True, **_ONEBIT_ADAM),
     # 1-bit Adam with the parameters replicated over nodes: no parameter
-    # traffic crosses nodes, only the momentum codes (and refresh steps).
-    "zeropp-max": dict(qwz_bits=8, hpz=False, node_replicated=True, **_ONEBIT_ADAM),
+    # traffic crosses nodes, only the momentum codes (and refresh steps),
+    # on a compact wire (benchmarks/RESULTS.md, "compact wire"): one bf16
+    # scale per 128 signs, a refresh every 40 steps, and no qwZ (its
+    # gathers stay inside the node, where it only added loss noise).
+    "zeropp-max": dict(
+        qwz_bits=0, hpz=False, node_replicated=True,
+        **{**_ONEBIT_ADAM, "qgz_refresh_every": COMPACT_REFRESH_EVERY},
+        qgz_block=COMPACT_QGZ_BLOCK, scale_dtype="bfloat16",
+    ),
 }
 
 QWZ_BITS = (0, 8, 4)

@@ -141,10 +141,14 @@ def profile_report(report: CommReport, *, params: int, label: str = "") -> CommP
     for c in report.collectives:
         inter, intra = link_bytes(c, report.mesh_shape)
         widths = {dtype_bytes(t) for t in c.dtype.split("+")}
+        role, wire = payload_role(c), report.wire_dtype(c)
+        # Full-precision payloads are rescaled to the workload's width when
+        # the profile is scaled; scales are counted at the run's scale dtype.
+        narrow = dtype_bytes(wire) / max(widths) if role == "scales" and wire != c.dtype else 1.0
         costs.append(CollectiveCost(
-            kind=c.kind, axis=c.axis, role=payload_role(c), dtype=c.dtype,
-            element_bytes=float(max(widths)), inter_bytes_per_node=inter,
-            intra_bytes_per_device=intra, op_name=c.op_name,
+            kind=c.kind, axis=c.axis, role=role, dtype=c.dtype if role == "float" else wire,
+            element_bytes=float(max(widths)) * narrow, inter_bytes_per_node=inter * narrow,
+            intra_bytes_per_device=intra * narrow, op_name=c.op_name,
         ))
     return CommProfile(label=label, mesh_shape=tuple(report.mesh_shape), params=int(params),
                        collectives=tuple(costs))
@@ -158,6 +162,7 @@ def profile_config(
     batch_size: int = 16,
     compress: bool | None = None,
     label: str = "",
+    scales_as_compiled: bool = False,
 ) -> CommProfile:
     """Compiles the example GPT's train step for ``config`` and profiles it.
 
@@ -174,6 +179,10 @@ def profile_config(
         compressed steps and one full-precision step: every collective of
         both, weighted by how often it runs).
       label: name for tables.
+      scales_as_compiled: count quantization scales at the width this
+        backend compiled them (what an emulated CPU cluster really sends:
+        XLA:CPU carries bf16 as f32) instead of ``config.scale_dtype`` (what
+        a GPU run sends).
     """
     import functools
 
@@ -196,7 +205,8 @@ def profile_config(
 
     def profile(variant):
         compiled = trainer.compile_from_shapes(shapes, batch, compress=variant)
-        report = comm_report(compiled, mesh_shape=(trainer.nodes, trainer.local))
+        report = comm_report(compiled, mesh_shape=(trainer.nodes, trainer.local),
+                             scale_dtype=None if scales_as_compiled else config.scale_dtype)
         # Scale by the padded size: the compiled collectives move the padding
         # too, which vanishes (relative to the model) at the target's size.
         return profile_report(report, params=trainer.layout.padded_numel, label=label)

@@ -19,6 +19,7 @@ from zeropp_jax.analysis.hlo import dtype_bytes
 
 __all__ = [
     "float_dtypes",
+    "report_dtypes",
     "full_precision_steps",
     "schedule_mean",
     "step_bytes",
@@ -40,6 +41,14 @@ def float_dtypes(trainer) -> tuple[Any, Any]:
     return trainer.compute_dtype, trainer.compute_dtype if reduce is None else reduce
 
 
+def report_dtypes(trainer) -> dict[str, Any]:
+    """Keyword arguments of :func:`~zeropp_jax.analysis.comm_report.comm_report`
+    that count a trainer's payloads at the widths its run puts on the wire:
+    full precision at :func:`float_dtypes`, quantization scales at
+    ``config.scale_dtype`` (XLA:CPU compiles bf16 collectives as f32)."""
+    return {"float_dtypes": float_dtypes(trainer), "scale_dtype": trainer.config.scale_dtype}
+
+
 def step_reports(trainer, params_shapes: Any, batch: Any) -> dict[str, CommReport]:
     """Compiles a trainer's step variants from shapes and reports each.
 
@@ -50,15 +59,14 @@ def step_reports(trainer, params_shapes: Any, batch: Any) -> dict[str, CommRepor
 
     Returns:
       ``{"compressed": ..., "full_precision": ...}`` when qgZ is active,
-      else ``{"step": ...}``; reports count full-precision payloads at
-      :func:`float_dtypes`.
+      else ``{"step": ...}``; reports count payloads at :func:`report_dtypes`.
     """
     variants = ({"compressed": True, "full_precision": False} if trainer.qgz_active
                 else {"step": False})
     mesh_shape = (trainer.nodes, trainer.local)
     return {
         name: comm_report(trainer.compile_from_shapes(params_shapes, batch, compress=compress),
-                          mesh_shape=mesh_shape, float_dtypes=float_dtypes(trainer))
+                          mesh_shape=mesh_shape, **report_dtypes(trainer))
         for name, compress in variants.items()
     }
 
