@@ -141,12 +141,14 @@ def profile_report(report: CommReport, *, params: int, label: str = "") -> CommP
     for c in report.collectives:
         inter, intra = link_bytes(c, report.mesh_shape)
         widths = {dtype_bytes(t) for t in c.dtype.split("+")}
-        role, wire = payload_role(c), report.wire_dtype(c)
+        role = payload_role(c)
         # Full-precision payloads are rescaled to the workload's width when
-        # the profile is scaled; scales are counted at the run's scale dtype.
-        narrow = dtype_bytes(wire) / max(widths) if role == "scales" and wire != c.dtype else 1.0
+        # the profile is scaled; the rest count at the report's widths
+        # (scales at the run's scale dtype).
+        narrow = 1.0 if role == "float" else report.width_ratio(c)
         costs.append(CollectiveCost(
-            kind=c.kind, axis=c.axis, role=role, dtype=c.dtype if role == "float" else wire,
+            kind=c.kind, axis=c.axis, role=role,
+            dtype=c.dtype if role == "float" else report.wire_dtype(c),
             element_bytes=float(max(widths)) * narrow, inter_bytes_per_node=inter * narrow,
             intra_bytes_per_device=intra * narrow, op_name=c.op_name,
         ))

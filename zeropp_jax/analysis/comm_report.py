@@ -209,13 +209,14 @@ class CommReport:
             return c.dtype
         return want if dtype_bytes(want) < dtype_bytes(c.dtype) else c.dtype
 
-    def _scale(self, c: Collective) -> float:
+    def width_ratio(self, c: Collective) -> float:
+        """Counted over compiled element width of ``c`` (1 unless narrowed)."""
         return float(dtype_bytes(self.wire_dtype(c)) / dtype_bytes(c.dtype))
 
     def _max_sum(self, per_collective) -> int:
         totals = None
         for c in self.collectives:
-            values = [v * self._scale(c) for v in per_collective(c)]
+            values = [v * self.width_ratio(c) for v in per_collective(c)]
             totals = values if totals is None else [t + v for t, v in zip(totals, values)]
         return round(max(totals)) if totals else 0
 
@@ -244,7 +245,7 @@ class CommReport:
     def counted_bytes(self, c: Collective) -> tuple[float, float, float]:
         """``(two-level inter-node, flat inter-node, intra-node)`` bytes of one
         collective per step at its counted width (busiest node / device)."""
-        scale = self._scale(c)
+        scale = self.width_ratio(c)
         inter, _ = two_level_bytes(c, self.mesh_shape)
         return (max(inter) * scale, c.inter_node_bytes_per_node * scale,
                 c.intra_node_bytes_per_device * scale)
@@ -268,8 +269,8 @@ class CommReport:
                 axis=axis,
                 instructions=len(cs),
                 executions=sum(c.count for c in cs),
-                operand_bytes=round(sum(c.operand_bytes * c.count * self._scale(c) for c in cs)),
-                result_bytes=round(sum(c.result_bytes * c.count * self._scale(c) for c in cs)),
+                operand_bytes=round(sum(c.operand_bytes * c.count * self.width_ratio(c) for c in cs)),
+                result_bytes=round(sum(c.result_bytes * c.count * self.width_ratio(c) for c in cs)),
                 inter_node_bytes=sub.inter_node_bytes,
                 intra_node_bytes=sub.intra_node_bytes,
                 exact=sub.exact,
@@ -304,7 +305,7 @@ class CommReport:
         rows = []
         for c in self.collectives:
             flag = "" if c.trip_count_known and not c.in_conditional else "~"
-            wire, scale = self.wire_dtype(c), self._scale(c)
+            wire, scale = self.wire_dtype(c), self.width_ratio(c)
             rows.append((c.kind, c.dtype if wire == c.dtype else f"{wire}*", c.axis,
                          str(c.group_size), f"{c.count}{flag}",
                          _human(round(c.operand_bytes * scale)),
