@@ -150,17 +150,17 @@ def test_collectives_are_those_without_prefetch(mlp_steps):
     assert executions(on, "reduce-scatter") == LAYERS + 1
 
 
-def test_prefetch_holds_at_most_two_more_gathered_layers(mlp_steps):
+def test_prefetch_holds_at_most_one_more_gathered_layer(mlp_steps):
     # The next layer's gathered parameters are alive beside the current
-    # one's. On a one-matmul layer XLA:CPU also keeps the loop-carried layer
-    # while the gradient of the current one is formed, where without prefetch
-    # it reuses the gathered layer's buffer: up to two layers more here; on
-    # the GPT's blocks one (test_gpt_step_prefetches_...).
+    # one's: one layer more than without prefetch, where the gradient reuses
+    # the gathered layer's buffer. With prefetch the loop copies the carried
+    # layer once (the gradient reuses that copy) and gathers the next one
+    # straight into its carry; bytes past one layer are scalars and tuples.
     trainer, on, _ = mlp_steps[True]
     off = mlp_steps[False][1]
     layer_bytes = 4 * trainer.layout.unit("blocks").padded  # one layer, float32
     extra = on.memory_analysis().temp_size_in_bytes - off.memory_analysis().temp_size_in_bytes
-    assert extra <= 2 * layer_bytes + 8192, (extra, layer_bytes)
+    assert extra <= layer_bytes + 1024, (extra, layer_bytes)
 
 
 def _train(trainer, params, batches):
@@ -248,4 +248,4 @@ def test_gpt_step_prefetches_with_the_same_collectives_and_one_more_layer():
         assert executions(r_on, kind) == executions(r_off, kind), kind
     layer_bytes = 4 * t_on.layout.unit("blocks").padded
     extra = c_on.memory_analysis().temp_size_in_bytes - c_off.memory_analysis().temp_size_in_bytes
-    assert extra <= layer_bytes * 1.25, (extra, layer_bytes)
+    assert extra <= layer_bytes + 1024, (extra, layer_bytes)

@@ -11,7 +11,8 @@ holds a full gradient.  ``layer(fn)`` is ``jax.checkpoint``: the gathered
 weights are not saved for the backward pass, which gathers them again (the
 ``2L`` gathers of ZeRO-3). Stacked layers run by
 :func:`~zeropp_jax.step.prefetch.scan_layers` gather one layer ahead instead
-(:func:`gather_flat` and :func:`reduce_gradient` are its two collectives).
+(:func:`gather_payload`, decoded a layer later by :func:`decode_payload`, and
+:func:`reduce_gradient` are its collectives).
 
 Outside a ZeRO step (plain parameter dicts) ``gather`` is the identity, so
 the same model code trains on one device unchanged.
@@ -105,8 +106,8 @@ class Unit:
         return f"Unit({self.layout.name!r}, stack={self.layout.stack})"
 
 
-def gather_flat(plan: GatherPlan, source: Any, order: jax.Array | None = None) -> jax.Array:
-    """One layer's flat parameters: wait for ``order``, gather ``source``, decode.
+def gather_payload(plan: GatherPlan, source: Any, order: jax.Array | None = None) -> Any:
+    """One layer's gathered payload in its wire form: wait for ``order``, gather ``source``.
 
     Args:
       plan: the unit's gather plan.
@@ -115,20 +116,35 @@ def gather_flat(plan: GatherPlan, source: Any, order: jax.Array | None = None) -
         the payload is made to depend on.
 
     Returns:
-      The layer's flat ``(U,)`` parameters in ``plan.compute_dtype``, after
-      an all-gather over ``plan.gather_axes``. Not differentiable (see
-      :func:`reduce_gradient` for its transpose).
+      The all-gather over ``plan.gather_axes`` of ``source`` (``(U,)``, or
+      qwZ's ``Quantized`` codes and scales), not yet decoded.
     """
     if collectives.axes_size(plan.gather_axes) > 1:
         # The dependency rides on the (narrow, shard-sized) payload: one pass
         # over the bytes about to be sent. A group of one sends nothing, and
         # its "gathered" layer is the resident payload itself: nothing to order.
-        source = _tie(source, order)
-    gathered = collectives.all_gather(source, plan.gather_axes, two_level=plan.two_level)
+        source = tie_after(source, order)
+    return collectives.all_gather(source, plan.gather_axes, two_level=plan.two_level)
+
+
+def decode_payload(plan: GatherPlan, payload: Any) -> jax.Array:
+    """A gathered payload (:func:`gather_payload`) as flat ``(U,)`` parameters in ``plan.compute_dtype``."""
     return collectives.decode_gathered(
-        gathered, bits=plan.bits, block=plan.block, out_dtype=plan.compute_dtype,
+        payload, bits=plan.bits, block=plan.block, out_dtype=plan.compute_dtype,
         kernels=plan.kernels,
     )
+
+
+def gather_flat(plan: GatherPlan, source: Any, order: jax.Array | None = None) -> jax.Array:
+    """One layer's flat parameters: wait for ``order``, gather ``source``, decode.
+
+    Returns:
+      The layer's flat ``(U,)`` parameters in ``plan.compute_dtype``, after
+      an all-gather over ``plan.gather_axes`` (:func:`gather_payload`, then
+      :func:`decode_payload`). Not differentiable (see
+      :func:`reduce_gradient` for its transpose).
+    """
+    return decode_payload(plan, gather_payload(plan, source, order))
 
 
 def reduce_gradient(plan: GatherPlan, cotangent: jax.Array) -> jax.Array:
@@ -224,7 +240,7 @@ def _in_order(args: tuple, after: Any = None) -> tuple:
     """``args`` with each unit's gather ordered after the other arguments and ``after``."""
     activations = jax.tree.map(lambda x: None if _is_unit(x) else x, args, is_leaf=_is_unit)
     # The cotangent first (backward): a layer's first activation may be a
-    # replicated constant that _tie cannot add to a varying payload.
+    # replicated constant that tie_after cannot add to a varying payload.
     order = zero_after((after, activations))
     if order is None:  # nothing to wait for; a scalar all the same (one pytree structure)
         order = jnp.zeros((), jnp.float32)
@@ -249,7 +265,7 @@ def _remat_bwd(fn, residuals, cotangent):
     # cotangent; the units' gathers wait for those and the cotangent.
     zero = zero_after(cotangent)
     consts, args = jax.tree.map(
-        lambda x: x if _is_unit(x) else _tie(x, zero), residuals, is_leaf=_is_unit
+        lambda x: x if _is_unit(x) else tie_after(x, zero), residuals, is_leaf=_is_unit
     )
     _, vjp = jax.vjp(lambda c, a: _call_in_order(fn, c, a, after=cotangent), consts, args)
     return vjp(cotangent)
@@ -262,7 +278,7 @@ def zero_after(deps: Any) -> jax.Array | None:
     """A float32 scalar zero computed from the first numeric leaf of ``deps`` (``None`` if none).
 
     ``0 * probe``, guarded against a non-finite probe: opaque to every
-    compiler pass, so whatever :func:`_tie` adds it to waits for ``deps``.
+    compiler pass, so whatever :func:`tie_after` adds it to waits for ``deps``.
     """
     probes = [x for x in jax.tree.leaves(deps) if _is_numeric(x)]
     if not probes:
@@ -279,7 +295,7 @@ def _is_numeric(x: Any) -> bool:
     )
 
 
-def _tie(tree: Any, zero: jax.Array | None) -> Any:
+def tie_after(tree: Any, zero: jax.Array | None) -> Any:
     """``tree`` unchanged in value but computed after ``zero`` (``x + zero`` per array)."""
     if zero is None:
         return tree

@@ -6,11 +6,11 @@ orders each gather after the layer's inputs), so the all-gather and the
 layer's compute run one after the other. :func:`scan_layers` computes the
 same values with the gathers one layer ahead:
 
-* forward: iteration ``i`` computes layer ``i`` on gathered parameters
-  carried in from iteration ``i - 1`` and issues the gather of layer
-  ``i + 1``, ordered after layer ``i``'s *input* only. Nothing in the gather
-  depends on layer ``i``'s compute, and nothing in that compute depends on
-  the gather, so the two may overlap. Only the layers' inputs are saved for
+* forward: iteration ``i`` decodes layer ``i``'s gathered payload carried in
+  from iteration ``i - 1``, computes layer ``i`` on it and issues the gather
+  of layer ``i + 1``, ordered after layer ``i``'s *input* only. Nothing in the
+  gather depends on layer ``i``'s compute, and nothing in that compute depends
+  on the gather, so the two may overlap. Only the layers' inputs are saved for
   the backward pass, never gathered parameters.
 * backward (in reverse): iteration ``i`` issues the gather of layer
   ``i - 1``, ordered after the cotangent arriving at layer ``i``, recomputes
@@ -23,6 +23,18 @@ of ZeRO-3), and at most two layers' gathered parameters are alive at a time:
 one more than without prefetch. The first layer of each direction is
 gathered before the loop and the last one computed after it, so no
 iteration gathers a layer that does not exist.
+
+Memory. A loop carries the gathered layer in its wire form (qwZ's int8 codes
+and scales, decoded in the iteration that computes the layer; without qwZ the
+flat layer itself), and each gather also waits for the carried layer's
+decoded values (a scalar read of them, nothing of the layer's compute). The
+while loop then takes one copy of the carried layer, which the layer's
+gradient reuses once the parameters are read, and the next gather lands
+directly in the loop's buffer, rather than holding the carried layer, a copy
+and the new one, and copying the new one into place. The backward loop also
+passes the layers' closure constants through its carry, so that the layer
+computed after it reads the loop's copy and not (kept alive across the loop)
+whatever they were sliced from, such as a gathered unit.
 """
 
 from __future__ import annotations
@@ -37,7 +49,8 @@ import numpy as np
 
 from zeropp_jax.layout import unflatten_unit
 from zeropp_jax.step.gather import (
-    Unit, gather_flat, layer, reduce_gradient, varying_axes, zero_after,
+    Unit, decode_payload, gather_payload, layer, reduce_gradient, tie_after, varying_axes,
+    zero_after,
 )
 
 
@@ -102,7 +115,7 @@ def scan_layers(
         length=length,
     )
     example_flats = tuple(
-        jax.eval_shape(lambda s, p=u.plan: gather_flat(p, s), _at(u.source, 0)) for u in units
+        jax.eval_shape(lambda s, p=u.plan: decode_payload(p, gather_payload(p, s)), _at(u.source, 0)) for u in units
     )
     converted, consts = jax.closure_convert(
         stack.apply(fn), carry, _at(others, 0), example_flats
@@ -141,13 +154,28 @@ class _Stack:
 
         return one_layer
 
-    def gather(self, sources: tuple, i: Any, after: Any) -> tuple:
-        """Layer ``i``'s flat parameters of every unit, gathered after ``after``."""
+    def gather(self, sources: tuple, i: Any, after: Any, held: tuple = ()) -> tuple:
+        """Layer ``i``'s gathered payloads (wire form), sent after ``after`` and ``held``.
+
+        ``held``: the decoded flats of the layer a loop carries (one per
+        unit), each of which the gather waits for (one element's read).
+        """
         order = zero_after(after)
-        flats = []
+        for flat in held:
+            zero = zero_after(flat)
+            order = zero if order is None else order + zero
+        wires = []
         for plan, layout, source in zip(self.plans, self.layouts, sources):
             with jax.named_scope(f"gather_{layout.name}"):
-                flats.append(gather_flat(plan, _at(source, i), order))
+                wires.append(gather_payload(plan, _at(source, i), order))
+        return tuple(wires)
+
+    def decode(self, wires: tuple) -> tuple:
+        """Each unit's ``(U,)`` flat parameters in the compute dtype from its gathered payload."""
+        flats = []
+        for plan, layout, wire in zip(self.plans, self.layouts, wires):
+            with jax.named_scope(f"decode_{layout.name}"):
+                flats.append(decode_payload(plan, wire))
         return tuple(flats)
 
 
@@ -168,14 +196,16 @@ def _forward(stack, consts, carry, others, sources):
     n = stack.length
 
     def step(state, i):
-        h, flats = state
-        ahead = stack.gather(sources, i + 1, after=h)  # waits for this layer's input only
+        h, wires = state
+        flats = stack.decode(wires)
+        # waits for this layer's input and the carried layer's read, not its compute
+        ahead = stack.gather(sources, i + 1, after=h, held=flats)
         h_out, y = stack.fn(h, _at(others, i), flats, *consts)
         return (h_out, ahead), (h_out, y)
 
-    flats = stack.gather(sources, 0, after=carry)
-    (h, flats), (inputs, ys) = jax.lax.scan(step, (carry, flats), jnp.arange(n - 1))
-    h_out, y = stack.fn(h, _at(others, n - 1), flats, *consts)
+    wires = stack.gather(sources, 0, after=carry)
+    (h, wires), (inputs, ys) = jax.lax.scan(step, (carry, wires), jnp.arange(n - 1))
+    h_out, y = stack.fn(h, _at(others, n - 1), stack.decode(wires), *consts)
     return h_out, _append(ys, y), inputs
 
 
@@ -189,7 +219,7 @@ def _prefetched_bwd(stack, residuals, cotangents):
     ct_out, ct_ys = cotangents
     n = stack.length
 
-    def layer_vjp(i, h, flats, ct_h):
+    def layer_vjp(i, h, flats, ct_h, consts):
         def run(c, h, x, f):
             return stack.fn(h, x, f, *c)
 
@@ -199,17 +229,21 @@ def _prefetched_bwd(stack, residuals, cotangents):
         return _floats_only(d_consts), d_h, _floats_only(d_x), grads
 
     def step(state, i):  # i = L-1 .. 1
-        ct_h, flats, d_consts, sink_grads = state
-        ahead = stack.gather(sources, i - 1, after=ct_h)  # waits for the incoming cotangent only
-        dc, d_h, d_x, grads = layer_vjp(i, _at(inputs, i - 1), flats, ct_h)
+        ct_h, wires, d_consts, sink_grads, consts = state
+        flats = stack.decode(wires)
+        # waits for the incoming cotangent and the carried layer's read, not the VJP
+        ahead = stack.gather(sources, i - 1, after=ct_h, held=flats)
+        dc, d_h, d_x, grads = layer_vjp(i, _at(inputs, i - 1), flats, ct_h, consts)
         sink_grads = tuple(map(lambda g, gi: _set_row(g, i, gi), sink_grads, grads))
-        return (d_h, ahead, _add(d_consts, dc), sink_grads), d_x
+        # the constants pass on tied to d_h: a carry XLA cannot forward as loop-invariant
+        consts = tie_after(consts, zero_after(d_h))
+        return (d_h, ahead, _add(d_consts, dc), sink_grads, consts), d_x
 
-    flats = stack.gather(sources, n - 1, after=(ct_out, ct_ys))
-    state = (ct_out, flats, _zeros(_floats_only(consts)), _zeros(sinks))
+    wires = stack.gather(sources, n - 1, after=(ct_out, ct_ys))
+    state = (ct_out, wires, _zeros(_floats_only(consts)), _zeros(sinks), consts)
     state, d_xs = jax.lax.scan(step, state, jnp.arange(1, n), reverse=True)
-    ct_h, flats, d_consts, sink_grads = state
-    dc, d_carry, d_x, grads = layer_vjp(0, carry, flats, ct_h)
+    ct_h, wires, d_consts, sink_grads, consts = state
+    dc, d_carry, d_x, grads = layer_vjp(0, carry, stack.decode(wires), ct_h, consts)
     sink_grads = tuple(map(lambda g, gi: _set_row(g, 0, gi), sink_grads, grads))
     return _add(d_consts, dc), d_carry, _prepend(d_x, d_xs), None, sink_grads
 
