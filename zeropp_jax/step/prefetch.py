@@ -34,7 +34,12 @@ directly in the loop's buffer, rather than holding the carried layer, a copy
 and the new one, and copying the new one into place. The backward loop also
 passes the layers' closure constants through its carry, so that the layer
 computed after it reads the loop's copy and not (kept alive across the loop)
-whatever they were sliced from, such as a gathered unit.
+whatever they were sliced from, such as a gathered unit. Two more orderings
+keep buffers from being allocated early: the zeros the backward loop
+accumulates the parameter gradients into wait for the incoming cotangent
+(built before the forward, hpZ's zeros of the node's secondary partition stay
+alive across it), and a layer computed outside a loop reads its parameters
+only after its input (or cotangent) exists (:func:`_read_after`).
 """
 
 from __future__ import annotations
@@ -115,7 +120,9 @@ def scan_layers(
         length=length,
     )
     example_flats = tuple(
-        jax.eval_shape(lambda s, p=u.plan: decode_payload(p, gather_payload(p, s)), _at(u.source, 0)) for u in units
+        jax.eval_shape(lambda s, p=u.plan: decode_payload(p, gather_payload(p, s)),
+                       _at(u.source, 0))
+        for u in units
     )
     converted, consts = jax.closure_convert(
         stack.apply(fn), carry, _at(others, 0), example_flats
@@ -205,7 +212,8 @@ def _forward(stack, consts, carry, others, sources):
 
     wires = stack.gather(sources, 0, after=carry)
     (h, wires), (inputs, ys) = jax.lax.scan(step, (carry, wires), jnp.arange(n - 1))
-    h_out, y = stack.fn(h, _at(others, n - 1), stack.decode(wires), *consts)
+    flats = _read_after(stack.decode(wires), h)  # not sliced before layer n-2 is done
+    h_out, y = stack.fn(h, _at(others, n - 1), flats, *consts)
     return h_out, _append(ys, y), inputs
 
 
@@ -240,15 +248,30 @@ def _prefetched_bwd(stack, residuals, cotangents):
         return (d_h, ahead, _add(d_consts, dc), sink_grads, consts), d_x
 
     wires = stack.gather(sources, n - 1, after=(ct_out, ct_ys))
-    state = (ct_out, wires, _zeros(_floats_only(consts)), _zeros(sinks), consts)
+    # the gradients' zeros wait for the cotangent too: built before the forward, a
+    # broadcast of a constant would stay alive across it
+    after = zero_after((ct_out, ct_ys))
+    state = (ct_out, wires, _zeros(_floats_only(consts)), tie_after(_zeros(sinks), after),
+             consts)
     state, d_xs = jax.lax.scan(step, state, jnp.arange(1, n), reverse=True)
     ct_h, wires, d_consts, sink_grads, consts = state
-    dc, d_carry, d_x, grads = layer_vjp(0, carry, stack.decode(wires), ct_h, consts)
+    flats = _read_after(stack.decode(wires), ct_h)  # not sliced before layer 1's VJP
+    dc, d_carry, d_x, grads = layer_vjp(0, carry, flats, ct_h, consts)
     sink_grads = tuple(map(lambda g, gi: _set_row(g, 0, gi), sink_grads, grads))
     return _add(d_consts, dc), d_carry, _prepend(d_x, d_xs), None, sink_grads
 
 
 _prefetched.defvjp(_prefetched_fwd, _prefetched_bwd)
+
+
+def _read_after(flats: tuple, deps: Any) -> tuple:
+    """A layer's ``(U,)`` flats, unchanged in value, read only once ``deps`` (its input) exist.
+
+    For the layers computed outside a loop: otherwise XLA may slice a layer's
+    weights out of its flat as soon as it is gathered, a layer ahead (with
+    ``L = 2`` both loops have one iteration and are inlined: every layer).
+    """
+    return tie_after(flats, zero_after(deps))
 
 
 # ---------------------------------------------------------------- pytree helpers
