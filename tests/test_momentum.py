@@ -189,7 +189,7 @@ def test_preset_inter_node_bytes_over_the_refresh_cycle_vs_zero3(accum, limit):
     [
         (dict(qgz="off"), "needs qgz='1bit'"),
         (dict(qgz_warmup_steps=0), "qgz_warmup_steps must be >= 1"),
-        (dict(qgz_code="dither", qgz_error_feedback=False), "uses the sign code"),
+        (dict(qgz_code="dither", qgz_error_feedback=False), "which the dithered code cannot"),
         (dict(qgz_min_grad_rms=0.1), "set qgz_min_grad_rms=0"),
         (dict(qgz_target="both"), "qgz_target must be one of"),
         (dict(qgz_refresh_every=-1), "qgz_refresh_every must be an integer >= 0"),

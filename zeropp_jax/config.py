@@ -36,7 +36,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from zeropp_jax.config_checks import check_node_replicated, check_onebit_adam
+from zeropp_jax.config_checks import (
+    QGZ_CODES, QGZ_SHARES, check_node_replicated, check_onebit_adam, check_qgz_code,
+)
 
 # 1-bit Adam estimates Adam's second moment in the warm-up and freezes it
 # afterwards; 100 steps is 25% of the 400-step convergence runs, as the
@@ -67,17 +69,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     # traffic crosses nodes, only the momentum codes (and refresh steps),
     # on a compact wire (benchmarks/RESULTS.md, "compact wire"): one bf16
     # scale per 128 signs, a refresh every 40 steps, and no qwZ (its
-    # gathers stay inside the node, where it only added loss noise).
+    # gathers stay inside the node, where it only added loss noise); the
+    # codes are of each block's Hadamard rotation, and with two nodes every
+    # node gathers every node's codes instead of a second, re-quantized hop
+    # (same bytes, half the code error: benchmarks/RESULTS.md).
     "zeropp-max": dict(
         qwz_bits=0, hpz=False, node_replicated=True,
         **{**_ONEBIT_ADAM, "qgz_refresh_every": COMPACT_REFRESH_EVERY},
         qgz_block=COMPACT_QGZ_BLOCK, scale_dtype="bfloat16",
+        qgz_code="hadamard", qgz_share="auto",
     ),
 }
 
 QWZ_BITS = (0, 8, 4)
 QGZ_MODES = ("off", "1bit", "int8", "int4")
-QGZ_CODES = ("sign", "dither")
 QGZ_TARGETS = ("gradient", "momentum")
 QGZ_BITS = {"off": 0, "1bit": 1, "int8": 8, "int4": 4}
 SCALE_DTYPES = ("float32", "bfloat16")
@@ -191,10 +196,20 @@ class ZeroConfig:
         True, "qgZ: carry what compression loses into the next step", parse=bool,
     )
     qgz_code: str = _field(
-        "sign", "1-bit code: sign (scaled sign, for error feedback) or dither "
-        "(unbiased, zeropp_jax.wire.dither; it needs --no-qgz-error-feedback and "
-        "--qgz-target gradient)",
+        "sign", "qgZ code: sign (scaled sign per block, or absmax integers), hadamard (the "
+        "same code of each block's randomized Hadamard rotation, which spreads the error "
+        "evenly over the block; a power-of-two block) or dither (1-bit, unbiased, "
+        "zeropp_jax.wire.dither; it needs --no-qgz-error-feedback and --qgz-target gradient); "
+        "hadamard in zeropp-max",
         choices=QGZ_CODES,
+    )
+    qgz_share: str = _field(
+        "two-hop", "how 1-bit Adam's compressed momentum reaches every node: two-hop (sum "
+        "each chunk over nodes, then gather it quantized again: 2(nodes-1)/nodes codes into "
+        "each node), gather (gather every node's codes and sum them on each node: nothing "
+        "quantized twice, nodes-1 codes into each node) or auto (gather where it moves no "
+        "more bytes: two nodes; zeropp-max)",
+        choices=QGZ_SHARES,
     )
     qgz_target: str = _field(
         "gradient", "what qgZ compresses across nodes: the gradient (error feedback on the "
@@ -270,21 +285,6 @@ class ZeroConfig:
             raise ValueError(f"qwz_bits must be 0 (off), 8 or 4, got {self.qwz_bits!r}")
         if self.qgz not in QGZ_MODES:
             raise ValueError(f"qgz must be one of {QGZ_MODES}, got {self.qgz!r}")
-        if self.qgz_code not in QGZ_CODES:
-            raise ValueError(f"qgz_code must be one of {QGZ_CODES}, got {self.qgz_code!r}")
-        if self.qgz_code == "dither":
-            if self.qgz != "1bit":
-                raise ValueError(
-                    f"qgz_code='dither' is a 1-bit code; it needs qgz='1bit', got qgz={self.qgz!r}"
-                )
-            if self.qgz_error_feedback:
-                raise ValueError(
-                    "qgz_code='dither' runs without error feedback: its error is as large as "
-                    "the block scale and feeding it back makes the carry grow (10x the "
-                    "gradient in benchmarks/RESULTS.md); set qgz_error_feedback=False "
-                    "(--no-qgz-error-feedback), "
-                    "or use qgz_code='sign' with error feedback"
-                )
         if self.qgz_block is None:
             if self.qgz == "1bit":
                 dithered = self.qgz_code == "dither"
@@ -312,6 +312,7 @@ class ZeroConfig:
             )
         if self.qgz_target not in QGZ_TARGETS:
             raise ValueError(f"qgz_target must be one of {QGZ_TARGETS}, got {self.qgz_target!r}")
+        check_qgz_code(self)
         check_onebit_adam(self)
         check_node_replicated(self)
         if self.implementation not in IMPLEMENTATIONS:
@@ -324,9 +325,10 @@ class ZeroConfig:
         """Builds the config of a preset, with some fields overridden.
 
         Overrides of ``None`` are ignored (the preset's value stays). The
-        1-bit presets' momentum target is dropped when ``qgz="off"`` is
-        given, and their refresh period when the target is ``"gradient"``
-        (given or implied), unless those fields are given too.
+        1-bit presets' momentum target and code are dropped when
+        ``qgz="off"`` is given, and their refresh period and share when the
+        target is ``"gradient"`` (given or implied), unless those fields are
+        given too.
 
         Example::
 
@@ -348,8 +350,12 @@ class ZeroConfig:
         # explicitly are kept (and validated as given).
         if kwargs.get("qgz") == "off" and "qgz_target" not in given:
             kwargs.pop("qgz_target", None)
-        if kwargs.get("qgz_target", "gradient") != "momentum" and "qgz_refresh_every" not in given:
-            kwargs.pop("qgz_refresh_every", None)
+        if kwargs.get("qgz") == "off" and "qgz_code" not in given:
+            kwargs.pop("qgz_code", None)
+        if kwargs.get("qgz_target", "gradient") != "momentum":
+            for name in ("qgz_refresh_every", "qgz_share"):
+                if name not in given:
+                    kwargs.pop(name, None)
         return cls(preset=preset, **kwargs)
 
     def replace(self, **changes: Any) -> "ZeroConfig":

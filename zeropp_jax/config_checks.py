@@ -6,6 +6,41 @@ names the fields, the values given and a combination that works.
 
 from __future__ import annotations
 
+QGZ_CODES = ("sign", "hadamard", "dither")
+QGZ_SHARES = ("two-hop", "gather", "auto")
+
+
+def check_qgz_code(config) -> None:
+    """qgZ's code and 1-bit Adam's share: known values, and what the dithered code needs."""
+    if config.qgz_code not in QGZ_CODES:
+        raise ValueError(f"qgz_code must be one of {QGZ_CODES}, got {config.qgz_code!r}")
+    if config.qgz_share not in QGZ_SHARES:
+        raise ValueError(f"qgz_share must be one of {QGZ_SHARES}, got {config.qgz_share!r}")
+    if config.qgz_code == "dither":
+        if config.qgz != "1bit":
+            raise ValueError(
+                f"qgz_code='dither' is a 1-bit code; it needs qgz='1bit', got qgz={config.qgz!r}"
+            )
+        if config.qgz_error_feedback:
+            raise ValueError(
+                "qgz_code='dither' runs without error feedback: its error is as large as "
+                "the block scale and feeding it back makes the carry grow (10x the "
+                "gradient in benchmarks/RESULTS.md); set qgz_error_feedback=False "
+                "(--no-qgz-error-feedback), or use qgz_code='sign' with error feedback"
+            )
+    block = config.qgz_block
+    if config.qgz_code == "hadamard" and (config.qgz == "off" or block & (block - 1)):
+        raise ValueError(
+            "qgz_code='hadamard' rotates each qgZ block, so it needs qgZ on and a "
+            f"power-of-two qgz_block (e.g. 128); got qgz={config.qgz!r}, qgz_block={block!r}"
+        )
+    if config.qgz_share != "two-hop" and config.qgz_target != "momentum":
+        raise ValueError(
+            f"qgz_share={config.qgz_share!r} chooses how 1-bit Adam's momentum codes reach "
+            "every node; it needs qgz_target='momentum' (gradient qgZ sums each chunk on "
+            f"one node and never shares it back), got qgz_target={config.qgz_target!r}"
+        )
+
 
 def check_node_replicated(config) -> None:
     """Node-replicated parameters need every node to compute the same update."""
@@ -33,11 +68,11 @@ def check_onebit_adam(config) -> None:
                 "qgz_target='momentum' compresses Adam's momentum across nodes; it needs "
                 "qgz='1bit' (or 'int8' / 'int4'), got qgz='off'"
             )
-        if config.qgz_code != "sign":
+        if config.qgz_code == "dither":
             raise ValueError(
-                "qgz_target='momentum' uses the sign code with error feedback on the "
-                f"momentum; got qgz_code={config.qgz_code!r} (use qgz_code='sign', or "
-                "qgz_target='gradient' to compress gradients with it: --qgz-target gradient)"
+                "qgz_target='momentum' runs error feedback on the momentum, which the "
+                "dithered code cannot: use qgz_code='sign' or 'hadamard', or "
+                "qgz_target='gradient' to compress gradients with it (--qgz-target gradient)"
             )
         if config.qgz_warmup_steps < 1:
             raise ValueError(

@@ -59,6 +59,7 @@ from zeropp_jax.step.state import TrainState, ZeroOptState
 from zeropp_jax.step.trainer import Trainer
 
 _CARRY = ("qgz", "carry")
+_RECEIVER = ("inner", "receiver_carry")  # 1-bit Adam's second hop (two-hop share only)
 
 log = logging.getLogger(__name__)
 
@@ -244,10 +245,15 @@ class _Plan:
         args: dict[tuple[str, ...], Any] = {}
         makers = []
         carry_keys = [k for k in stored if k[:2] == _CARRY] if not params else []
+        # a receiver carry the trainer has no place for joins the sender carry
+        fold = {k[-1]: k for k in stored if k[:2] == _RECEIVER and k not in target}
         for key, tgt in target.items():
             name = "/".join(key)
             if not params and key[:2] == _CARRY:
-                makers.append(self._carry_maker(key, tgt, stored, args))
+                makers.append(self._carry_maker(key, tgt, stored, args, fold.pop(key[-1], None)))
+                continue
+            if key[:2] == _RECEIVER and key not in stored:  # nothing deferred on that hop
+                makers.append(lambda values, tgt=tgt: place(np.zeros(tgt.shape, tgt.dtype), tgt))
                 continue
             if key not in stored:
                 raise CheckpointMismatchError(
@@ -279,7 +285,10 @@ class _Plan:
                 return place(repack(values[key], old_unit, new_unit, tgt.dtype), tgt)
 
             makers.append(make)
-        unused = [k for k in stored if k not in target and k not in carry_keys]
+        unused = [k for k in stored if k not in target and k not in carry_keys
+                  and k[:2] != _RECEIVER]
+        if fold:  # no sender carry to join: the trainer has no error feedback
+            carry_keys += list(fold.values())
         if unused:
             raise CheckpointMismatchError(
                 f"{self.where}: the checkpoint has {what} leaves the trainer does not: "
@@ -295,9 +304,20 @@ class _Plan:
 
         return args, fill
 
-    def _carry_maker(self, key, tgt, stored, args):
-        """The new qgZ carry of one unit from the stored one (see module doc)."""
+    def _carry_maker(self, key, tgt, stored, args, receiver=None):
+        """The new qgZ carry of one unit from the stored one (see module doc).
+
+        ``receiver``: the stored key of 1-bit Adam's receiver carry of this
+        unit when the trainer has none (it gathers every node's codes): the
+        exchange delivers the mean over nodes of the sender carries, so it
+        is added to every row.
+        """
         unit = key[-1]
+        if receiver is not None:
+            if key not in stored:
+                raise CheckpointMismatchError(
+                    f"{self.where}: unit {unit!r} has a receiver carry but no sender carry")
+            return _fold_receiver(self, key, receiver, tgt, args)
         if key not in stored:
             log.info("%s: no qgZ carry for unit %r; starting it at zeros", self.where, unit)
             return lambda values: place(np.zeros(tgt.shape, tgt.dtype), tgt)
@@ -325,6 +345,26 @@ class _Plan:
             return place(host, tgt)
 
         return make
+
+
+def _fold_receiver(plan: "_Plan", key, receiver, tgt, args) -> Callable:
+    """``make(values)``: the sender carry re-padded, plus the receiver carry on every row."""
+    unit = key[-1]
+    old, new = plan.old_units[unit], plan.new_units[unit]
+    args[key] = args[receiver] = NUMPY
+    new_nodes = tgt.shape[0]
+
+    def make(values):
+        sender = np.asarray(values[key], np.float64)
+        if new_nodes == plan.old_nodes:
+            rows = repack(sender, old, new, np.float64)
+        else:  # the rows' sum into row 0, as without a receiver carry
+            rows = np.zeros(tgt.shape, np.float64)
+            rows[0] = repack(sender.sum(axis=0), old, new, np.float64)
+        rows += repack(np.asarray(values[receiver], np.float64), old, new, np.float64)[None]
+        return place(rows.astype(tgt.dtype), tgt)
+
+    return make
 
 
 def _warn_dropped_carry(meta: dict, trainer: Trainer, where: str) -> None:

@@ -90,6 +90,21 @@ class StepGeometry:
         return self.qgz_active and self.config.qgz_error_feedback
 
     @property
+    def gathered_share(self) -> bool:
+        """1-bit Adam's momentum codes reach every node in one all-gather (``qgz_share``).
+
+        ``"auto"`` gathers where that moves no more bytes than the two hops,
+        ``nodes - 1 <= 2 (nodes - 1) / nodes``: with two nodes (or one).
+        """
+        share = self.config.qgz_share
+        return share == "gather" or (share == "auto" and self.nodes <= 2)
+
+    @property
+    def receiver_carry(self) -> bool:
+        """1-bit Adam keeps a receiver carry: error feedback on the two hops' second one."""
+        return self.error_feedback and not self.gathered_share
+
+    @property
     def check_vma(self) -> bool:
         """shard_map's varying-axes check: on, except under the Pallas interpreter.
 

@@ -22,8 +22,11 @@ mean gradient (reduced over ``local`` at full precision):
   chunks are summed over nodes as in gradient qgZ
   (:func:`zeropp_jax.wire.qgz.cross_node_reduce`); each receiver averages its
   chunk, compresses it once more with its receiver carry, and all nodes
-  gather those codes (:func:`zeropp_jax.wire.qgz.cross_node_share`), so every
-  node holds the same new ``u`` (stored as ``m = u * d``) and steps
+  gather those codes (:func:`zeropp_jax.wire.qgz.cross_node_share`); or,
+  with ``ZeroConfig.qgz_share`` ``"gather"`` (``"auto"`` with two nodes, the
+  same bytes), every node gathers every node's codes and averages them itself
+  (:func:`zeropp_jax.wire.qgz.cross_node_gather_mean`, no receiver carry).
+  Either way every node holds the same new ``u`` (stored as ``m = u * d``) and steps
   ``p -= lr * u / (1 - b1**t)``.
 
 Compressing ``u`` rather than ``m`` (1-bit Adam's paper compresses ``m``)
@@ -72,7 +75,9 @@ from zeropp_jax.step.accumulate import accumulate
 from zeropp_jax.step.geometry import StepGeometry
 from zeropp_jax.step.state import TrainState, ZeroOptState, initial_qgz_state
 from zeropp_jax.wire import collectives
-from zeropp_jax.wire.qgz import QgzState, cross_node_reduce, cross_node_share
+from zeropp_jax.wire.qgz import (
+    QgzState, cross_node_gather_mean, cross_node_reduce, cross_node_share,
+)
 
 Schedule = Callable[[jax.Array], jax.Array]
 
@@ -155,7 +160,7 @@ class OneBitAdamState(NamedTuple):
         ``P("node", [None,] "local")`` (one equal copy per node).
       v: dict unit -> float32 ``(nodes, [L,] U)``, like ``m``.
       receiver_carry: dict unit -> float32 ``([L,] U)`` sharded like the
-        parameters (empty without error feedback): what the second
+        parameters (empty without error feedback or a second hop): what the second
         compression lost.
     """
 
@@ -224,7 +229,7 @@ class OneBitAdamRule:
         """Zero ``m``, ``v`` (one copy per node) and carries for float32 ``params``."""
         del params  # shapes come from the layout
         moments = geo.per_node_specs()
-        receiver_specs = geo.shard_specs() if geo.error_feedback else {}
+        receiver_specs = geo.shard_specs() if geo.receiver_carry else {}
         inner = OneBitAdamState(
             count=jnp.zeros((), jnp.int32),
             v_count=jnp.zeros((), jnp.int32),
@@ -241,7 +246,7 @@ class OneBitAdamRule:
         """One optimizer step (global, under ``jit``): everything inside shard_map."""
         inner: OneBitAdamState = state.opt_state.inner
         params_spec, moments_spec = geo.param_specs(), geo.per_node_specs()
-        receiver_spec = geo.shard_specs() if geo.error_feedback else {}
+        receiver_spec = geo.shard_specs() if geo.receiver_carry else {}
         sender_spec = geo.carry_specs()
         specs = (params_spec, moments_spec, moments_spec, receiver_spec, sender_spec)
         params, m, v, receiver_carry, sender_carry, v_count, metrics = jax.shard_map(
@@ -262,11 +267,12 @@ class OneBitAdamRule:
 
         ``m`` and ``v`` are the node's copies of this device's ``local``
         slice (``1/local`` of the model each, not ``1/(nodes*local)``), plus
-        the receiver carry (``1/(nodes*local)``, with error feedback).
+        the receiver carry (``1/(nodes*local)``, with error feedback on
+        the two hops).
         """
         padded = geo.layout.padded_numel
         extra = 2 * (padded // geo.local - padded // geo.n_devices)
-        if geo.error_feedback:
+        if geo.receiver_carry:
             extra += padded // geo.n_devices
         return 4 * extra
 
@@ -300,7 +306,8 @@ def _local_update(
       ``(params, m, v, receiver_carry, sender_carry, v_count, metrics)``.
       Full-precision steps all-reduce gradients over ``node``; compressed
       steps move quantized momentum codes over ``node`` (an all-to-all and
-      an all-gather). Everything else stays inside the node.
+      an all-gather, or one all-gather with ``geo.gathered_share``).
+      Everything else stays inside the node.
     """
     cfg = geo.config
     replicated = cfg.node_replicated
@@ -344,7 +351,9 @@ def _local_update(
             )
             m_slice = jnp.where(slice_masks[name], u_slice, 0.0) * denom
             if sent is not None:
-                new["sender"][name], new["receiver"][name] = sent[None], received
+                new["sender"][name] = sent[None]
+            if received is not None:
+                new["receiver"][name] = received
         else:
             # Exact, and the same on every node: all reduced the same
             # gradient. v is an average over time: a refresh after k
@@ -353,10 +362,11 @@ def _local_update(
             b2_k = adam.b2 ** (count_now - v_count).astype(jnp.float32)
             m_slice = next_momentum(m_slice, clipped, adam.b1)
             v_slice = next_second_moment(v_slice, clipped, b2_k)
+            # the carries wait, re-expressed in the new update units
+            ratio = denom_old / preconditioner(v_slice, count_now, adam)
             if name in sender_carry:
-                # the carries wait, re-expressed in the new update units
-                ratio = denom_old / preconditioner(v_slice, count_now, adam)
                 new["sender"][name] = sender_carry[name] * ratio[None]
+            if name in receiver_carry:
                 new["receiver"][name] = receiver_carry[name] * own_chunk(ratio, NODE)
         new["m"][name], new["v"][name] = m_slice[None], v_slice[None]
         if replicated:  # every node steps its whole local slice, identically
@@ -401,20 +411,20 @@ def _exchange_momentum(
     Returns:
       ``(u, sender_carry, receiver_carry)``: the new ``u`` of this slice,
       the same on every node (float32 ``([L,] U / local)``), and the new
-      carries (``None`` without error feedback). Moves the codes over
-      ``node`` twice: an all-to-all and an all-gather.
+      carries (``None`` where there is none). Moves codes (of
+      ``ZeroConfig.qgz_code``) over ``node``: an all-to-all and an all-gather,
+      or with ``geo.gathered_share`` one all-gather.
     """
     cfg = geo.config
     local_u = next_momentum(u_slice, g_slice, b1)
     carry = None if sender_carry is None else sender_carry[0]
+    wire = dict(bits=cfg.qgz_bits, block=cfg.qgz_block, scale_dtype=cfg.scale_dtype,
+                kernels=geo.kernels, code=cfg.qgz_code)
     with jax.named_scope(f"cross_node_{name}"):
-        summed, carry, _ = cross_node_reduce(
-            local_u, carry, bits=cfg.qgz_bits, block=cfg.qgz_block,
-            scale_dtype=cfg.scale_dtype, reduce_dtype=geo.plan.reduce_dtype,
-            compress=True, kernels=geo.kernels,
-        )
-        shared, received = cross_node_share(
-            summed / geo.nodes, receiver_carry, bits=cfg.qgz_bits,
-            block=cfg.qgz_block, scale_dtype=cfg.scale_dtype, kernels=geo.kernels,
-        )
+        if geo.gathered_share:
+            shared, carry = cross_node_gather_mean(local_u, carry, **wire)
+            return shared, carry, None
+        summed, carry, _ = cross_node_reduce(local_u, carry, reduce_dtype=geo.plan.reduce_dtype,
+                                             compress=True, **wire)
+        shared, received = cross_node_share(summed / geo.nodes, receiver_carry, **wire)
     return shared, carry, received

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from zeropp_jax.wire import collectives
 from zeropp_jax.wire import dither
 from zeropp_jax.wire import kernels as kernels_lib
+from zeropp_jax.wire import rotation
 from zeropp_jax.mesh import NODE
 from zeropp_jax.wire.quantization import ordered_chunk_sum
 
@@ -81,8 +82,10 @@ def cross_node_reduce(
         which also flushes the carry into this step's gradient).
       kernels: the quantization kernels (XLA reference or Pallas; 1-bit
         compression with error feedback is one fused pass).
-      code: 1-bit code, ``"sign"`` (scaled sign, mean|x| per block) or
-        ``"dither"`` (unbiased, :mod:`zeropp_jax.wire.dither`; needs ``key`` and
+      code: ``"sign"`` (scaled sign, mean|x| per block, or absmax
+        integers), ``"hadamard"`` (the same code of each block's randomized
+        Hadamard rotation, :mod:`zeropp_jax.wire.rotation`; the carry stays
+        unrotated) or, 1-bit only, ``"dither"`` (unbiased, :mod:`zeropp_jax.wire.dither`; needs ``key`` and
         ``carry=None``).
       key: uint32 scalar naming this step, unit and ``local`` index, the same
         on the devices that exchange chunks (only for ``code="dither"``).
@@ -124,17 +127,43 @@ def cross_node_reduce(
         xi_in = dither.uniform_noise(keys, dither.element_counters(xc.shape, row=me))
         values = dither.dequantize_dithered(received, xi_in, block=block)
         return ordered_chunk_sum(values), None, sent  # the order of dequantize_sum
-    if code != "sign":
-        raise ValueError(f"code must be 'sign' or 'dither' (1-bit only), got {code!r}.")
-    q, sent, residual = _quantize_with_carry(
+    q, sent, residual = _encode(
         chunked(g), None if carry is None else chunked(carry),
-        bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels,
+        bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code,
     )
     sent, residual = jnp.reshape(sent, x.shape), jnp.reshape(residual, x.shape)
     received = collectives.all_to_all_chunks(q, NODE)
-    reduced = kernels.dequantize_sum(received, bits=bits, block=block)
+    reduced = _decoded(kernels.dequantize_sum(received, bits=bits, block=block), block, code)
     new_carry = None if carry is None else residual
     return reduced, new_carry, sent
+
+
+def _encode(
+    g: jax.Array, carry: jax.Array | None, *, bits: int, block: int, scale_dtype: Any,
+    kernels: kernels_lib.Kernels, code: str,
+) -> tuple[Any, jax.Array, jax.Array]:
+    """Codes of ``x = g + carry`` with the ``"sign"`` or ``"hadamard"`` code.
+
+    Returns ``(q, sent, residual)`` as :func:`_quantize_with_carry`, with
+    ``sent`` and ``residual`` in ``x``'s own (unrotated) domain, float32
+    ``(..., n)``: the carry never depends on the code.
+    """
+    if code == "sign":
+        return _quantize_with_carry(
+            g, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels)
+    if code != "hadamard":
+        raise ValueError(f"code must be 'sign', 'hadamard' or 'dither' (1-bit), got {code!r}.")
+    x = g if carry is None else g + carry
+    q, _, residual = _quantize_with_carry(
+        rotation.rotate(x, block), None,
+        bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels)
+    residual = rotation.unrotate(residual, block)
+    return q, x - residual, residual
+
+
+def _decoded(values: jax.Array, block: int, code: str) -> jax.Array:
+    """Decoded float32 ``(..., n)`` values back in the original domain (``"hadamard"`` rotates back)."""
+    return rotation.unrotate(values, block) if code == "hadamard" else values
 
 
 
@@ -175,6 +204,7 @@ def cross_node_share(
     block: int,
     scale_dtype: Any,
     kernels: kernels_lib.Kernels = kernels_lib.XLA,
+    code: str = "sign",
 ) -> tuple[jax.Array, jax.Array | None]:
     """Gives every node every node's chunk, compressed (runs inside shard_map).
 
@@ -193,16 +223,61 @@ def cross_node_share(
       block: elements per scale.
       scale_dtype: dtype of the scales on the wire.
       kernels: the quantization kernels.
+      code: ``"sign"`` or ``"hadamard"`` (:mod:`zeropp_jax.wire.rotation`).
 
     Returns:
       ``(shared, new_carry)``: float32 ``(..., c * nodes)``, the decoded
       chunks of every node in node order (identical on all nodes), and the
       new carry (``None`` if ``carry`` was ``None``). Touches ``node`` only.
     """
-    q, _, residual = _quantize_with_carry(
-        y, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels
+    q, _, residual = _encode(
+        y, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code
     )
     shared = kernels.dequantize(
         collectives.all_gather(q, (NODE,)), bits=bits, block=block, dtype=jnp.float32
     )
-    return shared, (None if carry is None else residual)
+    return _decoded(shared, block, code), (None if carry is None else residual)
+
+
+def cross_node_gather_mean(
+    x: jax.Array,
+    carry: jax.Array | None,
+    *,
+    bits: int,
+    block: int,
+    scale_dtype: Any,
+    kernels: kernels_lib.Kernels = kernels_lib.XLA,
+    code: str = "sign",
+) -> tuple[jax.Array, jax.Array | None]:
+    """The mean over nodes of every node's compressed ``x``, on every node (inside shard_map).
+
+    One hop instead of :func:`cross_node_reduce` then :func:`cross_node_share`:
+    ``x + carry`` is quantized block-wise, the codes of every node are
+    all-gathered over ``node``, and each node decodes and sums them in node
+    order, so all nodes hold the same mean, and nothing is quantized twice.
+    Each node takes in ``nodes - 1`` nodes' codes for the whole of ``x``;
+    the two hops take in ``2 (nodes - 1) / nodes`` of that: the same bytes
+    for two nodes, more beyond (1-bit Adam's ``ZeroConfig.qgz_share``).
+
+    Args:
+      x: float32 ``(..., r)``, this device's value (``r`` divisible by
+        ``block``).
+      carry: float32 ``(..., r)`` error-feedback carry, or ``None``.
+      bits, block, scale_dtype, kernels: as :func:`cross_node_share`.
+      code: ``"sign"`` or ``"hadamard"``.
+
+    Returns:
+      ``(mean, new_carry)``: float32 ``(..., r)``, identical on all nodes,
+      and ``x + carry - sent`` (``None`` if ``carry`` was ``None``). Touches
+      ``node`` only.
+    """
+    q, _, residual = _encode(
+        x, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code
+    )
+    nodes = jax.lax.axis_size(NODE)
+    gathered = jax.tree.map(  # (..., nodes * w) -> (..., nodes, w): one row per sender
+        lambda a: jnp.reshape(a, a.shape[:-1] + (nodes, a.shape[-1] // nodes)),
+        collectives.all_gather(q, (NODE,)),
+    )
+    total = kernels.dequantize_sum(gathered, bits=bits, block=block)
+    return _decoded(total / nodes, block, code), (None if carry is None else residual)

@@ -1,0 +1,143 @@
+"""The ``hadamard`` qgZ code (a randomized Hadamard rotation per block) and the
+one-hop momentum share (every node gathers every node's codes)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zeropp_jax as zp
+from zeropp_jax.wire import rotation
+from zeropp_jax.wire.qgz import cross_node_gather_mean, cross_node_reduce, cross_node_share
+from pallas_kernels.references.quantization import dequantize, quantize
+
+from _util import gpt_step, mesh_of
+
+
+@pytest.mark.parametrize("shape,block", [((3, 5 * 128), 128), ((7, 2, 64), 16), ((8,), 8)])
+def test_unrotate_inverts_rotate_and_scales_norms_by_sqrt_block(shape, block):
+    x = jax.random.normal(jax.random.key(1), shape) * jnp.logspace(-3, 2, shape[-1]).reshape((1,) * (len(shape) - 1) + (-1,))
+    y = rotation.rotate(x, block)
+    np.testing.assert_allclose(rotation.unrotate(y, block), x, rtol=1e-5, atol=1e-5 * float(jnp.abs(x).max()))
+    per_block = lambda a: np.linalg.norm(np.reshape(np.asarray(a), (-1, block)), axis=-1)
+    np.testing.assert_allclose(per_block(y), np.sqrt(block) * per_block(x), rtol=1e-5)
+
+
+def test_random_signs_are_fixed_and_balanced():
+    signs = rotation.random_signs(128)
+    assert set(np.unique(signs)) == {-1.0, 1.0}
+    assert abs(signs.sum()) < 32  # not all one sign
+    np.testing.assert_array_equal(signs[:8], [-1, -1, 1, -1, 1, 1, 1, -1])  # stable across versions
+    np.testing.assert_array_equal(rotation.random_signs(16), signs[:16])
+
+
+@pytest.mark.parametrize("block,n", [(12, 48), (128, 100), (1, 8)])
+def test_bad_blocks_are_rejected(block, n):
+    with pytest.raises(ValueError, match="power-of-two block|multiple of the block"):
+        rotation.rotate(jnp.ones((n,)), block)
+
+
+def test_rotation_spreads_an_outlier_error_over_its_block():
+    """A sign code sends the block's mean magnitude to every coordinate: a
+    coordinate 20x its neighbours keeps most of its value as error; after a
+    rotation its error is about the block's average."""
+    block = 128
+    x = jax.random.normal(jax.random.key(2), (4, block))
+    x = x.at[:, 5].set(20.0)
+
+    def one_bit(v):
+        return dequantize(quantize(v, bits=1, block=block), bits=1, block=block, dtype=jnp.float32)
+
+    plain = np.abs(np.asarray(x - one_bit(x)))[:, 5]
+    rotated = np.abs(np.asarray(x - rotation.unrotate(one_bit(rotation.rotate(x, block)), block)))[:, 5]
+    assert (plain > 15).all() and (rotated < 5).all(), (plain, rotated)
+
+
+def _on_mesh(fn, *arrays):
+    """``fn`` under shard_map over a 2x4 mesh, inputs and outputs split on devices."""
+    mesh = mesh_of(2, 4)
+    spec = P(("node", "local"))
+    placed = [jax.device_put(a, NamedSharding(mesh, spec)) for a in arrays]
+    with jax.set_mesh(mesh):
+        out = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(arrays),
+                                    out_specs=spec))(*placed)
+    return jax.tree.map(np.asarray, out)
+
+
+@pytest.mark.parametrize("code", ["sign", "hadamard"])
+def test_gather_mean_is_every_nodes_decoded_codes_averaged_on_every_node(code):
+    block, width = 32, 3 * 64
+    x = jax.random.normal(jax.random.key(3), (8, width)) * jnp.logspace(-2, 1, width)[None]
+    carry = 0.1 * jax.random.normal(jax.random.key(4), (8, width))
+    wire = dict(bits=1, block=block, scale_dtype=jnp.float32, code=code)
+
+    def run(x, c):
+        mean, new_carry = cross_node_gather_mean(x[0], c[0], **wire)
+        sent = x[0] + c[0] - new_carry
+        return jnp.stack([mean, sent])[None]
+
+    out = _on_mesh(run, x, carry)  # (devices, 2, width): device = node * 4 + local
+    mean, sent = out[:, 0], out[:, 1]
+    # what each device sent decodes from its own codes: x + carry - residual
+    rotate = (lambda v: rotation.rotate(v, block)) if code == "hadamard" else (lambda v: v)
+    back = (lambda v: rotation.unrotate(v, block)) if code == "hadamard" else (lambda v: v)
+    want_sent = back(dequantize(quantize(rotate(x + carry), bits=1, block=block), bits=1, block=block,
+                                 dtype=jnp.float32))
+    np.testing.assert_allclose(sent, want_sent, rtol=1e-5, atol=1e-5)
+    by_node = sent.reshape(2, 4, width)
+    for node in range(2):  # the same bits on every node: the mean of both nodes' codes
+        np.testing.assert_array_equal(mean.reshape(2, 4, width)[node], mean.reshape(2, 4, width)[0])
+    np.testing.assert_allclose(mean.reshape(2, 4, width)[0], by_node.mean(0), rtol=1e-5, atol=1e-5)
+
+
+def test_hadamard_two_hops_keep_what_they_lose():
+    """Reduce then share with the hadamard code: the carries, unrotated, hold the rest."""
+    block, width = 16, 2 * 64
+    x = jax.random.normal(jax.random.key(5), (8, width))
+    wire = dict(bits=1, block=block, scale_dtype=jnp.float32, code="hadamard")
+
+    def run(x):
+        summed, carry, sent = cross_node_reduce(
+            x[0], jnp.zeros_like(x[0]), reduce_dtype=jnp.float32, compress=True, **wire)
+        shared, received = cross_node_share(summed, jnp.zeros_like(summed), **wire)
+        pad = jnp.zeros((width - summed.shape[-1],))
+        return jnp.stack([sent + carry, shared, jnp.concatenate([summed - received, pad])])[None]
+
+    out = _on_mesh(run, x)
+    np.testing.assert_allclose(out[:, 0], np.asarray(x), rtol=1e-5, atol=1e-5)  # sent + carry = x
+    shared = out[:, 1].reshape(2, 4, width)
+    np.testing.assert_array_equal(shared[1], shared[0])
+    # node n's chunk of a local slice is what its device kept, re-quantized
+    kept = out[:, 2, : width // 2].reshape(2, 4, width // 2)  # (node, local, chunk)
+    for node in range(2):
+        np.testing.assert_allclose(shared[0][:, node * width // 2:(node + 1) * width // 2],
+                                   kept[node], rtol=1e-5, atol=1e-5)
+
+
+def test_with_two_nodes_the_one_hop_moves_the_same_bytes_as_two():
+    wire = {k: zp.config.PRESETS["zeropp-max"][k] for k in ("qgz_block", "scale_dtype", "qgz_code")}
+    reports = {share: gpt_step(3, "zeropp-max", compress=True, qgz_warmup_steps=1,
+                               qgz_share=share, **wire)[2]
+               for share in ("two-hop", "auto")}
+    kinds = {share: {c.kind for c in r.collectives if c.axis == "node"} for share, r in reports.items()}
+    assert "all-to-all" in kinds["two-hop"] and "all-to-all" not in kinds["auto"], kinds
+    assert reports["auto"].inter_node_bytes == pytest.approx(reports["two-hop"].inter_node_bytes,
+                                                             rel=0.01)
+
+
+def test_config_checks_for_the_code_and_the_share():
+    with pytest.raises(ValueError, match="power-of-two qgz_block"):
+        zp.ZeroConfig.from_preset("zeropp-max", qgz_block=96)
+    with pytest.raises(ValueError, match="needs qgz_target='momentum'"):
+        zp.ZeroConfig.from_preset("zero3", qgz="1bit", qgz_share="gather")
+    with pytest.raises(ValueError, match="qgz_share must be one of"):
+        zp.ZeroConfig.from_preset("zeropp-max", qgz_share="tree")
+    # a preset's code and share go away with qgZ or its momentum target
+    assert zp.ZeroConfig.from_preset("zeropp-max", qgz="off", qgz_target="gradient",
+                                     node_replicated=False).qgz_code == "sign"
+    assert zp.ZeroConfig.from_preset("zeropp-max", qgz_target="gradient",
+                                     node_replicated=False).qgz_share == "two-hop"

@@ -1,0 +1,87 @@
+"""A randomized Hadamard rotation of each quantization block (qgZ's ``"hadamard"`` code).
+
+A block-wise scaled code (1-bit sign with one ``mean|x|`` per block, or int
+absmax) errs most on the coordinates that stand out from their block: a
+sign code sends every coordinate the block's mean magnitude, so one
+coordinate three times larger than its neighbours is under-delivered every
+step, and error feedback carries the difference until the block's scale
+catches up. Rotating each block first, ``y = H (s * x)`` with ``H`` the
+``block x block`` Walsh-Hadamard matrix and ``s`` a fixed pattern of random
+signs, spreads every coordinate over the whole block, so the code's error
+is spread evenly too; the receiver decodes ``y`` and rotates back,
+``x = s * (H y) / block`` (``H H = block * I``). The rotation is
+orthogonal up to the factor ``sqrt(block)``, so error feedback works the
+same in either domain; callers keep their carries in the original one.
+
+Both directions are exact in their arithmetic pattern (additions and
+subtractions, then one multiplication by the power of two ``1 / block``), so
+every node that rotates back the same codes gets the same bits: 1-bit
+Adam's replicas stay identical.
+
+Costs ``log2(block)`` passes of additions over the data each way, no bytes
+on the wire. Touches no mesh axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The sign pattern: the low bit of SplitMix64 of the position in the block
+# (the same on every device, process and NumPy version; any fixed pattern
+# that is not structured like H's rows works).
+_SPLITMIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+
+
+def _check_block(n: int, block: int) -> None:
+    if block < 2 or block & (block - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two block >= 2, got {block}")
+    if n % block:
+        raise ValueError(f"the last axis ({n}) must be a multiple of the block ({block})")
+
+
+def random_signs(block: int) -> np.ndarray:
+    """The fixed ``(block,)`` float32 pattern of +-1 that the rotation applies first."""
+    z = np.arange(block, dtype=np.uint64) + np.uint64(_SPLITMIX[0])
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_SPLITMIX[1])
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_SPLITMIX[2])
+    bits = (z ^ (z >> np.uint64(31))) & np.uint64(1)
+    return (1.0 - 2.0 * bits).astype(np.float32)
+
+
+def _hadamard(x: jax.Array, block: int) -> jax.Array:
+    """``H`` (unnormalized Walsh-Hadamard) applied to each ``block`` of the last axis."""
+    shape = x.shape
+    y = jnp.reshape(x, (-1, block))
+    h = 1
+    while h < block:  # butterfly: pairs i and i + h inside groups of 2h
+        y = jnp.reshape(y, (-1, block // (2 * h), 2, h))
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = jnp.stack([a + b, a - b], axis=2)
+        h *= 2
+    return jnp.reshape(y, shape)
+
+
+def rotate(x: jax.Array, block: int) -> jax.Array:
+    """``H (s * x)`` per block of the last axis: float32 ``(..., n)`` -> ``(..., n)``.
+
+    ``n`` must be a multiple of ``block`` (a power of two). The result's
+    norm is ``sqrt(block)`` times ``x``'s.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    _check_block(x.shape[-1], block)
+    return _hadamard(x * _signs_like(x, block), block)
+
+
+def unrotate(y: jax.Array, block: int) -> jax.Array:
+    """The inverse of :func:`rotate`: ``s * (H y) / block`` per block, float32 ``(..., n)``."""
+    y = jnp.asarray(y, jnp.float32)
+    _check_block(y.shape[-1], block)
+    return _hadamard(y, block) * (1.0 / block) * _signs_like(y, block)
+
+
+def _signs_like(x: jax.Array, block: int) -> jax.Array:
+    """:func:`random_signs` tiled along ``x``'s last axis, broadcastable to ``x``."""
+    signs = np.tile(random_signs(block), x.shape[-1] // block)
+    return jnp.asarray(np.reshape(signs, (1,) * (x.ndim - 1) + signs.shape))
