@@ -93,7 +93,9 @@ def test_onebit_adam_restores_into_zero3(saved):
     for name in inner.m:
         old, new = onebit.layout.unit(name), zero3.layout.unit(name)
         m, v = real(inner.m[name][0], old), real(inner.v[name][0], old)
-        carry = real(qgz.carry[name], old).mean(axis=0) + real(inner.receiver_carry[name], old)
+        carry = real(qgz.carry[name], old).mean(axis=0)
+        if name in inner.receiver_carry:  # only the two-hop share keeps one
+            carry = carry + real(inner.receiver_carry[name], old)
         assert np.abs(carry).max() > 0, name  # a compressed step left something deferred
         d = np.sqrt(v / (1 - B2**v_count)) + EPS
         np.testing.assert_allclose(real(adam.mu[name], new), m + d * carry / B1,
@@ -105,7 +107,8 @@ def test_onebit_adam_restores_into_zero3(saved):
     # The same parameters: the same first loss; then optax's full-precision
     # step from the converted state lands close to 1-bit Adam's compressed one.
     np.testing.assert_allclose(losses[0], run["losses"][0], rtol=1e-6)
-    np.testing.assert_allclose(losses[1], run["losses"][1], rtol=5e-3)
+    # (within 1%: measured 0.8% with the hadamard code, 0.4% with the sign code)
+    np.testing.assert_allclose(losses[1], run["losses"][1], rtol=1e-2)
     # Two steps move the parameters about as far as 1-bit Adam's, in about
     # the same direction (1-bit Adam's compressed steps differ from Adam's).
     got, want, before = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)]) for t in (
@@ -136,7 +139,7 @@ def test_zero3_restores_into_onebit_adam_and_back(saved, tmp_path):
             assert rows.shape[0] == onebit.nodes
             for row in rows:
                 np.testing.assert_array_equal(real(row, new), real(flat, old), err_msg=name)
-        assert not np.asarray(inner.receiver_carry[name]).any()
+        assert name not in inner.receiver_carry  # zeropp-max's one-hop share keeps none
         assert not np.asarray(restored.opt_state.qgz.carry[name]).any()
     with Checkpointer(tmp_path, async_save=False) as ckpt:
         ckpt.save(ADAM_STEPS, restored, onebit)
