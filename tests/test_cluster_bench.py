@@ -60,11 +60,36 @@ def test_flags_the_bench_sets_itself_are_refused():
         cluster_bench.parse_args(["--presets", "zero4"])
 
 
-def _profile(inter_bytes):
+def _profile(inter_bytes, per_layer=False):
     cost = cm.CollectiveCost(
         kind="all-gather", axis="node", role="float", dtype="f32", element_bytes=4.0,
-        inter_bytes_per_node=inter_bytes, intra_bytes_per_device=0.0, op_name="")
+        inter_bytes_per_node=inter_bytes, intra_bytes_per_device=0.0, op_name="",
+        per_layer=per_layer)
     return cm.CommProfile(label="", mesh_shape=(2, 4), params=1000, collectives=(cost,))
+
+
+def test_per_layer_link_time_overlaps_compute_by_the_calibrated_fraction(monkeypatch):
+    """zero3-2level (per-layer traffic) at 8 Mbit/s: 1.0 s compute + 1.0 s link
+    measured 1.5 s, so half the hideable second was hidden; a per-step
+    collective hides nothing, a per-layer one half of min(compute, link)."""
+    workload = cm.Workload(params=1000, tokens_per_gpu=8, float_bytes=4)
+    profiles = {"zero3-2level": _profile(1e6, per_layer=True), "hpz": _profile(1e6),
+                "qwz-2level": _profile(5e5, per_layer=True)}
+    monkeypatch.setattr(cluster_report, "_profile",
+                        lambda flags: (profiles[flags[-1]], workload))
+    measured = {("zero3-2level", 0): 1.0, ("zero3-2level", 8): 1.5, ("zero3-2level", 16): 1.3,
+                ("hpz", 0): 1.0, ("hpz", 8): 2.0, ("qwz-2level", 0): 1.0, ("qwz-2level", 8): 1.3}
+    records = [{"preset": p, "rate_mbit": r, "step_time_s": t, "tokens_per_s": 8 / t,
+                "link_bytes_per_node_per_step": 1e5} for (p, r), t in measured.items()]
+    cluster_report.add_speedups(records)
+    cluster_report.add_predictions(records, lambda preset, flags, steps: [preset], [])
+    by = {(r["preset"], r["rate_mbit"]): r for r in records}
+    assert by["hpz", 8]["model_overlap_fraction"] == pytest.approx(0.5)  # from the lowest rate
+    assert by["zero3-2level", 8]["predicted_step_time_s"] == pytest.approx(1.5)
+    assert by["zero3-2level", 16]["predicted_step_time_s"] == pytest.approx(1.0 + 0.5 - 0.25)
+    assert by["hpz", 8]["predicted_step_time_s"] == pytest.approx(2.0)
+    assert by["qwz-2level", 8]["predicted_step_time_s"] == pytest.approx(1.0 + 0.5 - 0.25)
+    assert "50% hidden" in cluster_report.format_table(records)
 
 
 def test_predictions_add_link_time_at_the_rate_to_the_unlimited_step(monkeypatch):

@@ -62,7 +62,9 @@ class CollectiveCost:
     ``role`` is ``"codes"``, ``"scales"`` (of a quantized payload),
     ``"float"`` (full precision: rescaled to ``Workload.float_bytes``),
     ``"metric"`` (a few scalars, not scaled with the model) or ``"other"``;
-    ``element_bytes`` the compiled element width.
+    ``element_bytes`` the compiled element width; ``per_layer``: it runs
+    more than once per step (inside the layer loops: traffic that a
+    prefetching runtime can overlap with the layers' compute).
     """
 
     kind: str
@@ -73,6 +75,7 @@ class CollectiveCost:
     inter_bytes_per_node: float
     intra_bytes_per_device: float
     op_name: str
+    per_layer: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +99,13 @@ class CommProfile:
         _check_profile_mesh(self.mesh_shape)
         check_positive_int("CommProfile.params", self.params)
 
-    def bytes_at(self, cluster: Cluster, workload: Workload) -> tuple[float, float]:
-        """``(inter-node bytes per node, intra-node bytes per GPU)`` per step at scale."""
+    def bytes_at(self, cluster: Cluster, workload: Workload, *,
+                 per_layer: bool | None = None) -> tuple[float, float]:
+        """``(inter-node bytes per node, intra-node bytes per GPU)`` per step at scale.
+
+        ``per_layer``: ``None`` counts every collective, ``True`` only the
+        per-layer ones, ``False`` only those that run once per step.
+        """
         n0, l0 = self.mesh_shape
         size = workload.params / self.params
         f = lambda n: (n - 1) / n  # noqa: E731 - fraction of a gather held elsewhere
@@ -109,6 +117,8 @@ class CommProfile:
                 "collectives to scale; compile it with local >= 2")
         inter = intra = 0.0
         for c in self.collectives:
+            if per_layer is not None and c.per_layer != per_layer:
+                continue
             if c.role == "metric":
                 inter += c.inter_bytes_per_node
                 intra += c.intra_bytes_per_device
@@ -150,7 +160,7 @@ def profile_report(report: CommReport, *, params: int, label: str = "") -> CommP
             kind=c.kind, axis=c.axis, role=role,
             dtype=c.dtype if role == "float" else report.wire_dtype(c),
             element_bytes=float(max(widths)) * narrow, inter_bytes_per_node=inter * narrow,
-            intra_bytes_per_device=intra * narrow, op_name=c.op_name,
+            intra_bytes_per_device=intra * narrow, op_name=c.op_name, per_layer=c.count > 1,
         ))
     return CommProfile(label=label, mesh_shape=tuple(report.mesh_shape), params=int(params),
                        collectives=tuple(costs))

@@ -61,6 +61,9 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "zero3": ("--preset", "zero3"),
     "zero3-2level": ("--preset", "zero3", "--hierarchical"),
     "qwz": ("--preset", "qwz"),
+    # qwZ's all-device gathers, run two-level as a GPU cluster would (the flat
+    # qwz crosses the link like the flat zero3)
+    "qwz-2level": ("--preset", "qwz", "--hierarchical"),
     "hpz": ("--preset", "hpz"),
     "zeropp": ("--preset", "zeropp", "--qgz-warmup", "1"),
     "zeropp-max": ("--preset", "zeropp-max", "--qgz-warmup", "1"),
