@@ -313,12 +313,10 @@ class _Plan:
         is added to every row.
         """
         unit = key[-1]
-        if receiver is not None:
-            if key not in stored:
+        if key not in stored:
+            if receiver is not None:
                 raise CheckpointMismatchError(
                     f"{self.where}: unit {unit!r} has a receiver carry but no sender carry")
-            return _fold_receiver(self, key, receiver, tgt, args)
-        if key not in stored:
             log.info("%s: no qgZ carry for unit %r; starting it at zeros", self.where, unit)
             return lambda values: place(np.zeros(tgt.shape, tgt.dtype), tgt)
         src = stored[key]
@@ -329,42 +327,25 @@ class _Plan:
                 f"{self.where}: qgZ carry of unit {unit!r} has shape {tuple(src.shape)}, "
                 f"expected {expected} for mesh {self.old_mesh}"
             )
-        if tuple(src.shape) == tuple(tgt.shape) and _same_layout(old, new):
+        if receiver is None and tuple(src.shape) == tuple(tgt.shape) and _same_layout(old, new):
             return _read_as_stored(args, key, tgt)
         args[key] = NUMPY
+        if receiver is not None:
+            args[receiver] = NUMPY
         new_nodes = tgt.shape[0]
 
         def make(values):
-            carry = np.asarray(values[key], np.float32)
+            carry = np.asarray(values[key], np.float64)
             if new_nodes == self.old_nodes:
-                host = repack(carry, old, new, tgt.dtype)
-            else:
-                total = carry.sum(axis=0, dtype=np.float64)
-                host = np.zeros(tgt.shape, tgt.dtype)
-                host[0] = repack(total, old, new, tgt.dtype)
-            return place(host, tgt)
+                rows = repack(carry, old, new, np.float64)
+            else:  # only the rows' sum matters: into row 0
+                rows = np.zeros(tgt.shape, np.float64)
+                rows[0] = repack(carry.sum(axis=0), old, new, np.float64)
+            if receiver is not None:
+                rows += repack(np.asarray(values[receiver], np.float64), old, new, np.float64)[None]
+            return place(rows.astype(tgt.dtype), tgt)
 
         return make
-
-
-def _fold_receiver(plan: "_Plan", key, receiver, tgt, args) -> Callable:
-    """``make(values)``: the sender carry re-padded, plus the receiver carry on every row."""
-    unit = key[-1]
-    old, new = plan.old_units[unit], plan.new_units[unit]
-    args[key] = args[receiver] = NUMPY
-    new_nodes = tgt.shape[0]
-
-    def make(values):
-        sender = np.asarray(values[key], np.float64)
-        if new_nodes == plan.old_nodes:
-            rows = repack(sender, old, new, np.float64)
-        else:  # the rows' sum into row 0, as without a receiver carry
-            rows = np.zeros(tgt.shape, np.float64)
-            rows[0] = repack(sender.sum(axis=0), old, new, np.float64)
-        rows += repack(np.asarray(values[receiver], np.float64), old, new, np.float64)[None]
-        return place(rows.astype(tgt.dtype), tgt)
-
-    return make
 
 
 def _warn_dropped_carry(meta: dict, trainer: Trainer, where: str) -> None:

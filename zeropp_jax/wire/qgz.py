@@ -104,10 +104,6 @@ def cross_node_reduce(
         new_carry = None if carry is None else jnp.zeros_like(carry)
         return reduced, new_carry, x
     nodes = jax.lax.axis_size(NODE)
-
-    def chunked(y):
-        return jnp.reshape(y, y.shape[:-1] + (nodes, y.shape[-1] // nodes))
-
     if bits == 1 and code == "dither":
         if carry is not None or key is None:
             raise ValueError(
@@ -115,7 +111,7 @@ def cross_node_reduce(
                 f"(got key={'set' if key is not None else None}, carry "
                 f"{'set' if carry is not None else None})."
             )
-        xc = chunked(x)
+        xc = _node_rows(x, nodes)
         me = jax.lax.axis_index(NODE)  # this device sends as `me` and receives chunk `me`
         xi = dither.uniform_noise(dither.stream_key(key, me), dither.element_counters(xc.shape))
         q = kernels.quantize_dithered(xc, xi, block=block, scale_dtype=scale_dtype)
@@ -128,7 +124,7 @@ def cross_node_reduce(
         values = dither.dequantize_dithered(received, xi_in, block=block)
         return ordered_chunk_sum(values), None, sent  # the order of dequantize_sum
     q, sent, residual = _encode(
-        chunked(g), None if carry is None else chunked(carry),
+        _node_rows(g, nodes), None if carry is None else _node_rows(carry, nodes),
         bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code,
     )
     sent, residual = jnp.reshape(sent, x.shape), jnp.reshape(residual, x.shape)
@@ -136,6 +132,11 @@ def cross_node_reduce(
     reduced = _decoded(kernels.dequantize_sum(received, bits=bits, block=block), block, code)
     new_carry = None if carry is None else residual
     return reduced, new_carry, sent
+
+
+def _node_rows(y: jax.Array, nodes: int) -> jax.Array:
+    """``(..., nodes * w)`` -> ``(..., nodes, w)``: the last axis cut into one chunk per node."""
+    return jnp.reshape(y, y.shape[:-1] + (nodes, y.shape[-1] // nodes))
 
 
 def _encode(
@@ -275,9 +276,7 @@ def cross_node_gather_mean(
         x, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code
     )
     nodes = jax.lax.axis_size(NODE)
-    gathered = jax.tree.map(  # (..., nodes * w) -> (..., nodes, w): one row per sender
-        lambda a: jnp.reshape(a, a.shape[:-1] + (nodes, a.shape[-1] // nodes)),
-        collectives.all_gather(q, (NODE,)),
-    )
+    gathered = jax.tree.map(  # one row per sender
+        lambda a: _node_rows(a, nodes), collectives.all_gather(q, (NODE,)))
     total = kernels.dequantize_sum(gathered, bits=bits, block=block)
     return _decoded(total / nodes, block, code), (None if carry is None else residual)
