@@ -35,6 +35,41 @@ def test_random_signs_are_fixed_and_balanced():
     np.testing.assert_array_equal(rotation.random_signs(16), signs[:16])
 
 
+def test_each_pattern_is_its_own_and_unrotate_rows_undoes_each_senders():
+    block, k, n = 32, 3, 5 * 32
+    table = np.stack([rotation.random_signs(block, i) for i in range(k)])
+    assert len({row.tobytes() for row in table}) == k  # distinct patterns
+    assert np.abs(table[0] @ table[1]) < block / 2  # and not nearly equal
+    x = jax.random.normal(jax.random.key(7), (2, k, n))
+    rows = jnp.stack([rotation.rotate(x[:, i], block, i, k) for i in range(k)], axis=1)
+    np.testing.assert_allclose(rotation.unrotate_rows(rows, block), x, rtol=1e-5, atol=1e-5)
+    traced = jax.jit(lambda v, i: rotation.rotate(v, block, i, k))(x[:, 2], jnp.int32(2))
+    np.testing.assert_array_equal(traced, rows[:, 2])
+    with pytest.raises(ValueError, match="pattern must be in"):
+        rotation.rotate(x[:, 0], block, 3, k)
+
+
+def test_per_node_patterns_make_the_codes_errors_independent():
+    """Two nodes coding nearly the same vector: with one pattern their 1-bit
+    errors are alike and their mean keeps the whole error; with a pattern
+    each the independent part of their errors averages down."""
+    block = 128
+    base = jax.random.normal(jax.random.key(8), (64, block))
+    pair = base[None] + 0.05 * jax.random.normal(jax.random.key(9), (2, 64, block))
+
+    def error_of_mean(patterns):
+        decoded = [rotation.unrotate(dequantize(quantize(rotation.rotate(pair[n], block, p, 2), bits=1,
+                                                         block=block), bits=1, block=block,
+                                                dtype=jnp.float32), block, p, 2)
+                   for n, p in enumerate(patterns)]
+        return float(jnp.linalg.norm((decoded[0] + decoded[1]) / 2 - pair.mean(0)))
+
+    shared, own = error_of_mean((0, 0)), error_of_mean((0, 1))
+    # the shared part of each error is the scaled-sign code's shrinkage of x
+    # (1 - 2/pi of its variance); the rest averages out: sqrt(0.68) of it
+    assert own < 0.88 * shared, (own, shared)
+
+
 @pytest.mark.parametrize("block,n", [(12, 48), (128, 100), (1, 8)])
 def test_bad_blocks_are_rejected(block, n):
     with pytest.raises(ValueError, match="power-of-two block|multiple of the block"):
@@ -83,10 +118,14 @@ def test_gather_mean_is_every_nodes_decoded_codes_averaged_on_every_node(code):
     out = _on_mesh(run, x, carry)  # (devices, 2, width): device = node * 4 + local
     mean, sent = out[:, 0], out[:, 1]
     # what each device sent decodes from its own codes: x + carry - residual
-    rotate = (lambda v: rotation.rotate(v, block)) if code == "hadamard" else (lambda v: v)
-    back = (lambda v: rotation.unrotate(v, block)) if code == "hadamard" else (lambda v: v)
-    want_sent = back(dequantize(quantize(rotate(x + carry), bits=1, block=block), bits=1, block=block,
-                                 dtype=jnp.float32))
+    # with the hadamard code each node rotates with its own sign pattern
+    node_of = np.repeat(np.arange(2), 4)
+    rotate = (lambda v, n: rotation.rotate(v, block, n, 2)) if code == "hadamard" else (lambda v, n: v)
+    back = (lambda v, n: rotation.unrotate(v, block, n, 2)) if code == "hadamard" else (lambda v, n: v)
+    want_sent = np.stack([
+        back(dequantize(quantize(rotate((x + carry)[d], int(node_of[d])), bits=1, block=block),
+                        bits=1, block=block, dtype=jnp.float32), int(node_of[d]))
+        for d in range(8)])
     np.testing.assert_allclose(sent, want_sent, rtol=1e-5, atol=1e-5)
     by_node = sent.reshape(2, 4, width)
     for node in range(2):  # the same bits on every node: the mean of both nodes' codes

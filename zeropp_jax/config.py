@@ -70,7 +70,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # on a compact wire (benchmarks/RESULTS.md, "compact wire"): one bf16
     # scale per 128 signs, a refresh every 40 steps, and no qwZ (its
     # gathers stay inside the node, where it only added loss noise); the
-    # codes are of each block's Hadamard rotation, and with two nodes every
+    # codes are of each block's Hadamard rotation (each node with its own
+    # random signs, so the nodes' code errors average out), and with two nodes every
     # node gathers every node's codes instead of a second, re-quantized hop
     # (same bytes, half the code error: benchmarks/RESULTS.md).
     "zeropp-max": dict(
@@ -198,7 +199,7 @@ class ZeroConfig:
     qgz_code: str = _field(
         "sign", "qgZ code: sign (scaled sign per block, or absmax integers), hadamard (the "
         "same code of each block's randomized Hadamard rotation, which spreads the error "
-        "evenly over the block; a power-of-two block) or dither (1-bit, unbiased, "
+        "evenly over the block, with random signs of each node's own; a power-of-two block) or dither (1-bit, unbiased, "
         "zeropp_jax.wire.dither; it needs --no-qgz-error-feedback and --qgz-target gradient); "
         "hadamard in zeropp-max",
         choices=QGZ_CODES,

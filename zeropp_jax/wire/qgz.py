@@ -84,8 +84,8 @@ def cross_node_reduce(
         compression with error feedback is one fused pass).
       code: ``"sign"`` (scaled sign, mean|x| per block, or absmax
         integers), ``"hadamard"`` (the same code of each block's randomized
-        Hadamard rotation, :mod:`zeropp_jax.wire.rotation`; the carry stays
-        unrotated) or, 1-bit only, ``"dither"`` (unbiased, :mod:`zeropp_jax.wire.dither`; needs ``key`` and
+        Hadamard rotation, with the sending node's own sign pattern,
+        :mod:`zeropp_jax.wire.rotation`; the carry stays unrotated) or, 1-bit only, ``"dither"`` (unbiased, :mod:`zeropp_jax.wire.dither`; needs ``key`` and
         ``carry=None``).
       key: uint32 scalar naming this step, unit and ``local`` index, the same
         on the devices that exchange chunks (only for ``code="dither"``).
@@ -128,8 +128,8 @@ def cross_node_reduce(
         bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code,
     )
     sent, residual = jnp.reshape(sent, x.shape), jnp.reshape(residual, x.shape)
-    received = collectives.all_to_all_chunks(q, NODE)
-    reduced = _decoded(kernels.dequantize_sum(received, bits=bits, block=block), block, code)
+    received = collectives.all_to_all_chunks(q, NODE)  # row k: sender k's codes
+    reduced = _decoded_sum(received, bits=bits, block=block, kernels=kernels, code=code)
     new_carry = None if carry is None else residual
     return reduced, new_carry, sent
 
@@ -155,16 +155,27 @@ def _encode(
     if code != "hadamard":
         raise ValueError(f"code must be 'sign', 'hadamard' or 'dither' (1-bit), got {code!r}.")
     x = g if carry is None else g + carry
+    sender = dict(pattern=jax.lax.axis_index(NODE), patterns=jax.lax.axis_size(NODE))
     q, _, residual = _quantize_with_carry(
-        rotation.rotate(x, block), None,
+        rotation.rotate(x, block, **sender), None,
         bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels)
-    residual = rotation.unrotate(residual, block)
+    residual = rotation.unrotate(residual, block, **sender)
     return q, x - residual, residual
 
 
-def _decoded(values: jax.Array, block: int, code: str) -> jax.Array:
-    """Decoded float32 ``(..., n)`` values back in the original domain (``"hadamard"`` rotates back)."""
-    return rotation.unrotate(values, block) if code == "hadamard" else values
+def _decoded_rows(q: Any, *, bits: int, block: int, kernels: kernels_lib.Kernels,
+                  code: str) -> jax.Array:
+    """float32 ``(..., k, c)``: row ``i`` of codes ``(..., k, ·)`` decoded as sender ``i`` coded it."""
+    values = kernels.dequantize(q, bits=bits, block=block, dtype=jnp.float32)
+    return rotation.unrotate_rows(values, block) if code == "hadamard" else values
+
+
+def _decoded_sum(q: Any, *, bits: int, block: int, kernels: kernels_lib.Kernels,
+                 code: str) -> jax.Array:
+    """float32 ``(..., c)``: the decoded rows of ``(..., k, ·)`` summed in row order."""
+    if code != "hadamard":  # one fused pass
+        return kernels.dequantize_sum(q, bits=bits, block=block)
+    return ordered_chunk_sum(_decoded_rows(q, bits=bits, block=block, kernels=kernels, code=code))
 
 
 
@@ -234,10 +245,11 @@ def cross_node_share(
     q, _, residual = _encode(
         y, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code
     )
-    shared = kernels.dequantize(
-        collectives.all_gather(q, (NODE,)), bits=bits, block=block, dtype=jnp.float32
-    )
-    return _decoded(shared, block, code), (None if carry is None else residual)
+    nodes = jax.lax.axis_size(NODE)
+    gathered = jax.tree.map(  # one row per sender
+        lambda a: _node_rows(a, nodes), collectives.all_gather(q, (NODE,)))
+    shared = _decoded_rows(gathered, bits=bits, block=block, kernels=kernels, code=code)
+    return jnp.reshape(shared, y.shape[:-1] + (-1,)), (None if carry is None else residual)
 
 
 def cross_node_gather_mean(
@@ -278,5 +290,5 @@ def cross_node_gather_mean(
     nodes = jax.lax.axis_size(NODE)
     gathered = jax.tree.map(  # one row per sender
         lambda a: _node_rows(a, nodes), collectives.all_gather(q, (NODE,)))
-    total = kernels.dequantize_sum(gathered, bits=bits, block=block)
-    return _decoded(total / nodes, block, code), (None if carry is None else residual)
+    total = _decoded_sum(gathered, bits=bits, block=block, kernels=kernels, code=code)
+    return total / nodes, (None if carry is None else residual)

@@ -13,6 +13,14 @@ is spread evenly too; the receiver decodes ``y`` and rotates back,
 orthogonal up to the factor ``sqrt(block)``, so error feedback works the
 same in either domain; callers keep their carries in the original one.
 
+Each sending node rotates with its own sign pattern (``pattern`` = its
+``node`` index): 1-bit Adam's nodes code vectors that are mostly the same
+shared momentum, and with one pattern their codes would err alike, so the
+mean over nodes would keep the whole error; with independent patterns the
+errors are independent and the mean's error variance falls with the number
+of nodes. A receiver rotates each sender's codes back with that sender's
+pattern (:func:`unrotate_rows`).
+
 Both directions are exact in their arithmetic pattern (additions and
 subtractions, then one multiplication by the power of two ``1 / block``), so
 every node that rotates back the same codes gets the same bits: 1-bit
@@ -41,9 +49,12 @@ def _check_block(n: int, block: int) -> None:
         raise ValueError(f"the last axis ({n}) must be a multiple of the block ({block})")
 
 
-def random_signs(block: int) -> np.ndarray:
-    """The fixed ``(block,)`` float32 pattern of +-1 that the rotation applies first."""
-    z = np.arange(block, dtype=np.uint64) + np.uint64(_SPLITMIX[0])
+def random_signs(block: int, pattern: int = 0) -> np.ndarray:
+    """The fixed ``(block,)`` float32 pattern number ``pattern`` of +-1 that the rotation applies first."""
+    if pattern < 0:
+        raise ValueError(f"pattern must be >= 0, got {pattern}")
+    z = (np.arange(block, dtype=np.uint64) + np.uint64(pattern * block)
+         + np.uint64(_SPLITMIX[0]))
     z = (z ^ (z >> np.uint64(30))) * np.uint64(_SPLITMIX[1])
     z = (z ^ (z >> np.uint64(27))) * np.uint64(_SPLITMIX[2])
     bits = (z ^ (z >> np.uint64(31))) & np.uint64(1)
@@ -63,25 +74,51 @@ def _hadamard(x: jax.Array, block: int) -> jax.Array:
     return jnp.reshape(y, shape)
 
 
-def rotate(x: jax.Array, block: int) -> jax.Array:
+def rotate(x: jax.Array, block: int, pattern: int | jax.Array = 0, patterns: int = 1) -> jax.Array:
     """``H (s * x)`` per block of the last axis: float32 ``(..., n)`` -> ``(..., n)``.
 
     ``n`` must be a multiple of ``block`` (a power of two). The result's
-    norm is ``sqrt(block)`` times ``x``'s.
+    norm is ``sqrt(block)`` times ``x``'s. ``s`` is sign pattern ``pattern``
+    (an int, or a traced int32 scalar such as a ``node`` index, below
+    ``patterns``).
     """
     x = jnp.asarray(x, jnp.float32)
     _check_block(x.shape[-1], block)
-    return _hadamard(x * _signs_like(x, block), block)
+    return _hadamard(_times_signs(x, block, _pattern(block, pattern, patterns)), block)
 
 
-def unrotate(y: jax.Array, block: int) -> jax.Array:
+def unrotate(y: jax.Array, block: int, pattern: int | jax.Array = 0, patterns: int = 1) -> jax.Array:
     """The inverse of :func:`rotate`: ``s * (H y) / block`` per block, float32 ``(..., n)``."""
     y = jnp.asarray(y, jnp.float32)
     _check_block(y.shape[-1], block)
-    return _hadamard(y, block) * (1.0 / block) * _signs_like(y, block)
+    return _times_signs(_hadamard(y, block) * (1.0 / block), block,
+                        _pattern(block, pattern, patterns))
 
 
-def _signs_like(x: jax.Array, block: int) -> jax.Array:
-    """:func:`random_signs` tiled along ``x``'s last axis, broadcastable to ``x``."""
-    signs = np.tile(random_signs(block), x.shape[-1] // block)
-    return jnp.asarray(np.reshape(signs, (1,) * (x.ndim - 1) + signs.shape))
+def unrotate_rows(y: jax.Array, block: int) -> jax.Array:
+    """:func:`unrotate` of each row ``i`` of float32 ``(..., k, n)`` with pattern ``i``.
+
+    Row ``i`` holds what sender ``i`` (of ``k``) rotated with its own pattern.
+    """
+    y = jnp.asarray(y, jnp.float32)
+    _check_block(y.shape[-1], block)
+    k = y.shape[-2]
+    table = np.stack([random_signs(block, i) for i in range(k)])  # (k, block)
+    return _times_signs(_hadamard(y, block) * (1.0 / block), block, jnp.asarray(table[:, None, :]))
+
+
+def _pattern(block: int, pattern: int | jax.Array, patterns: int) -> jax.Array:
+    """Sign pattern ``pattern`` of ``patterns``: float32 ``(block,)``."""
+    if isinstance(pattern, int):
+        if not 0 <= pattern < patterns:
+            raise ValueError(f"pattern must be in [0, {patterns}), got {pattern}")
+        return jnp.asarray(random_signs(block, pattern))
+    table = np.stack([random_signs(block, i) for i in range(patterns)])
+    return jnp.asarray(table)[pattern]
+
+
+def _times_signs(x: jax.Array, block: int, signs: jax.Array) -> jax.Array:
+    """``x (..., n)`` times ``signs`` (``(block,)``, or ``(k, 1, block)`` for rows) per block."""
+    blocks = jnp.reshape(x, x.shape[:-1] + (x.shape[-1] // block, block))
+    signs = jnp.reshape(signs, (1,) * (blocks.ndim - signs.ndim) + signs.shape)
+    return jnp.reshape(blocks * signs, x.shape)
