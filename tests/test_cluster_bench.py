@@ -43,8 +43,25 @@ def test_smoke_two_presets_on_the_emulated_cluster(tmp_path):
     assert flat["speedup_vs_zero3"] == 1.0
     # one device per node crosses instead of every device to every remote one
     assert two_level["link_bytes_per_node_per_step"] < flat["link_bytes_per_node_per_step"]
+    assert 0 < two_level["link_frames_per_node_per_step"] < flat["link_frames_per_node_per_step"]
     assert figure.stat().st_size > 0
     assert _namespaces() == before  # torn down
+
+
+def test_bytes_split_by_kind_keep_the_window_total():
+    """A refresh step's bytes that a late counter read gives its neighbours
+    stay out of the compressed mean and go back to the refresh."""
+    compressed = [1, 1, 1, 0, 1, 1, 1, 1, 0, 1]
+    true = [10 if c else 100 for c in compressed]
+    read = list(true)  # steps 4 and 9 took 40 of the refresh before them
+    for refresh in (3, 8):
+        read[refresh] -= 40
+        read[refresh + 1] += 40
+    per_step = [[b, b] for b in read]  # two nodes alike
+    main, full = cluster_report.split_by_kind(per_step, compressed)
+    assert main == 10 and full == 100
+    assert cluster_report.split_by_kind(per_step, [0] * 10) == (sum(read) / 10, None)
+    assert cluster_report.split_by_kind([[5, 7]] * 3, [1] * 3) == (6, None)
 
 
 def test_without_root_or_tools_it_exits_2(monkeypatch, capsys):
@@ -125,17 +142,17 @@ def test_record_separates_compressed_and_refresh_steps():
         "compressed": [1, 0, 1, 1, 0],
         "link_rx_bytes": [[100, 110], [900, 910], [100, 110], [100, 110], [1100, 1110]],
     }
-    r = cluster_bench.record("zeropp-max", 50.0, measured, tokens_per_step=10, refresh=40)
+    r = cluster_report.record("zeropp-max", 50.0, measured, tokens_per_step=10, refresh=40)
     assert r["step_time_s"] == 1.0 and r["full_precision_step_time_s"] == pytest.approx(3.2)
     assert r["cycle_step_time_s"] == pytest.approx((39 * 1.0 + 3.2) / 40)
     assert r["link_bytes_per_node_per_step"] == 105 and r["tokens_per_s"] == 10
     assert r["full_precision_link_bytes_per_node_per_step"] == 1005
     # without qgZ every timed step is the step, and the cycle is that step
-    plain = cluster_bench.record("zero3", 50.0, {**measured, "compressed": [0] * 5}, 10)
+    plain = cluster_report.record("zero3", 50.0, {**measured, "compressed": [0] * 5}, 10)
     assert plain["step_time_s"] == 1.2 and plain["cycle_step_time_s"] == 1.2
     assert plain["full_precision_step_time_s"] is None
     # a refresh schedule with no refresh step timed has no cycle figure
-    none = cluster_bench.record("zeropp", 50.0, {**measured, "compressed": [1] * 5}, 10, 10)
+    none = cluster_report.record("zeropp", 50.0, {**measured, "compressed": [1] * 5}, 10, 10)
     assert none["cycle_step_time_s"] is None
 
 

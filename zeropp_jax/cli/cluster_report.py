@@ -20,6 +20,7 @@ predicted exactly, by construction.
 
 from __future__ import annotations
 
+import statistics
 from typing import Callable, Sequence
 
 BASELINES = ("zero3", "zero3-2level")
@@ -178,15 +179,101 @@ def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _per_node_mean(by_step: list[list[int]]) -> list[float]:
+    return [sum(node) / len(by_step) for node in zip(*by_step)]
+
+
+def split_by_kind(per_step: list[list[int]], compressed: list[int]) -> tuple[float, float | None]:
+    """Mean per node and step of a per-step counter, compressed and full-precision steps apart.
+
+    A counter is read when a step's metrics line appears, and the next
+    step may already be sending (no host sync per step), so a step next to
+    a full-precision step can take some of its bytes. Compressed steps are
+    averaged over those whose neighbours are compressed too (all compressed
+    steps if none is); full-precision steps get the rest of the window's
+    total, which is exact however the reads fall.
+
+    Args:
+      per_step: per timed step, one count per node.
+      compressed: per timed step, 1 if compressed (all 0: no split).
+
+    Returns:
+      ``(main, full)``: the compressed steps' mean (every step's without
+      compressed steps) and the full-precision steps' (``None`` if none or no
+      compressed step).
+    """
+    totals = [sum(node) / len(node) for node in per_step]
+    if not any(compressed):
+        return statistics.fmean(totals), None
+    n = len(compressed)
+    main = [i for i, c in enumerate(compressed) if c]
+    clean = [i for i in main if all(compressed[j] for j in (i - 1, i + 1) if 0 <= j < n)]
+    main_mean = statistics.fmean(totals[i] for i in (clean or main))
+    full = n - len(main)
+    if not full:
+        return main_mean, None
+    return main_mean, (sum(totals) - len(main) * main_mean) / full
+
+
+def record(preset: str, rate: float, measured: dict, tokens_per_step: int,
+           refresh: int = 0, *, flags: str = "") -> dict:
+    """The JSON record of one run of the bench (speedups and predictions are added later).
+
+    ``measured`` is :func:`zeropp_jax.cli.cluster_bench.run_once`'s result,
+    ``flags`` the preset's zeropp-train flags.
+
+    ``step_time_s`` and the link bytes are those of the compressed steps
+    where the run has any (else of every timed step; bytes as
+    :func:`split_by_kind`); ``cycle_step_time_s`` the mean over a refresh
+    cycle of ``refresh`` steps (the median step otherwise, or ``None`` when
+    no full-precision step was timed). ``link_frames_per_node_per_step``
+    counts the frames that carried those bytes, and
+    ``link_payload_bytes_per_node_per_step`` is the bytes less each frame's
+    Ethernet, IP and TCP headers (:data:`zeropp_jax.cli.netns.FRAME_HEADER_BYTES`).
+    """
+    times, flags = measured["step_times_s"], measured["compressed"]
+    main = [i for i, c in enumerate(flags) if c] or list(range(len(times)))
+    full = [i for i, c in enumerate(flags) if not c] if any(flags) else []
+    median = statistics.median(times[i] for i in main)
+    full_s = statistics.median(times[i] for i in full) if full else None
+    cycle = median
+    if refresh:
+        cycle = None if full_s is None else ((refresh - 1) * median + full_s) / refresh
+    link, full_link = split_by_kind(measured["link_rx_bytes"], flags)
+    frames = measured.get("link_rx_frames")
+    frames = split_by_kind(frames, flags)[0] if frames else None
+    return {
+        "preset": preset,
+        "flags": flags,
+        "rate_mbit": rate,
+        "step_time_s": median,
+        "full_precision_step_time_s": full_s,
+        "refresh_every": refresh,
+        "cycle_step_time_s": cycle,
+        "step_times_s": times,
+        "compressed": flags,
+        "tokens_per_s": tokens_per_step / median,
+        "link_bytes_per_node_per_step": link,
+        "link_bytes_by_node_per_step": _per_node_mean([measured["link_rx_bytes"][i] for i in main]),
+        "full_precision_link_bytes_per_node_per_step": full_link,
+        "link_frames_per_node_per_step": frames,
+        # what the frames carried beyond their Ethernet/IP/TCP headers: the
+        # collectives' payload plus gloo's own message headers
+        "link_payload_bytes_per_node_per_step": (
+            None if frames is None else link - netns.FRAME_HEADER_BYTES * frames),
+    }
+
+
 def rate_name(rate: float) -> str:
     return "unlimited" if rate == 0 else f"{rate:g} Mbit/s"
 
 
 def format_table(records: Sequence[dict]) -> str:
     """One row per (rate, preset): measured (median and refresh cycle) and
-    predicted step time, speedups, link bytes."""
+    predicted step time, speedups, link bytes (all frames, their payload
+    without Ethernet/IP/TCP headers, and the model's payload count)."""
     head = ("rate", "preset", "step s", "cycle s", "tok/s", "x zero3", "pred", "x 2level", "pred",
-            "x 2level cycle", "MB/node/step", "model MB")
+            "x 2level cycle", "MB/node/step", "payload MB", "model MB")
     rows = [head]
     for r in records:
         mb = lambda x: None if x is None else x / 1e6  # noqa: E731
@@ -198,8 +285,9 @@ def format_table(records: Sequence[dict]) -> str:
             _fmt(r.get("speedup_vs_zero3_2level"), ".2f"),
             _fmt(r.get("predicted_speedup_vs_zero3_2level"), ".2f"),
             _fmt(r.get("cycle_speedup_vs_zero3_2level"), ".2f"),
-            _fmt(mb(r["link_bytes_per_node_per_step"]), ".2f"),
-            _fmt(mb(r.get("model_link_bytes_per_node_per_step")), ".2f"),
+            _fmt(mb(r["link_bytes_per_node_per_step"]), ".3f"),
+            _fmt(mb(r.get("link_payload_bytes_per_node_per_step")), ".3f"),
+            _fmt(mb(r.get("model_link_bytes_per_node_per_step")), ".3f"),
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     table = "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)

@@ -25,6 +25,7 @@ import os
 import shutil
 import socket
 import subprocess
+from typing import NamedTuple
 
 NETNS_DIR = "/etc/netns"
 SUBNET = "10.213.0"
@@ -32,6 +33,21 @@ SUBNET = "10.213.0"
 # (a bucket smaller than one timer tick of data caps the rate below the target).
 MIN_BURST_BYTES = 256 * 1024
 BURST_SECONDS = 0.01
+
+
+# Headers each frame on the veth carries besides its payload: Ethernet (14),
+# IPv4 (20) and TCP with Linux's default timestamp option (32). Pure ACKs
+# are frames of headers only. The byte counters include them.
+FRAME_HEADER_BYTES = 14 + 20 + 32
+
+
+class LinkCounters(NamedTuple):
+    """A veth's counters (``/proc/net/dev``): bytes include every frame's headers."""
+
+    rx_bytes: int
+    rx_frames: int
+    tx_bytes: int
+    tx_frames: int
 
 
 def unavailable_reason() -> str | None:
@@ -131,8 +147,8 @@ class TwoNodeCluster:
         """The command prefix that runs a program on node ``node`` (0 or 1)."""
         return ["ip", "netns", "exec", self.names[node]]
 
-    def link_bytes(self, node: int) -> tuple[int, int]:
-        """``(received, sent)`` bytes of node ``node``'s veth so far.
+    def link_counters(self, node: int) -> LinkCounters:
+        """Node ``node``'s veth counters so far (bytes and frames, each way).
 
         Read from ``/proc/PID/net/dev`` of an idle process inside that
         namespace (no process is started, so it can be read often).
@@ -142,8 +158,8 @@ class TwoNodeCluster:
             for line in f:
                 name, _, counters = line.partition(":")
                 if name.strip() == self.links[node]:
-                    fields = counters.split()
-                    return int(fields[0]), int(fields[8])
+                    fields = [int(v) for v in counters.split()]
+                    return LinkCounters(fields[0], fields[1], fields[8], fields[9])
         raise RuntimeError(f"no interface {self.links[node]} in the namespace of pid {pid}")
 
     def close(self) -> None:
