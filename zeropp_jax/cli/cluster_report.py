@@ -23,6 +23,8 @@ from __future__ import annotations
 import statistics
 from typing import Callable, Sequence
 
+from zeropp_jax.cli import netns
+
 BASELINES = ("zero3", "zero3-2level")
 # The run the overlap of per-layer traffic is calibrated on.
 CALIBRATION_PRESET = "zero3-2level"
