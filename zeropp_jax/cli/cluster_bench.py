@@ -6,7 +6,8 @@ same ``zeropp-train`` job as two processes, one per namespace (2 nodes x 4
 CPU devices, gloo collectives over the veth, coordinator on node 0's
 address). For each run it measures, over the steps after ``--warmup``:
 
-* the median step time (differences of the ``time`` field of the metrics
+* the median step time (with ``--repeats``, over the runs' steps pooled;
+  differences of the ``time`` field of the metrics
   file, which process 0 writes after each step's metrics reach the host) and
   tokens per second; for a qgZ preset, of its compressed steps;
 * for a 1-bit Adam preset, the median full-precision (refresh) step too,
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=common.positive_int, default=3,
                         help="first steps left out of the timing, compilation included "
                         "(default: 3; fewer than --steps)")
+    parser.add_argument("--repeats", type=common.positive_int, default=1,
+                        help="runs per preset and rate, their timed steps pooled (default: 1; "
+                        "single runs on a shared machine vary by about 10%%)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the records here")
     parser.add_argument("--figure", default=None, metavar="FILE",
                         help="draw speedup vs link rate here (matplotlib; .png, .svg, ...)")
@@ -280,18 +284,22 @@ def sweep(options, train_flags, log_dir: str, progress) -> list[dict]:
         for rate in options.rates:
             cluster.set_rate(rate)
             for preset in options.presets:
-                run_id = f"{preset}_{rate:g}mbit"
                 progress.set_description(f"{preset} @ {cluster_report.rate_name(rate)}")
-                measured = run_once(
-                    cluster, train_command_flags(preset, train_flags, options.steps,
-                                                 probe_refresh=True),
-                    warmup=options.warmup, steps=options.steps, log_dir=log_dir,
-                    run_id=run_id, port=20000 + len(records), timeout_s=options.timeout,
-                )
+                runs = []
+                for repeat in range(options.repeats):
+                    runs.append(run_once(
+                        cluster, train_command_flags(preset, train_flags, options.steps,
+                                                     probe_refresh=True),
+                        warmup=options.warmup, steps=options.steps, log_dir=log_dir,
+                        run_id=f"{preset}_{rate:g}mbit_{repeat}",
+                        port=20000 + options.repeats * len(records) + repeat,
+                        timeout_s=options.timeout,
+                    ))
+                    progress.update(1)
+                measured = {key: [v for run in runs for v in run[key]] for key in runs[0]}
                 records.append(cluster_report.record(
                     preset, rate, measured, tokens_per_step, refresh_every(preset, train_flags),
                     flags=" ".join(PRESETS[preset])))
-                progress.update(1)
                 r = records[-1]
                 progress.write(f"  {preset:>13} @ {cluster_report.rate_name(rate):>9}: "
                                f"{r['step_time_s']:.3f} s/step, "
@@ -326,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     keep_logs = options.log_dir is not None
     log_dir = options.log_dir or tempfile.mkdtemp(prefix="zeropp-cluster-bench-")
     os.makedirs(log_dir, exist_ok=True)
-    total = len(options.rates) * len(options.presets)
+    total = len(options.rates) * len(options.presets) * options.repeats
     progress = tqdm(total=total, unit="run", dynamic_ncols=True, file=sys.stderr)
     try:
         records = sweep(options, train_flags, log_dir, progress)

@@ -15,7 +15,10 @@ prefetching runtime can partly hide behind the layers' compute. ``f`` is one
 number for the cluster, calibrated on ``zero3-2level`` (all of whose
 cross-node traffic is per-layer) at the lowest rate it ran at, and 0
 without such a run (the serial model). ``zero3-2level`` at that rate is then
-predicted exactly, by construction.
+predicted exactly, by construction. The emulated link is a token bucket
+(``tc tbf``, :func:`zeropp_jax.cli.netns.burst_bytes`): the once-per-step
+traffic comes after the compute, when the bucket is full again, and its
+first ``burst`` bytes cost no link time (a real link has no such bucket).
 """
 
 from __future__ import annotations
@@ -118,15 +121,21 @@ def calibrate_overlap(records: Sequence[dict], profiles: dict, unlimited: dict) 
 
 
 def _link_seconds(profile, workload, rate_mbit: float) -> tuple[float, float]:
-    """``(per-layer, once-per-step)`` inter-node link seconds at ``rate_mbit`` (0: none)."""
+    """``(per-layer, once-per-step)`` inter-node link seconds at ``rate_mbit`` (0: none).
+
+    The once-per-step traffic follows the step's compute, during which the
+    link's token bucket refills: its first :func:`netns.burst_bytes` pass at
+    the link's own speed.
+    """
     from zeropp_jax.analysis import cost_model as cm
 
     if not rate_mbit:
         return 0.0, 0.0
     cluster = _cluster(rate_mbit / 1e3, 1.0, workload)
     per_second = cluster.inter_node_gbits_per_s * cm.GBIT
-    return tuple(profile.bytes_at(cluster, workload, per_layer=layer)[0] / per_second
-                 for layer in (True, False))
+    layer, once = (profile.bytes_at(cluster, workload, per_layer=layer)[0]
+                   for layer in (True, False))
+    return layer / per_second, max(0.0, once - netns.burst_bytes(rate_mbit)) / per_second
 
 
 def _curve(profile, workload, compute_s: float, overlap: float = 0.0) -> Callable[[float], float]:
@@ -186,35 +195,40 @@ def _per_node_mean(by_step: list[list[int]]) -> list[float]:
 
 
 def split_by_kind(per_step: list[list[int]], compressed: list[int]) -> tuple[float, float | None]:
-    """Mean per node and step of a per-step counter, compressed and full-precision steps apart.
+    """A per-step counter per node and step, compressed and full-precision steps apart.
 
-    A counter is read when a step's metrics line appears, and the next
-    step may already be sending (no host sync per step), so a step next to
-    a full-precision step can take some of its bytes. Compressed steps are
-    averaged over those whose neighbours are compressed too (all compressed
-    steps if none is); full-precision steps get the rest of the window's
-    total, which is exact however the reads fall.
+    A counter is read when a step's metrics line appears, when that step
+    has sent everything but the next one may already be sending (no host
+    sync per step): a step's figure can hold part of the next step's bytes
+    and lack what the read before took of its own. Compressed steps are
+    taken from those followed by a compressed step, whose figure can only
+    trade a compressed step's bytes (all compressed steps if none is; the
+    last step has no follower, its read nothing extra); full-precision
+    steps get the rest of the window's total, which is exact however the
+    reads fall. The compressed figure is the median of those steps: a
+    late read can take a whole step's burst (1-bit Adam sends at the end of
+    a step), which a mean would keep.
 
     Args:
       per_step: per timed step, one count per node.
       compressed: per timed step, 1 if compressed (all 0: no split).
 
     Returns:
-      ``(main, full)``: the compressed steps' mean (every step's without
-      compressed steps) and the full-precision steps' (``None`` if none or no
-      compressed step).
+      ``(main, full)``: the compressed steps' median (every step's mean
+      without compressed steps) and the full-precision steps' mean
+      (``None`` if none or no compressed step).
     """
     totals = [sum(node) / len(node) for node in per_step]
     if not any(compressed):
         return statistics.fmean(totals), None
     n = len(compressed)
     main = [i for i, c in enumerate(compressed) if c]
-    clean = [i for i in main if all(compressed[j] for j in (i - 1, i + 1) if 0 <= j < n)]
-    main_mean = statistics.fmean(totals[i] for i in (clean or main))
+    clean = [i for i in main if i + 1 < n and compressed[i + 1]]
+    main_figure = statistics.median(totals[i] for i in (clean or main))
     full = n - len(main)
     if not full:
-        return main_mean, None
-    return main_mean, (sum(totals) - len(main) * main_mean) / full
+        return main_figure, None
+    return main_figure, (sum(totals) - len(main) * main_figure) / full
 
 
 def record(preset: str, rate: float, measured: dict, tokens_per_step: int,
@@ -259,6 +273,9 @@ def record(preset: str, rate: float, measured: dict, tokens_per_step: int,
         "link_bytes_by_node_per_step": _per_node_mean([measured["link_rx_bytes"][i] for i in main]),
         "full_precision_link_bytes_per_node_per_step": full_link,
         "link_frames_per_node_per_step": frames,
+        # per timed step, per node, as read (for a re-analysis)
+        "link_rx_bytes_by_step": measured["link_rx_bytes"],
+        "link_rx_frames_by_step": measured.get("link_rx_frames"),
         # what the frames carried beyond their Ethernet/IP/TCP headers: the
         # collectives' payload plus gloo's own message headers
         "link_payload_bytes_per_node_per_step": (

@@ -41,6 +41,12 @@ BURST_SECONDS = 0.01
 FRAME_HEADER_BYTES = 14 + 20 + 32
 
 
+def burst_bytes(mbit: float) -> int:
+    """The token bucket of a link capped at ``mbit`` Mbit/s: after an idle
+    spell this many bytes pass at the link's own speed."""
+    return max(MIN_BURST_BYTES, int(mbit * 1e6 / 8 * BURST_SECONDS))
+
+
 class LinkCounters(NamedTuple):
     """A veth's counters (``/proc/net/dev``): bytes include every frame's headers."""
 
@@ -126,7 +132,7 @@ class TwoNodeCluster:
             with open(os.path.join(path, "hosts"), "w") as f:
                 f.write(f"127.0.0.1 localhost\n{addr} {self.hostname}\n")
         # An idle process in each namespace whose /proc/PID/net/dev shows the
-        # namespace's counters (link_bytes), however the measured programs run.
+        # namespace's counters (link_counters), however the measured programs run.
         for node in range(len(self.names)):
             self._watchers.append(subprocess.Popen(
                 [*self.exec_prefix(node), "sleep", "infinity"], stdin=subprocess.DEVNULL,
@@ -139,9 +145,8 @@ class TwoNodeCluster:
             subprocess.run(("tc", "-n", name, "qdisc", "del", "dev", link, "root"),
                            capture_output=True)  # none yet is fine
             if mbit:
-                burst = max(MIN_BURST_BYTES, int(mbit * 1e6 / 8 * BURST_SECONDS))
                 _run("tc", "-n", name, "qdisc", "add", "dev", link, "root", "tbf",
-                     "rate", f"{mbit}mbit", "burst", str(burst), "latency", "100ms")
+                     "rate", f"{mbit}mbit", "burst", str(burst_bytes(mbit)), "latency", "100ms")
 
     def exec_prefix(self, node: int) -> list[str]:
         """The command prefix that runs a program on node ``node`` (0 or 1)."""
