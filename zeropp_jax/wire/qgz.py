@@ -85,8 +85,9 @@ def cross_node_reduce(
       code: ``"sign"`` (scaled sign, mean|x| per block, or absmax
         integers), ``"hadamard"`` (the same code of each block's randomized
         Hadamard rotation, with the sending node's own sign pattern,
-        :mod:`zeropp_jax.wire.rotation`; the carry stays unrotated) or, 1-bit only, ``"dither"`` (unbiased, :mod:`zeropp_jax.wire.dither`; needs ``key`` and
-        ``carry=None``).
+        :mod:`zeropp_jax.wire.rotation`; the carry stays unrotated) or,
+        1-bit only, ``"dither"`` (unbiased, :mod:`zeropp_jax.wire.dither`;
+        needs ``key`` and ``carry=None``).
       key: uint32 scalar naming this step, unit and ``local`` index, the same
         on the devices that exchange chunks (only for ``code="dither"``).
 

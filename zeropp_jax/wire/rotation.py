@@ -16,9 +16,10 @@ same in either domain; callers keep their carries in the original one.
 Each sending node rotates with its own sign pattern (``pattern`` = its
 ``node`` index): 1-bit Adam's nodes code vectors that are mostly the same
 shared momentum, and with one pattern their codes would err alike, so the
-mean over nodes would keep the whole error; with independent patterns the
-errors are independent and the mean's error variance falls with the number
-of nodes. A receiver rotates each sender's codes back with that sender's
+mean over nodes would keep the whole error; with independent patterns only
+the part every scaled-sign code shares, its shrinkage of ``x`` (``1 - 2/pi``
+of the error's variance for Gaussian blocks), stays, and the rest averages
+out over the nodes (two nodes: 0.83 of one node's error). A receiver rotates each sender's codes back with that sender's
 pattern (:func:`unrotate_rows`).
 
 Both directions are exact in their arithmetic pattern (additions and
