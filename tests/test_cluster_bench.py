@@ -172,3 +172,49 @@ def test_the_bench_times_refresh_steps_of_1bit_adam_presets():
     assert cluster_bench.refresh_every("zeropp-max", []) == 40  # the preset's own cycle
     assert "--qgz-refresh-every" not in cluster_bench.train_command_flags(
         "zeropp-int4", [], 10, probe_refresh=True)  # gradient qgZ: no refreshes
+
+
+def test_repeats_pool_the_runs_steps_on_distinct_ports(monkeypatch, tmp_path):
+    class FakeCluster:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def set_rate(self, mbit):
+            pass
+
+    class Progress:
+        def __init__(self):
+            self.done = 0
+
+        def set_description(self, text):
+            pass
+
+        def update(self, n):
+            self.done += n
+
+        def write(self, text):
+            pass
+
+    ports = []
+
+    def fake_run(cluster, flags, *, warmup, steps, log_dir, run_id, port, timeout_s):
+        ports.append(port)
+        step = 0.1 * len(ports)
+        return {"step_times_s": [step, step], "compressed": [0, 0],
+                "link_rx_bytes": [[100, 100], [100, 100]], "link_rx_frames": [[2, 2], [2, 2]]}
+
+    monkeypatch.setattr(cluster_bench.netns, "TwoNodeCluster", FakeCluster)
+    monkeypatch.setattr(cluster_bench, "run_once", fake_run)
+    options, flags = cluster_bench.parse_args(
+        ["--rates", "50,0", "--presets", "zero3,hpz", "--repeats", "3"])
+    progress = Progress()
+    records = cluster_bench.sweep(options, flags, str(tmp_path), progress)
+    assert len(records) == 4 and progress.done == 12
+    assert len(set(ports)) == 12  # every run its own coordinator port
+    first = records[0]
+    assert first["step_times_s"] == pytest.approx([0.1, 0.1, 0.2, 0.2, 0.3, 0.3])
+    assert first["step_time_s"] == pytest.approx(0.2)  # the median of the pooled steps
+    assert first["link_frames_per_node_per_step"] == 2
