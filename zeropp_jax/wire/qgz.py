@@ -164,6 +164,23 @@ def _encode(
     return q, x - residual, residual
 
 
+def _encode_and_gather(
+    x: jax.Array, carry: jax.Array | None, *, bits: int, block: int, scale_dtype: Any,
+    kernels: kernels_lib.Kernels, code: str,
+) -> tuple[Any, jax.Array]:
+    """Every node's codes of its ``x + carry`` (``(..., r)``), gathered over ``node``.
+
+    Returns ``(gathered, residual)``: the codes with one row per sender,
+    ``(..., nodes, ·)``, and this node's float32 ``(..., r)`` residual
+    (:func:`_encode`). Moves the codes over ``node``.
+    """
+    q, _, residual = _encode(
+        x, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code)
+    nodes = jax.lax.axis_size(NODE)
+    gathered = jax.tree.map(lambda a: _node_rows(a, nodes), collectives.all_gather(q, (NODE,)))
+    return gathered, residual
+
+
 def _decoded_rows(q: Any, *, bits: int, block: int, kernels: kernels_lib.Kernels,
                   code: str) -> jax.Array:
     """float32 ``(..., k, c)``: row ``i`` of codes ``(..., k, ·)`` decoded as sender ``i`` coded it."""
@@ -243,12 +260,8 @@ def cross_node_share(
       chunks of every node in node order (identical on all nodes), and the
       new carry (``None`` if ``carry`` was ``None``). Touches ``node`` only.
     """
-    q, _, residual = _encode(
-        y, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code
-    )
-    nodes = jax.lax.axis_size(NODE)
-    gathered = jax.tree.map(  # one row per sender
-        lambda a: _node_rows(a, nodes), collectives.all_gather(q, (NODE,)))
+    gathered, residual = _encode_and_gather(
+        y, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code)
     shared = _decoded_rows(gathered, bits=bits, block=block, kernels=kernels, code=code)
     return jnp.reshape(shared, y.shape[:-1] + (-1,)), (None if carry is None else residual)
 
@@ -285,11 +298,7 @@ def cross_node_gather_mean(
       and ``x + carry - sent`` (``None`` if ``carry`` was ``None``). Touches
       ``node`` only.
     """
-    q, _, residual = _encode(
-        x, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code
-    )
-    nodes = jax.lax.axis_size(NODE)
-    gathered = jax.tree.map(  # one row per sender
-        lambda a: _node_rows(a, nodes), collectives.all_gather(q, (NODE,)))
+    gathered, residual = _encode_and_gather(
+        x, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code)
     total = _decoded_sum(gathered, bits=bits, block=block, kernels=kernels, code=code)
-    return total / nodes, (None if carry is None else residual)
+    return total / jax.lax.axis_size(NODE), (None if carry is None else residual)

@@ -103,9 +103,13 @@ def unrotate_rows(y: jax.Array, block: int) -> jax.Array:
     """
     y = jnp.asarray(y, jnp.float32)
     _check_block(y.shape[-1], block)
-    k = y.shape[-2]
-    table = np.stack([random_signs(block, i) for i in range(k)])  # (k, block)
+    table = _sign_table(block, y.shape[-2])  # (k, block)
     return _times_signs(_hadamard(y, block) * (1.0 / block), block, jnp.asarray(table[:, None, :]))
+
+
+def _sign_table(block: int, patterns: int) -> np.ndarray:
+    """Patterns ``0 .. patterns - 1`` of :func:`random_signs`: float32 ``(patterns, block)``."""
+    return np.stack([random_signs(block, i) for i in range(patterns)])
 
 
 def _pattern(block: int, pattern: int | jax.Array, patterns: int) -> jax.Array:
@@ -114,8 +118,7 @@ def _pattern(block: int, pattern: int | jax.Array, patterns: int) -> jax.Array:
         if not 0 <= pattern < patterns:
             raise ValueError(f"pattern must be in [0, {patterns}), got {pattern}")
         return jnp.asarray(random_signs(block, pattern))
-    table = np.stack([random_signs(block, i) for i in range(patterns)])
-    return jnp.asarray(table)[pattern]
+    return jnp.asarray(_sign_table(block, patterns))[pattern]
 
 
 def _times_signs(x: jax.Array, block: int, signs: jax.Array) -> jax.Array:
