@@ -150,7 +150,9 @@ def test_record_separates_compressed_and_refresh_steps():
         "link_rx_bytes": [[100, 110], [900, 910], [100, 110], [100, 110], [1100, 1110]],
         "link_rx_frames": [[1, 1], [9, 9], [1, 1], [1, 1], [11, 11]],
     }
-    r = cluster_report.record("zeropp-max", 50.0, measured, tokens_per_step=10, refresh=40)
+    r = cluster_report.record("zeropp-max", 50.0, measured, tokens_per_step=10, refresh=40,
+                              flags="--preset zeropp-max")
+    assert r["flags"] == "--preset zeropp-max" and r["compressed"] == [1, 0, 1, 1, 0]
     assert r["link_frames_per_node_per_step"] == 1
     assert r["link_payload_bytes_per_node_per_step"] == 105 - netns.FRAME_HEADER_BYTES
     assert r["step_time_s"] == 1.0 and r["full_precision_step_time_s"] == pytest.approx(3.2)

@@ -247,17 +247,17 @@ def record(preset: str, rate: float, measured: dict, tokens_per_step: int,
     ``link_payload_bytes_per_node_per_step`` is the bytes less each frame's
     Ethernet, IP and TCP headers (:data:`zeropp_jax.cli.netns.FRAME_HEADER_BYTES`).
     """
-    times, flags = measured["step_times_s"], measured["compressed"]
-    main = [i for i, c in enumerate(flags) if c] or list(range(len(times)))
-    full = [i for i, c in enumerate(flags) if not c] if any(flags) else []
+    times, kinds = measured["step_times_s"], measured["compressed"]
+    main = [i for i, c in enumerate(kinds) if c] or list(range(len(times)))
+    full = [i for i, c in enumerate(kinds) if not c] if any(kinds) else []
     median = statistics.median(times[i] for i in main)
     full_s = statistics.median(times[i] for i in full) if full else None
     cycle = median
     if refresh:
         cycle = None if full_s is None else ((refresh - 1) * median + full_s) / refresh
-    link, full_link = split_by_kind(measured["link_rx_bytes"], flags)
+    link, full_link = split_by_kind(measured["link_rx_bytes"], kinds)
     frames = measured.get("link_rx_frames")
-    frames = split_by_kind(frames, flags)[0] if frames else None
+    frames = split_by_kind(frames, kinds)[0] if frames else None
     return {
         "preset": preset,
         "flags": flags,
@@ -267,7 +267,7 @@ def record(preset: str, rate: float, measured: dict, tokens_per_step: int,
         "refresh_every": refresh,
         "cycle_step_time_s": cycle,
         "step_times_s": times,
-        "compressed": flags,
+        "compressed": kinds,
         "tokens_per_s": tokens_per_step / median,
         "link_bytes_per_node_per_step": link,
         "link_bytes_by_node_per_step": _per_node_mean([measured["link_rx_bytes"][i] for i in main]),
