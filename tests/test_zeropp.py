@@ -67,6 +67,33 @@ def test_hpz_per_layer_gathers_stay_inside_the_node():
     assert refresh, "hpZ must refresh its secondary copy across nodes once per step"
 
 
+def test_hpz_secondary_is_decoded_once_or_kept_quantized():
+    """qwZ's codes cross nodes once per step either way; decoded, the per-layer
+    gathers inside the node carry the compute dtype and the same values."""
+    reports = {s: report("zeropp", hpz_secondary=s) for s in ("decoded", "quantized")}
+    for rep in reports.values():
+        refresh = [c for c in rep.collectives if c.kind == "all-gather" and crosses_node(c)]
+        assert "s8" in {c.dtype for c in refresh}, refresh
+    in_node = {s: {c.dtype for c in rep.collectives if c.kind == "all-gather" and per_layer(c)}
+               for s, rep in reports.items()}
+    assert in_node["decoded"] == {"f32"}, in_node
+    assert "s8" in in_node["quantized"], in_node
+    assert reports["decoded"].inter_node_bytes == reports["quantized"].inter_node_bytes
+
+    runs = {}
+    for secondary in ("decoded", "quantized"):
+        # full precision throughout: a 1-bit code would turn rounding into sign flips
+        trainer, params = _train("zeropp", 0, qgz_warmup_steps=3, hpz_secondary=secondary)
+        runs[secondary] = (zero_run(trainer, params, tiny_batches(), 3)[0],
+                           trainer.memory_per_device()["gather_source"])
+    (decoded, decoded_mem), (quantized, quantized_mem) = runs.values()
+    assert decoded[0] == quantized[0]  # the same parameters gathered: the same first loss
+    np.testing.assert_allclose(decoded, quantized, rtol=1e-6)  # then float32 rounding
+    assert decoded_mem > 3 * quantized_mem  # float32 vs int8 codes and their scales
+    with pytest.raises(ValueError, match="hpz=True and qwz_bits"):
+        zp.ZeroConfig.from_preset("hpz", hpz_secondary="quantized")
+
+
 def test_qgz_gradients_cross_nodes_as_packed_bits_and_scales():
     # gradient qgZ; 1-bit Adam's wire: tests/test_momentum.py
     rep = report("qgz", **GRADIENT)

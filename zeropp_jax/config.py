@@ -37,7 +37,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from zeropp_jax.config_checks import (
-    QGZ_CODES, QGZ_SHARES, check_node_replicated, check_onebit_adam, check_qgz_code,
+    HPZ_SECONDARIES, QGZ_CODES, QGZ_SHARES, check_hpz_secondary, check_node_replicated,
+    check_onebit_adam, check_qgz_code, check_qgz_schedule,
 )
 
 # 1-bit Adam estimates Adam's second moment in the warm-up and freezes it
@@ -189,6 +190,14 @@ class ZeroConfig:
         False, "hpZ: keep a secondary parameter partition inside each node, so per-layer "
         "gathers run over the local axis only", parse=bool,
     )
+    hpz_secondary: str = _field(
+        "decoded", "with hpZ and qwZ, how each node holds its secondary partition: decoded "
+        "(qwZ's codes cross nodes once per step and are decoded once, so the per-layer "
+        "gathers inside the node carry the compute dtype, as DeepSpeed's hpZ) or quantized "
+        "(the codes themselves: the secondary's memory and in-node gather bytes of int8 or "
+        "int4, a dequantize after every gather); the parameters are the same either way",
+        choices=HPZ_SECONDARIES,
+    )
     qgz: str = _field(
         "off", "qgZ: compression of the cross-node gradient reduction: off, 1bit, int8 or int4",
         choices=QGZ_MODES,
@@ -301,21 +310,11 @@ class ZeroConfig:
                 )
         if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(f"grad_accum must be an integer >= 1, got {self.grad_accum!r}")
-        if isinstance(self.qgz_seed, bool) or not isinstance(self.qgz_seed, int):
-            raise ValueError(f"qgz_seed must be an integer, got {self.qgz_seed!r}")
-        if not isinstance(self.qgz_warmup_steps, int) or self.qgz_warmup_steps < 0:
-            raise ValueError(
-                f"qgz_warmup_steps must be an integer >= 0, got {self.qgz_warmup_steps!r}"
-            )
-        if not self.qgz_min_grad_rms >= 0:
-            raise ValueError(
-                f"qgz_min_grad_rms must be >= 0 (0 disables the gate), got {self.qgz_min_grad_rms!r}"
-            )
-        if self.qgz_target not in QGZ_TARGETS:
-            raise ValueError(f"qgz_target must be one of {QGZ_TARGETS}, got {self.qgz_target!r}")
+        check_qgz_schedule(self, QGZ_TARGETS)
         check_qgz_code(self)
         check_onebit_adam(self)
         check_node_replicated(self)
+        check_hpz_secondary(self)
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"

@@ -8,6 +8,24 @@ from __future__ import annotations
 
 QGZ_CODES = ("sign", "hadamard", "dither")
 QGZ_SHARES = ("two-hop", "gather", "auto")
+HPZ_SECONDARIES = ("decoded", "quantized")
+
+
+def check_qgz_schedule(config, targets: tuple[str, ...]) -> None:
+    """qgZ's seed, warm-up, gradient-RMS gate and target: values of the right kind."""
+    if isinstance(config.qgz_seed, bool) or not isinstance(config.qgz_seed, int):
+        raise ValueError(f"qgz_seed must be an integer, got {config.qgz_seed!r}")
+    if not isinstance(config.qgz_warmup_steps, int) or config.qgz_warmup_steps < 0:
+        raise ValueError(
+            f"qgz_warmup_steps must be an integer >= 0, got {config.qgz_warmup_steps!r}"
+        )
+    if not config.qgz_min_grad_rms >= 0:
+        raise ValueError(
+            "qgz_min_grad_rms must be >= 0 (0 disables the gate), "
+            f"got {config.qgz_min_grad_rms!r}"
+        )
+    if config.qgz_target not in targets:
+        raise ValueError(f"qgz_target must be one of {targets}, got {config.qgz_target!r}")
 
 
 def check_qgz_code(config) -> None:
@@ -57,6 +75,20 @@ def check_node_replicated(config) -> None:
             "node_replicated=True keeps the parameters on every node already, so hpZ's "
             "secondary partition has nothing to add: set hpz=False (--no-hpz), or use "
             "the zeropp-max preset"
+        )
+
+
+def check_hpz_secondary(config) -> None:
+    """hpZ's secondary partition: a known form, and ``"quantized"`` only where there are codes."""
+    if config.hpz_secondary not in HPZ_SECONDARIES:
+        raise ValueError(
+            f"hpz_secondary must be one of {HPZ_SECONDARIES}, got {config.hpz_secondary!r}"
+        )
+    if config.hpz_secondary == "quantized" and not (config.hpz and config.qwz_bits):
+        raise ValueError(
+            "hpz_secondary='quantized' keeps hpZ's secondary partition as qwZ codes; it "
+            f"needs hpz=True and qwz_bits 8 or 4, got hpz={config.hpz!r}, "
+            f"qwz_bits={config.qwz_bits!r} (e.g. the zeropp preset)"
         )
 
 

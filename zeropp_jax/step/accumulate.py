@@ -31,7 +31,9 @@ def unit_source(geo: StepGeometry, primary: jax.Array) -> Any:
     not change within a step, so every gather of the step (forward and
     backward, every micro-batch) sends the same payload. With hpZ, the node's
     secondary partition: that payload all-gathered over ``node`` once, the
-    only parameter traffic across nodes.
+    only parameter traffic across nodes, and with qwZ decoded there once
+    (unless ``hpz_secondary="quantized"``), so the gathers inside the node
+    carry the compute dtype and nothing is dequantized per gather.
 
     Args:
       geo: the step geometry.
@@ -39,16 +41,22 @@ def unit_source(geo: StepGeometry, primary: jax.Array) -> Any:
 
     Returns:
       ``([L,] U / D)`` (``([L,] U / local)`` with hpZ) in the compute dtype,
-      or a ``Quantized`` pair of that length when qwZ is on.
+      or a ``Quantized`` pair of that length when ``geo.plan`` gathers qwZ
+      codes. Mesh axes: ``node`` with hpZ, none otherwise.
     """
-    plan = geo.plan
+    cfg, plan = geo.config, geo.plan
     payload = collectives.encode_for_gather(
-        primary, bits=plan.bits, block=plan.block, scale_dtype=plan.scale_dtype,
+        primary, bits=cfg.qwz_bits, block=cfg.qwz_block, scale_dtype=cfg.scale_dtype,
         out_dtype=plan.compute_dtype, kernels=plan.kernels,
     )
-    if geo.config.hpz:
+    if cfg.hpz:
         with jax.named_scope("hpz_secondary"):
             payload = collectives.all_gather(payload, (NODE,))
+            if geo.decoded_secondary:
+                payload = collectives.decode_gathered(
+                    payload, bits=cfg.qwz_bits, block=cfg.qwz_block,
+                    out_dtype=plan.compute_dtype, kernels=plan.kernels,
+                )
     return payload
 
 

@@ -115,6 +115,14 @@ class StepGeometry:
         """
         return self.kernels.name != "pallas-interpret"
 
+    @property
+    def decoded_secondary(self) -> bool:
+        """hpZ's secondary partition holds decoded parameters (``hpz_secondary``):
+        qwZ's codes cross nodes once per step, the per-layer gathers carry the
+        compute dtype."""
+        cfg = self.config
+        return cfg.hpz and bool(cfg.qwz_bits) and cfg.hpz_secondary == "decoded"
+
     @functools.cached_property
     def plan(self) -> GatherPlan:
         """How every unit is gathered and its gradient reduced."""
@@ -122,7 +130,7 @@ class StepGeometry:
         return GatherPlan(
             gather_axes=(LOCAL,) if cfg.hpz or cfg.node_replicated else SHARD_AXES,
             reduce_axes=(LOCAL,) if cfg.hierarchical_grads else SHARD_AXES,
-            bits=cfg.qwz_bits,
+            bits=0 if self.decoded_secondary else cfg.qwz_bits,
             block=cfg.qwz_block,
             scale_dtype=cfg.scale_dtype,
             compute_dtype=self.compute_dtype,
@@ -201,7 +209,8 @@ class StepGeometry:
         per step (:func:`~zeropp_jax.step.accumulate.unit_source`): this
         device's shard cast to the compute dtype (nothing extra when that is
         float32) or quantized with qwZ; with hpZ the node's copy of the
-        model, sharded over ``local`` only. ``master_params`` is ``1/local``
+        model, sharded over ``local`` only (in the compute dtype unless
+        ``hpz_secondary="quantized"``). ``master_params`` is ``1/local``
         of the float32 model with ``node_replicated``. ``grad_accumulator``
         holds gradients between the backward and the cross-node reduction:
         ``1/local`` of the model with hierarchical gradients (hpZ or qgZ),
@@ -214,7 +223,7 @@ class StepGeometry:
         per_local = padded // self.local
         in_node = cfg.hpz or cfg.node_replicated
         source = per_local if in_node else padded // self.n_devices
-        if cfg.qwz_bits:
+        if self.plan.bits:
             source_bytes = quantization.wire_bytes(
                 source, bits=cfg.qwz_bits, block=cfg.qwz_block, scale_dtype=cfg.scale_dtype
             )
