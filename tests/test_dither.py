@@ -158,7 +158,8 @@ def test_config_refuses_dither_with_error_feedback_or_other_modes():
     cfg = zp.ZeroConfig.from_preset("zeropp", qgz_code="dither", qgz_error_feedback=False,
                                     qgz_target="gradient")
     assert cfg.describe()["qgz_code"] == "dither" and cfg.qgz_block == 16
-    assert zp.ZeroConfig.from_preset("zeropp").qgz_block == 32
+    assert zp.ZeroConfig.from_preset("zeropp").qgz_block == 128  # the compact wire's
+    assert zp.ZeroConfig.from_preset("qgz").qgz_block == 32
 
 
 @pytest.mark.slow

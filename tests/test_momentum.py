@@ -18,6 +18,10 @@ from test_zeropp import report
 # Collectives of the metrics (loss, gradient norm): a few scalars.
 METRIC_BYTES = 16
 BLOCK = 32  # the 1-bit default block
+# 1-bit Adam's first wire (the qgz preset's): scaled signs of BLOCK values, float32
+# scales, two hops with a receiver carry; the zeropp presets run the compact wire.
+SIGN_TWO_HOP = dict(qgz_code="sign", qgz_share="two-hop", qgz_block=BLOCK,
+                    scale_dtype="float32")
 
 
 def _trainer(preset="zeropp", opt=None, **overrides):
@@ -77,7 +81,7 @@ def _blocks_share_one_magnitude(x: np.ndarray) -> bool:
 
 
 def test_compressed_steps_share_one_momentum_and_keep_what_they_lose():
-    trainer, params = _trainer(qgz_warmup_steps=2)
+    trainer, params = _trainer(qgz_warmup_steps=2, **SIGN_TWO_HOP)
     state = trainer.init(params)
     batches = tiny_batches()
     flags, losses = [], []
@@ -147,8 +151,9 @@ def crosses_node(c):
     return c.axis in ("node", "node+local")
 
 
-def test_compressed_step_moves_only_codes_across_nodes():
-    rep = _report(True)
+def _cross_node_kinds(rep) -> set:
+    """(kind, dtype) of the compressed step's cross-node collectives, each run
+    once by one device per node; metric all-reduces left out."""
     kinds = set()
     for c in rep.collectives:
         if not crosses_node(c):
@@ -157,10 +162,21 @@ def test_compressed_step_moves_only_codes_across_nodes():
             assert c.operand_bytes <= METRIC_BYTES, c
             continue
         assert c.axis == "node" and c.count == 1, c
-        # hpZ's int8 refresh, the momentum's 1-bit codes, and their f32 scales
-        assert c.dtype in (("s8", "u8", "f32") if c.kind == "all-gather" else ("u8", "f32")), c
         kinds.add((c.kind, c.dtype))
-    assert {("all-to-all", "u8"), ("all-gather", "u8")} <= kinds, kinds
+    return kinds
+
+
+def test_compressed_step_moves_only_codes_across_nodes():
+    # two hops: hpZ's int8 refresh, the momentum's 1-bit codes, and their f32 scales
+    kinds = _cross_node_kinds(_report(True, **SIGN_TWO_HOP))
+    assert kinds == {("all-gather", "s8"), ("all-gather", "u8"), ("all-gather", "f32"),
+                     ("all-to-all", "u8"), ("all-to-all", "f32")}, kinds
+    # the preset's compact wire: every node's codes in one gather, bf16 scales
+    # (counted as such; XLA:CPU may carry them wider)
+    kinds = _cross_node_kinds(_report(True))
+    assert {k for k, _ in kinds} == {"all-gather"}, kinds
+    assert {("all-gather", "s8"), ("all-gather", "u8")} <= kinds, kinds
+    assert {d for _, d in kinds} <= {"s8", "u8", "f32", "bf16"}, kinds
 
 
 def test_full_precision_step_all_reduces_gradients_over_node():

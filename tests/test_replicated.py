@@ -42,8 +42,11 @@ WIRE = {**{k: zp.config.PRESETS["zeropp-max"][k]
 @functools.cache
 def _runs():
     out = {}
+    # zeropp's secondary kept quantized: per-layer gathers and decodes of the
+    # same form as zeropp-max's, so the same float arithmetic
+    extra = {"zeropp": dict(hpz_secondary="quantized"), "zeropp-max": {}}
     for preset in ("zeropp", "zeropp-max"):
-        trainer, params = _trainer(preset, **WIRE)
+        trainer, params = _trainer(preset, **WIRE, **extra[preset])
         losses, state = zero_run(trainer, params, tiny_batches(), STEPS)
         out[preset] = trainer, losses, state
     return out

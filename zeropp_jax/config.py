@@ -16,8 +16,8 @@ preset          qwZ     hpZ    qgZ
 ``qwz``         int8    off    off
 ``hpz``         off     on     off
 ``qgz``         off     off    1-bit, error feedback on Adam's momentum
-``zeropp``      int8    on     1-bit, error feedback on Adam's momentum
-``zeropp-max``  off     --     1-bit Adam, parameters replicated over nodes
+``zeropp``      int8    on     1-bit Adam on the compact wire (below)
+``zeropp-max``  off     --     the same, parameters replicated over nodes
 ==============  ======  =====  ==============================================
 
 The 1-bit presets run 1-bit Adam (``qgz_target="momentum"``, optimizer
@@ -50,8 +50,9 @@ DEFAULT_QGZ_WARMUP = 100
 # in training (benchmarks/RESULTS.md).
 DEFAULT_QGZ_REFRESH_EVERY = 10
 
-# zeropp-max's compact wire: 1-bit codes with one bf16 scale per this many,
-# and a refresh this rarely (measured: no loss cost over 5 seeds).
+# The compact wire of the zeropp and zeropp-max presets: 1-bit codes with one
+# bf16 scale per this many, and a refresh this rarely (measured: no loss cost
+# over 5 seeds; benchmarks/RESULTS.md, "compact wire").
 COMPACT_QGZ_BLOCK = 128
 COMPACT_REFRESH_EVERY = 40
 
@@ -59,28 +60,27 @@ _ONEBIT_ADAM = dict(
     qgz="1bit", qgz_error_feedback=True, qgz_target="momentum",
     qgz_warmup_steps=DEFAULT_QGZ_WARMUP, qgz_refresh_every=DEFAULT_QGZ_REFRESH_EVERY,
 )
+# 1-bit Adam on the compact wire: one bf16 scale per 128 signs, a refresh
+# every 40 steps; the codes are of each block's Hadamard rotation (each node
+# with random signs of its own, so the nodes' code errors average out), and
+# with two nodes every node gathers every node's codes instead of a second,
+# re-quantized hop (same bytes, half the code error). Over ten seeds zeropp's
+# loss gap fell from +0.76% to +0.08% on it (benchmarks/RESULTS.md).
+_COMPACT_ONEBIT_ADAM = dict(
+    _ONEBIT_ADAM, qgz_refresh_every=COMPACT_REFRESH_EVERY, qgz_block=COMPACT_QGZ_BLOCK,
+    scale_dtype="bfloat16", qgz_code="hadamard", qgz_share="auto",
+)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "zero3": dict(qwz_bits=0, hpz=False, qgz="off"),
     "qwz": dict(qwz_bits=8, hpz=False, qgz="off"),
     "hpz": dict(qwz_bits=0, hpz=True, qgz="off"),
     "qgz": dict(qwz_bits=0, hpz=False, **_ONEBIT_ADAM),
-    "zeropp": dict(qwz_bits=8, hpz=True, **_ONEBIT_ADAM),
+    "zeropp": dict(qwz_bits=8, hpz=True, **_COMPACT_ONEBIT_ADAM),
     # 1-bit Adam with the parameters replicated over nodes: no parameter
-    # traffic crosses nodes, only the momentum codes (and refresh steps),
-    # on a compact wire (benchmarks/RESULTS.md, "compact wire"): one bf16
-    # scale per 128 signs, a refresh every 40 steps, and no qwZ (its
-    # gathers stay inside the node, where it only added loss noise); the
-    # codes are of each block's Hadamard rotation (each node with its own
-    # random signs, so the nodes' code errors average out), and with two nodes every
-    # node gathers every node's codes instead of a second, re-quantized hop
-    # (same bytes, half the code error: benchmarks/RESULTS.md).
-    "zeropp-max": dict(
-        qwz_bits=0, hpz=False, node_replicated=True,
-        **{**_ONEBIT_ADAM, "qgz_refresh_every": COMPACT_REFRESH_EVERY},
-        qgz_block=COMPACT_QGZ_BLOCK, scale_dtype="bfloat16",
-        qgz_code="hadamard", qgz_share="auto",
-    ),
+    # traffic crosses nodes, only the momentum codes (and refresh steps); no
+    # qwZ (its gathers stay inside the node, where it only added loss noise).
+    "zeropp-max": dict(qwz_bits=0, hpz=False, node_replicated=True, **_COMPACT_ONEBIT_ADAM),
 }
 
 QWZ_BITS = (0, 8, 4)
@@ -154,6 +154,33 @@ def _field(
         cli_default=none_name if none_name is not None else cli_default,
         none_name=none_name,
     ))
+
+
+def _preset_fields(preset: str, given: dict) -> dict:
+    """A preset's fields with ``given`` on top, less the preset's qgZ fields
+    that ``given`` makes meaningless (see :meth:`ZeroConfig.from_preset`)."""
+    # An unknown preset adds nothing here; __post_init__ rejects it.
+    wire = PRESETS.get(preset, {})
+    kwargs = {**wire, **given}
+    # A preset's 1-bit Adam fields describe its compression: with qgZ
+    # switched off there is nothing to compress, its code and block are its
+    # own mode's (the block also its own code's), and with the gradient target
+    # there is no frozen second moment to refresh. Fields given explicitly are
+    # kept (and validated as given).
+    def drop(*names):
+        for name in names:
+            if name not in given:
+                kwargs.pop(name, None)
+
+    if kwargs.get("qgz") == "off":
+        drop("qgz_target")
+    if kwargs.get("qgz") != wire.get("qgz"):
+        drop("qgz_code", "qgz_block")
+    if kwargs.get("qgz_code") != wire.get("qgz_code"):
+        drop("qgz_block")
+    if kwargs.get("qgz_target", "gradient") != "momentum":
+        drop("qgz_refresh_every", "qgz_share")
+    return kwargs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,8 +352,9 @@ class ZeroConfig:
         """Builds the config of a preset, with some fields overridden.
 
         Overrides of ``None`` are ignored (the preset's value stays). The
-        1-bit presets' momentum target and code are dropped when
-        ``qgz="off"`` is given, and their refresh period and share when the
+        1-bit presets' momentum target is dropped when ``qgz="off"`` is
+        given, their code and block when another ``qgz`` mode is (the block
+        also with another code), and their refresh period and share when the
         target is ``"gradient"`` (given or implied), unless those fields are
         given too.
 
@@ -342,21 +370,7 @@ class ZeroConfig:
                 f"unknown config field(s) {unknown}; valid fields are {sorted(fields)}"
             )
         given = {k: v for k, v in overrides.items() if v is not None}
-        # An unknown preset adds nothing here; __post_init__ rejects it.
-        kwargs = {**PRESETS.get(preset, {}), **given}
-        # A preset's 1-bit Adam fields describe its compression: with qgZ
-        # switched off there is nothing to compress, and with the gradient
-        # target there is no frozen second moment to refresh. Fields given
-        # explicitly are kept (and validated as given).
-        if kwargs.get("qgz") == "off" and "qgz_target" not in given:
-            kwargs.pop("qgz_target", None)
-        if kwargs.get("qgz") == "off" and "qgz_code" not in given:
-            kwargs.pop("qgz_code", None)
-        if kwargs.get("qgz_target", "gradient") != "momentum":
-            for name in ("qgz_refresh_every", "qgz_share"):
-                if name not in given:
-                    kwargs.pop(name, None)
-        return cls(preset=preset, **kwargs)
+        return cls(preset=preset, **_preset_fields(preset, given))
 
     def replace(self, **changes: Any) -> "ZeroConfig":
         return dataclasses.replace(self, **changes)

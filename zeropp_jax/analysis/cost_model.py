@@ -156,6 +156,9 @@ PUBLISHED = (
     PublishedPoint("ZeRO++ 200 Gb/s vs ZeRO-3 800 Gb/s", 200, 800, 1024, 1.0, 1.0),
 )
 PUBLISHED_MODEL_SIZES = (18e9, 138e9)
+# ZeRO++ as published and as DeepSpeed runs it: the zeropp preset's qwZ and
+# hpZ with int4 gradients (DeepSpeed's qgZ) and float32 scales.
+PUBLISHED_ZEROPP = dict(qgz="int4", qgz_target="gradient", scale_dtype="float32")
 # How far a prediction may land from the published ratio (relative).
 PUBLISHED_TOLERANCE = 0.25
 
@@ -172,7 +175,7 @@ def compare_published(
 
     Args:
       zero3, zeropp: profiles of the two steps (for the paper's ZeRO++, the
-        ``zeropp`` preset with ``qgz="int4"``: DeepSpeed's qgZ is int4).
+        ``zeropp`` preset with :data:`PUBLISHED_ZEROPP`: DeepSpeed's qgZ is int4).
       cluster: the testbed (its inter-node bandwidth is set per point).
 
     Returns:

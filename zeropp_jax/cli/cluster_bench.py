@@ -67,8 +67,9 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "hpz": ("--preset", "hpz"),
     "zeropp": ("--preset", "zeropp", "--qgz-warmup", "1"),
     "zeropp-max": ("--preset", "zeropp-max", "--qgz-warmup", "1"),
+    # ZeRO++ as DeepSpeed runs it (cost_model.PUBLISHED_ZEROPP)
     "zeropp-int4": ("--preset", "zeropp", "--qgz", "int4", "--qgz-target", "gradient",
-                    "--qgz-warmup", "1"),
+                    "--scale-dtype", "float32", "--qgz-warmup", "1"),
 }
 # 1-bit Adam refreshes every qgz_refresh_every (10-40) steps, too rarely for
 # a short timed window; the bench's runs refresh this often instead.

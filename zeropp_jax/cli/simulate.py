@@ -148,8 +148,8 @@ def simulate(args: argparse.Namespace) -> dict:
     out: dict = {"profile_mesh": list(baseline.mesh_shape), "profile_params": baseline.params}
     if args.published:
         # ZeRO++ as published: int4 gradients (not 1-bit Adam's momentum)
-        zeropp = profile(preset_config(args, "zeropp", qgz="int4", qgz_target="gradient"),
-                         "zeropp --qgz int4 --qgz-target gradient")
+        zeropp = profile(preset_config(args, "zeropp", **cm.PUBLISHED_ZEROPP),
+                         "zeropp --qgz int4 --qgz-target gradient --scale-dtype float32")
         rows = cm.compare_published(baseline, zeropp)
         out["published"] = rows
         out["tolerance"] = cm.PUBLISHED_TOLERANCE
