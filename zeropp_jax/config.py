@@ -37,8 +37,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from zeropp_jax.config_checks import (
-    HPZ_SECONDARIES, QGZ_CODES, QGZ_SHARES, check_hpz_secondary, check_node_replicated,
-    check_onebit_adam, check_qgz_code, check_qgz_schedule,
+    HPZ_SECONDARIES, QGZ_CODES, QGZ_SHARES, QGZ_TARGETS, check_hpz_secondary,
+    check_node_replicated, check_onebit_adam, check_qgz_code, check_qgz_schedule,
 )
 
 # 1-bit Adam estimates Adam's second moment in the warm-up and freezes it
@@ -85,7 +85,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 QWZ_BITS = (0, 8, 4)
 QGZ_MODES = ("off", "1bit", "int8", "int4")
-QGZ_TARGETS = ("gradient", "momentum")
 QGZ_BITS = {"off": 0, "1bit": 1, "int8": 8, "int4": 4}
 SCALE_DTYPES = ("float32", "bfloat16")
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
@@ -337,7 +336,7 @@ class ZeroConfig:
                 )
         if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ValueError(f"grad_accum must be an integer >= 1, got {self.grad_accum!r}")
-        check_qgz_schedule(self, QGZ_TARGETS)
+        check_qgz_schedule(self)
         check_qgz_code(self)
         check_onebit_adam(self)
         check_node_replicated(self)

@@ -9,9 +9,10 @@ from __future__ import annotations
 QGZ_CODES = ("sign", "hadamard", "dither")
 QGZ_SHARES = ("two-hop", "gather", "auto")
 HPZ_SECONDARIES = ("decoded", "quantized")
+QGZ_TARGETS = ("gradient", "momentum")
 
 
-def check_qgz_schedule(config, targets: tuple[str, ...]) -> None:
+def check_qgz_schedule(config) -> None:
     """qgZ's seed, warm-up, gradient-RMS gate and target: values of the right kind."""
     if isinstance(config.qgz_seed, bool) or not isinstance(config.qgz_seed, int):
         raise ValueError(f"qgz_seed must be an integer, got {config.qgz_seed!r}")
@@ -24,8 +25,8 @@ def check_qgz_schedule(config, targets: tuple[str, ...]) -> None:
             "qgz_min_grad_rms must be >= 0 (0 disables the gate), "
             f"got {config.qgz_min_grad_rms!r}"
         )
-    if config.qgz_target not in targets:
-        raise ValueError(f"qgz_target must be one of {targets}, got {config.qgz_target!r}")
+    if config.qgz_target not in QGZ_TARGETS:
+        raise ValueError(f"qgz_target must be one of {QGZ_TARGETS}, got {config.qgz_target!r}")
 
 
 def check_qgz_code(config) -> None:

@@ -19,8 +19,9 @@ shared momentum, and with one pattern their codes would err alike, so the
 mean over nodes would keep the whole error; with independent patterns only
 the part every scaled-sign code shares, its shrinkage of ``x`` (``1 - 2/pi``
 of the error's variance for Gaussian blocks), stays, and the rest averages
-out over the nodes (two nodes: 0.83 of one node's error). A receiver rotates each sender's codes back with that sender's
-pattern (:func:`unrotate_rows`).
+out over the nodes (two nodes: 0.83 of one node's error). A receiver
+rotates each sender's codes back with that sender's pattern
+(:func:`unrotate_rows`).
 
 Both directions are exact in their arithmetic pattern (additions and
 subtractions, then one multiplication by the power of two ``1 / block``), so
