@@ -7,7 +7,7 @@ CPU devices, gloo collectives over the veth, coordinator on node 0's
 address). For each run it measures, over the steps after ``--warmup``:
 
 * the median step time (with ``--repeats``, over the runs' steps pooled;
-  differences of the ``time`` field of the metrics
+  the repeats are rounds over the whole sweep; differences of the ``time`` field of the metrics
   file, which process 0 writes after each step's metrics reach the host) and
   tokens per second; for a qgZ preset, of its compressed steps;
 * for a 1-bit Adam preset, the median full-precision (refresh) step too,
@@ -17,8 +17,10 @@ address). For each run it measures, over the steps after ``--warmup``:
   own ``qgz_refresh_every``;
 * the bytes that crossed the link per step and node, compressed and
   full-precision steps apart: the veth's receive counters of both
-  namespaces, read whenever a metrics line appears (a read can be up to a
-  step early or late; over several steps that averages out).
+  namespaces, read whenever a metrics line appears (a read races the next
+  step's first bytes; :func:`zeropp_jax.cli.cluster_report.bytes_by_kind`
+  fits per-step figures to the cumulative counts, where that race is one
+  bounded term per run).
 
 Then, at each rate, every preset's speedup over ``zero3`` (flat collectives:
 gloo connects every device to every other, so each remote device's share
@@ -45,6 +47,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,8 +75,11 @@ PRESETS: dict[str, tuple[str, ...]] = {
                     "--scale-dtype", "float32", "--qgz-warmup", "1"),
 }
 # 1-bit Adam refreshes every qgz_refresh_every (10-40) steps, too rarely for
-# a short timed window; the bench's runs refresh this often instead.
-REFRESH_PROBE_EVERY = 4
+# a short timed window; the bench's runs refresh this often instead. Rarer
+# refreshes tell the compressed steps' bytes apart more surely (a refresh
+# sends 6-25x a compressed step); a window of 13 steps after a warm-up of 3
+# holds one.
+REFRESH_PROBE_EVERY = 8
 POLL_S = 0.02
 KILL_GRACE_S = 3.0
 
@@ -107,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="first steps left out of the timing, compilation included "
                         "(default: 3; fewer than --steps)")
     parser.add_argument("--repeats", type=common.positive_int, default=1,
-                        help="runs per preset and rate, their timed steps pooled (default: 1; "
-                        "single runs on a shared machine vary by about 10%%)")
+                        help="runs per preset and rate, their timed steps pooled; run as "
+                        "rounds over the whole sweep (default: 1; single runs on a shared "
+                        "machine vary by about 10%%)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the records here")
     parser.add_argument("--figure", default=None, metavar="FILE",
                         help="draw speedup vs link rate here (matplotlib; .png, .svg, ...)")
@@ -275,37 +282,43 @@ def _tail(path: str, n: int = 20) -> str:
 
 
 def sweep(options, train_flags, log_dir: str, progress) -> list[dict]:
-    """Every (rate, preset) run on one emulated cluster; returns the records."""
+    """Every (rate, preset) run on one emulated cluster; returns the records.
+
+    The repeats are rounds over the whole sweep (round 1: every rate and
+    preset, then round 2, ...), so that a slow spell of a shared machine
+    falls on every preset alike instead of on one preset's runs; each
+    record pools its preset's runs at its rate.
+    """
     from zeropp_jax.cli import train
 
     args = train.build_parser().parse_args(train_command_flags("zero3", train_flags, 1))
     tokens_per_step = args.batch_size * args.seq_len
-    records = []
+    points = [(rate, preset) for rate in options.rates for preset in options.presets]
+    runs: dict[tuple[float, str], list[dict]] = {point: [] for point in points}
     with netns.TwoNodeCluster() as cluster:
-        for rate in options.rates:
-            cluster.set_rate(rate)
-            for preset in options.presets:
-                progress.set_description(f"{preset} @ {cluster_report.rate_name(rate)}")
-                runs = []
-                for repeat in range(options.repeats):
-                    runs.append(run_once(
-                        cluster, train_command_flags(preset, train_flags, options.steps,
-                                                     probe_refresh=True),
-                        warmup=options.warmup, steps=options.steps, log_dir=log_dir,
-                        run_id=f"{preset}_{rate:g}mbit_{repeat}",
-                        port=20000 + options.repeats * len(records) + repeat,
-                        timeout_s=options.timeout,
-                    ))
-                    progress.update(1)
-                measured = {key: [v for run in runs for v in run[key]] for key in runs[0]}
-                records.append(cluster_report.record(
-                    preset, rate, measured, tokens_per_step, refresh_every(preset, train_flags),
-                    flags=" ".join(PRESETS[preset])))
-                r = records[-1]
-                progress.write(f"  {preset:>13} @ {cluster_report.rate_name(rate):>9}: "
-                               f"{r['step_time_s']:.3f} s/step, "
-                               f"{r['link_bytes_per_node_per_step'] / 1e6:.2f} MB/node/step")
-    return records
+        for repeat in range(options.repeats):
+            for index, (rate, preset) in enumerate(points):
+                if index == 0 or points[index - 1][0] != rate:
+                    cluster.set_rate(rate)
+                name = f"{preset} @ {cluster_report.rate_name(rate)}"
+                progress.set_description(f"{name} ({repeat + 1}/{options.repeats})")
+                run = run_once(
+                    cluster, train_command_flags(preset, train_flags, options.steps,
+                                                 probe_refresh=True),
+                    warmup=options.warmup, steps=options.steps, log_dir=log_dir,
+                    run_id=f"{preset}_{rate:g}mbit_{repeat}",
+                    port=20000 + repeat * len(points) + index,
+                    timeout_s=options.timeout,
+                )
+                runs[rate, preset].append(run)
+                progress.update(1)
+                times = run["step_times_s"]
+                progress.write(f"  {name:>24} ({repeat + 1}/{options.repeats}): "
+                               f"{statistics.median(times):.3f} s/step (median of {len(times)})")
+    return [cluster_report.record(preset, rate, runs[rate, preset], tokens_per_step,
+                                  refresh_every(preset, train_flags),
+                                  flags=" ".join(PRESETS[preset]))
+            for rate, preset in points]
 
 
 def _install_stop_handlers() -> None:

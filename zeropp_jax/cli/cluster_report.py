@@ -12,10 +12,9 @@ Step time at a rate: ``compute + once + layer - f * min(compute, layer)``,
 with ``once`` the link time of the collectives that run once per step and
 ``layer`` that of the per-layer ones (inside the layer loops), which a
 prefetching runtime can partly hide behind the layers' compute. ``f`` is one
-number for the cluster, calibrated on ``zero3-2level`` (all of whose
-cross-node traffic is per-layer) at the lowest rate it ran at, and 0
-without such a run (the serial model). ``zero3-2level`` at that rate is then
-predicted exactly, by construction. The emulated link is a token bucket
+number for the cluster, fitted to ``zero3-2level``'s runs at finite rates
+(all of whose cross-node traffic is per-layer; least squares on the relative
+errors of its step times), and 0 without such a run (the serial model). The emulated link is a token bucket
 (``tc tbf``, :func:`zeropp_jax.cli.netns.burst_bytes`): the once-per-step
 traffic comes after the compute, when the bucket is full again, and its
 first ``burst`` bytes cost no link time (a real link has no such bucket).
@@ -103,21 +102,28 @@ def add_predictions(records: list[dict], flags_of: Callable,
 def calibrate_overlap(records: Sequence[dict], profiles: dict, unlimited: dict) -> float:
     """The fraction ``f`` of per-layer link time hidden behind compute (module doc).
 
-    From the :data:`CALIBRATION_PRESET` record at its lowest finite rate:
-    ``f = (compute + once + layer - measured) / min(compute, layer)``, clipped
-    to ``[0, 1]``; 0 without that record, its profile or its unlimited run.
+    Fitted to every :data:`CALIBRATION_PRESET` record at a finite rate: the
+    ``f`` that minimises the squared relative errors of its predicted step
+    times, ``sum(((compute + once + layer - f * hideable) / measured - 1)**2)``
+    with ``hideable = min(compute, layer)``, clipped to ``[0, 1]``; 0 without
+    such a record, its profile or its unlimited run. One rate alone is
+    predicted exactly; with several, no one run's noise sets ``f``.
     """
     runs = [r for r in records if r["preset"] == CALIBRATION_PRESET and r["rate_mbit"] > 0]
     if not runs or CALIBRATION_PRESET not in profiles or CALIBRATION_PRESET not in unlimited:
         return 0.0
-    run = min(runs, key=lambda r: r["rate_mbit"])
     profile, workload = profiles[CALIBRATION_PRESET]
     compute = unlimited[CALIBRATION_PRESET]
-    layer, once = _link_seconds(profile, workload, run["rate_mbit"])
-    hideable = min(compute, layer)
-    if hideable <= 0:
+    # relative error of run i: excess_i - f * weight_i
+    excess, weight = [], []
+    for run in runs:
+        layer, once = _link_seconds(profile, workload, run["rate_mbit"])
+        excess.append((compute + once + layer) / run["step_time_s"] - 1)
+        weight.append(min(compute, layer) / run["step_time_s"])
+    norm = sum(w * w for w in weight)
+    if norm <= 0:
         return 0.0
-    return min(1.0, max(0.0, (compute + once + layer - run["step_time_s"]) / hideable))
+    return min(1.0, max(0.0, sum(e * w for e, w in zip(excess, weight)) / norm))
 
 
 def _link_seconds(profile, workload, rate_mbit: float) -> tuple[float, float]:
@@ -194,60 +200,79 @@ def _per_node_mean(by_step: list[list[int]]) -> list[float]:
     return [sum(node) / len(by_step) for node in zip(*by_step)]
 
 
-def split_by_kind(per_step: list[list[int]], compressed: list[int]) -> tuple[float, float | None]:
-    """A per-step counter per node and step, compressed and full-precision steps apart.
+def bytes_by_kind(runs: Sequence[tuple[list[list[int]], list[int]]]
+                  ) -> tuple[float, float | None]:
+    """Per-step counts of compressed and full-precision steps, from racing counter reads.
 
-    A counter is read when a step's metrics line appears, when that step
-    has sent everything but the next one may already be sending (no host
-    sync per step): a step's figure can hold part of the next step's bytes
-    and lack what the read before took of its own. Compressed steps are
-    taken from those followed by a compressed step, whose figure can only
-    trade a compressed step's bytes (all compressed steps if none is; the
-    last step has no follower, its read nothing extra); full-precision
-    steps get the rest of the window's total, which is exact however the
-    reads fall. The compressed figure is the median of those steps: a
-    late read can take a whole step's burst (1-bit Adam sends at the end of
-    a step), which a mean would keep.
+    A counter is read when a step's metrics line appears. No step waits for
+    the host, so the next step is already sending then: each read holds
+    some part of the next step's bytes (zeropp: up to its whole hpZ gather,
+    0.45 MB against 0.6 MB for the step), and a single step's figure is off
+    by as much either way. The cumulative count is not: after ``k`` steps it
+    is the steps' bytes plus one bounded race term. So the per-step bytes of
+    each kind are the least-squares slopes of the cumulative counts (mean
+    over nodes) on the cumulative numbers of compressed and full-precision
+    steps, with an offset per run (the race at its first read); the error
+    is of one race term over the run's length, not per step. A run's last
+    read is left out when the run has more than one step (nothing follows
+    that step, so its read races nothing and would bias the slope down).
 
     Args:
-      per_step: per timed step, one count per node.
-      compressed: per timed step, 1 if compressed (all 0: no split).
+      runs: per run, ``(per_step, compressed)``: per timed step one count per
+        node, and 1 if the step was compressed (all 0: one kind).
 
     Returns:
-      ``(main, full)``: the compressed steps' median (every step's mean
-      without compressed steps) and the full-precision steps' mean
-      (``None`` if none or no compressed step).
+      ``(main, full)``: the compressed steps' bytes per step (every step's,
+      when none is compressed) and the full-precision steps' (``None`` when
+      there are none besides, or none the reads can tell apart).
     """
-    totals = [sum(node) / len(node) for node in per_step]
-    if not any(compressed):
-        return statistics.fmean(totals), None
-    n = len(compressed)
-    main = [i for i, c in enumerate(compressed) if c]
-    clean = [i for i in main if i + 1 < n and compressed[i + 1]]
-    main_figure = statistics.median(totals[i] for i in (clean or main))
-    full = n - len(main)
-    if not full:
-        return main_figure, None
-    return main_figure, (sum(totals) - len(main) * main_figure) / full
+    import numpy as np
+
+    if not any(any(kinds) for _, kinds in runs):
+        runs = [(per_step, [1] * len(per_step)) for per_step, _ in runs]
+    rows, counts = [], []
+    for index, (per_step, kinds) in enumerate(runs):
+        totals = [sum(node) / len(node) for node in per_step]
+        used = len(totals) - 1 if len(totals) > 1 else len(totals)
+        cumulative, compressed, full = 0.0, 0, 0
+        points = [(0.0, 0, 0)]
+        for total, kind in zip(totals[:used], kinds[:used]):
+            cumulative, compressed, full = cumulative + total, compressed + kind, full + 1 - kind
+            points.append((cumulative, compressed, full))
+        for cumulative, compressed, full in points:
+            offsets = [0.0] * len(runs)
+            offsets[index] = 1.0
+            rows.append([compressed, full, *offsets])
+            counts.append(cumulative)
+    design, counts = np.asarray(rows), np.asarray(counts)
+    has_full = bool(design[:, 1].any())
+    if not has_full:
+        design = np.delete(design, 1, axis=1)
+    fit, _, rank, _ = np.linalg.lstsq(design, counts, rcond=None)
+    if rank < design.shape[1]:  # the full steps' column is not told apart from the offsets
+        design = np.delete(design, 1, axis=1)
+        fit, has_full = np.linalg.lstsq(design, counts, rcond=None)[0], False
+    return float(fit[0]), float(fit[1]) if has_full else None
 
 
-def record(preset: str, rate: float, measured: dict, tokens_per_step: int,
+def record(preset: str, rate: float, runs: Sequence[dict], tokens_per_step: int,
            refresh: int = 0, *, flags: str = "") -> dict:
-    """The JSON record of one run of the bench (speedups and predictions are added later).
+    """The JSON record of one preset at one rate (speedups and predictions are added later).
 
-    ``measured`` is :func:`zeropp_jax.cli.cluster_bench.run_once`'s result,
-    ``flags`` the preset's zeropp-train flags.
+    ``runs`` are :func:`zeropp_jax.cli.cluster_bench.run_once`'s results
+    (the repeats; their timed steps are pooled), ``flags`` the preset's
+    zeropp-train flags.
 
-    ``step_time_s`` and the link bytes are those of the compressed steps
-    where the run has any (else of every timed step; bytes as
-    :func:`split_by_kind`); ``cycle_step_time_s`` the mean over a refresh
-    cycle of ``refresh`` steps (the median step otherwise, or ``None`` when
-    no full-precision step was timed). ``link_frames_per_node_per_step``
-    counts the frames that carried those bytes, and
+    ``step_time_s`` is the median of the compressed steps where the runs
+    have any (else of every timed step); ``cycle_step_time_s`` the mean over
+    a refresh cycle of ``refresh`` steps (the median step otherwise, or
+    ``None`` when no full-precision step was timed). The link bytes and
+    frames per step are :func:`bytes_by_kind`'s, and
     ``link_payload_bytes_per_node_per_step`` is the bytes less each frame's
     Ethernet, IP and TCP headers (:data:`zeropp_jax.cli.netns.FRAME_HEADER_BYTES`).
     """
-    times, kinds = measured["step_times_s"], measured["compressed"]
+    pooled = {key: [v for run in runs for v in (run.get(key) or [])] for key in runs[0]}
+    times, kinds = pooled["step_times_s"], pooled["compressed"]
     main = [i for i, c in enumerate(kinds) if c] or list(range(len(times)))
     full = [i for i, c in enumerate(kinds) if not c] if any(kinds) else []
     median = statistics.median(times[i] for i in main)
@@ -255,9 +280,10 @@ def record(preset: str, rate: float, measured: dict, tokens_per_step: int,
     cycle = median
     if refresh:
         cycle = None if full_s is None else ((refresh - 1) * median + full_s) / refresh
-    link, full_link = split_by_kind(measured["link_rx_bytes"], kinds)
-    frames = measured.get("link_rx_frames")
-    frames = split_by_kind(frames, kinds)[0] if frames else None
+    link, full_link = bytes_by_kind([(run["link_rx_bytes"], run["compressed"]) for run in runs])
+    frames = None
+    if all(run.get("link_rx_frames") for run in runs):
+        frames = bytes_by_kind([(run["link_rx_frames"], run["compressed"]) for run in runs])[0]
     return {
         "preset": preset,
         "flags": flags,
@@ -268,14 +294,16 @@ def record(preset: str, rate: float, measured: dict, tokens_per_step: int,
         "cycle_step_time_s": cycle,
         "step_times_s": times,
         "compressed": kinds,
+        # timed steps per run, in the order pooled above
+        "run_steps": [len(run["step_times_s"]) for run in runs],
         "tokens_per_s": tokens_per_step / median,
         "link_bytes_per_node_per_step": link,
-        "link_bytes_by_node_per_step": _per_node_mean([measured["link_rx_bytes"][i] for i in main]),
+        "link_bytes_by_node_per_step": _per_node_mean([pooled["link_rx_bytes"][i] for i in main]),
         "full_precision_link_bytes_per_node_per_step": full_link,
         "link_frames_per_node_per_step": frames,
         # per timed step, per node, as read (for a re-analysis)
-        "link_rx_bytes_by_step": measured["link_rx_bytes"],
-        "link_rx_frames_by_step": measured.get("link_rx_frames"),
+        "link_rx_bytes_by_step": pooled["link_rx_bytes"],
+        "link_rx_frames_by_step": pooled.get("link_rx_frames") or None,
         # what the frames carried beyond their Ethernet/IP/TCP headers: the
         # collectives' payload plus gloo's own message headers
         "link_payload_bytes_per_node_per_step": (
