@@ -6,6 +6,7 @@ The smoke test builds real network namespaces, so it needs root, ``ip`` and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import subprocess
@@ -256,3 +257,14 @@ def test_repeats_are_rounds_over_the_sweep_pooled_per_point(monkeypatch, tmp_pat
     assert first["link_frames_per_node_per_step"] == pytest.approx(2)
     assert [(r["preset"], r["rate_mbit"]) for r in records] == [
         ("zero3", 50), ("hpz", 50), ("zero3", 0), ("hpz", 0)]
+
+
+def test_the_bench_runs_zeropp_as_published():
+    """zeropp-int4's flags are the cost model's PUBLISHED_ZEROPP (which
+    zeropp-simulate --published predicts), not a copy that can drift."""
+    from zeropp_jax.cli import common, train
+
+    flags = cluster_bench.train_command_flags("zeropp-int4", [], 1)
+    config = common.build_config(train.build_parser().parse_args(flags))
+    assert config == dataclasses.replace(config, **cm.PUBLISHED_ZEROPP)
+    assert config.qgz == "int4" and config.qgz_target == "gradient"

@@ -70,7 +70,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "hpz": ("--preset", "hpz"),
     "zeropp": ("--preset", "zeropp", "--qgz-warmup", "1"),
     "zeropp-max": ("--preset", "zeropp-max", "--qgz-warmup", "1"),
-    # ZeRO++ as DeepSpeed runs it (cost_model.PUBLISHED_ZEROPP)
+    # ZeRO++ as DeepSpeed runs it (cost_model.PUBLISHED_ZEROPP; a test checks they agree)
     "zeropp-int4": ("--preset", "zeropp", "--qgz", "int4", "--qgz-target", "gradient",
                     "--scale-dtype", "float32", "--qgz-warmup", "1"),
 }
