@@ -312,7 +312,9 @@ def sweep(options, train_flags, log_dir: str, progress) -> list[dict]:
                 )
                 runs[rate, preset].append(run)
                 progress.update(1)
-                times = run["step_times_s"]
+                # the record's figure: compressed steps where there are any
+                times = [t for t, c in zip(run["step_times_s"], run["compressed"]) if c]
+                times = times or run["step_times_s"]
                 progress.write(f"  {name:>24} ({repeat + 1}/{options.repeats}): "
                                f"{statistics.median(times):.3f} s/step (median of {len(times)})")
     return [cluster_report.record(preset, rate, runs[rate, preset], tokens_per_step,
