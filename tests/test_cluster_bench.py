@@ -260,9 +260,16 @@ def test_repeats_are_rounds_over_the_sweep_pooled_per_point(monkeypatch, tmp_pat
 
 
 def test_the_bench_runs_zeropp_as_published():
-    """zeropp-int4's flags are the cost model's PUBLISHED_ZEROPP (which
-    zeropp-simulate --published predicts), not a copy that can drift."""
+    """zeropp-int4's flags, made from the cost model's PUBLISHED_ZEROPP (which
+    zeropp-simulate --published predicts), build that very config."""
     from zeropp_jax.cli import common, train
+
+    assert common.config_args({"qgz": "int4", "qgz_warmup_steps": 1}) == [
+        "--qgz", "int4", "--qgz-warmup", "1"]  # a field's own flag name
+    with pytest.raises(ValueError, match="qgz_nonsense"):
+        common.config_args({"qgz_nonsense": 1})
+    with pytest.raises(ValueError, match="boolean"):
+        common.config_args({"hpz": True})
 
     flags = cluster_bench.train_command_flags("zeropp-int4", [], 1)
     config = common.build_config(train.build_parser().parse_args(flags))

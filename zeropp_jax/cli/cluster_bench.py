@@ -7,8 +7,9 @@ CPU devices, gloo collectives over the veth, coordinator on node 0's
 address). For each run it measures, over the steps after ``--warmup``:
 
 * the median step time (with ``--repeats``, over the runs' steps pooled;
-  the repeats are rounds over the whole sweep; differences of the ``time`` field of the metrics
-  file, which process 0 writes after each step's metrics reach the host) and
+  the repeats are rounds over the whole sweep; differences of the ``time``
+  field of the metrics file, which process 0 writes after each step's
+  metrics reach the host) and
   tokens per second; for a qgZ preset, of its compressed steps;
 * for a 1-bit Adam preset, the median full-precision (refresh) step too,
   and the mean over the preset's refresh cycle, ``((N - 1) * compressed +
@@ -54,6 +55,7 @@ import tempfile
 import time
 from typing import Sequence
 
+from zeropp_jax.analysis import cost_model
 from zeropp_jax.cli import cluster_report, common, netns
 from zeropp_jax.cli._processes import _set_parent_death_signal, _stop, describe_status, process_env
 
@@ -70,9 +72,9 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "hpz": ("--preset", "hpz"),
     "zeropp": ("--preset", "zeropp", "--qgz-warmup", "1"),
     "zeropp-max": ("--preset", "zeropp-max", "--qgz-warmup", "1"),
-    # ZeRO++ as DeepSpeed runs it (cost_model.PUBLISHED_ZEROPP; a test checks they agree)
-    "zeropp-int4": ("--preset", "zeropp", "--qgz", "int4", "--qgz-target", "gradient",
-                    "--scale-dtype", "float32", "--qgz-warmup", "1"),
+    # ZeRO++ as DeepSpeed runs it: int4 gradients, float32 scales
+    "zeropp-int4": ("--preset", "zeropp", *common.config_args(cost_model.PUBLISHED_ZEROPP),
+                    "--qgz-warmup", "1"),
 }
 # 1-bit Adam refreshes every qgz_refresh_every (10-40) steps, too rarely for
 # a short timed window; the bench's runs refresh this often instead. Rarer
@@ -312,9 +314,8 @@ def sweep(options, train_flags, log_dir: str, progress) -> list[dict]:
                 )
                 runs[rate, preset].append(run)
                 progress.update(1)
-                # the record's figure: compressed steps where there are any
-                times = [t for t, c in zip(run["step_times_s"], run["compressed"]) if c]
-                times = times or run["step_times_s"]
+                times = [run["step_times_s"][i]
+                         for i in cluster_report.main_steps(run["compressed"])]
                 progress.write(f"  {name:>24} ({repeat + 1}/{options.repeats}): "
                                f"{statistics.median(times):.3f} s/step (median of {len(times)})")
     return [cluster_report.record(preset, rate, runs[rate, preset], tokens_per_step,

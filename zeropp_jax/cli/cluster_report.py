@@ -14,7 +14,8 @@ with ``once`` the link time of the collectives that run once per step and
 prefetching runtime can partly hide behind the layers' compute. ``f`` is one
 number for the cluster, fitted to ``zero3-2level``'s runs at finite rates
 (all of whose cross-node traffic is per-layer; least squares on the relative
-errors of its step times), and 0 without such a run (the serial model). The emulated link is a token bucket
+errors of its step times), and 0 without such a run (the serial model).
+The emulated link is a token bucket
 (``tc tbf``, :func:`zeropp_jax.cli.netns.burst_bytes`): the once-per-step
 traffic comes after the compute, when the bucket is full again, and its
 first ``burst`` bytes cost no link time (a real link has no such bucket).
@@ -249,10 +250,16 @@ def bytes_by_kind(runs: Sequence[tuple[list[list[int]], list[int]]]
     if not has_full:
         design = np.delete(design, 1, axis=1)
     fit, _, rank, _ = np.linalg.lstsq(design, counts, rcond=None)
-    if rank < design.shape[1]:  # the full steps' column is not told apart from the offsets
+    if has_full and rank < design.shape[1]:  # the full steps' column is not told apart
         design = np.delete(design, 1, axis=1)
         fit, has_full = np.linalg.lstsq(design, counts, rcond=None)[0], False
     return float(fit[0]), float(fit[1]) if has_full else None
+
+
+def main_steps(compressed: Sequence[int]) -> list[int]:
+    """Indices of the steps a record's main figures describe: the compressed
+    steps where there are any, else every step."""
+    return [i for i, c in enumerate(compressed) if c] or list(range(len(compressed)))
 
 
 def record(preset: str, rate: float, runs: Sequence[dict], tokens_per_step: int,
@@ -273,7 +280,7 @@ def record(preset: str, rate: float, runs: Sequence[dict], tokens_per_step: int,
     """
     pooled = {key: [v for run in runs for v in (run.get(key) or [])] for key in runs[0]}
     times, kinds = pooled["step_times_s"], pooled["compressed"]
-    main = [i for i, c in enumerate(kinds) if c] or list(range(len(times)))
+    main = main_steps(kinds)
     full = [i for i, c in enumerate(kinds) if not c] if any(kinds) else []
     median = statistics.median(times[i] for i in main)
     full_s = statistics.median(times[i] for i in full) if full else None

@@ -127,6 +127,19 @@ def _config_flags() -> list[tuple[dataclasses.Field, str, str]]:
     return out
 
 
+def config_args(fields: dict[str, Any]) -> list[str]:
+    """The zeropp-train flags that set ZeroConfig ``fields`` (name -> value,
+    not a bool), e.g. ``{"qgz": "int4"}`` -> ``["--qgz", "int4"]``."""
+    flags = {f.name: flag for f, flag, _ in _config_flags()}
+    unknown = sorted(set(fields) - set(flags))
+    if unknown:
+        raise ValueError(f"no zeropp-train flag sets ZeroConfig field(s) {unknown}")
+    booleans = sorted(name for name, value in fields.items() if isinstance(value, bool))
+    if booleans:
+        raise ValueError(f"boolean field(s) {booleans} are set by --name / --no-name, not a value")
+    return [arg for name, value in fields.items() for arg in (flags[name], str(value))]
+
+
 def add_config_args(group) -> None:
     """Adds one flag per ZeroConfig field to ``group`` (a parser or argument group).
 

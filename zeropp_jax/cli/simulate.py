@@ -105,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         if given:
             flags = ", ".join("--" + n.replace("_", "-") for n in given)
             parser.error(
-                f"--published compares the paper's fixed settings (zero3 vs zeropp --qgz int4 "
-                f"on 48x8 V100); drop {flags}, or leave out --published to simulate them")
+                f"--published compares the paper's fixed settings (zero3 vs "
+                f"{_published_zeropp()} on 48x8 V100); drop {flags}, or leave out "
+                f"--published to simulate them")
     try:
         result = simulate(args)
     except ValueError as e:
@@ -149,7 +150,7 @@ def simulate(args: argparse.Namespace) -> dict:
     if args.published:
         # ZeRO++ as published: int4 gradients (not 1-bit Adam's momentum)
         zeropp = profile(preset_config(args, "zeropp", **cm.PUBLISHED_ZEROPP),
-                         "zeropp --qgz int4 --qgz-target gradient --scale-dtype float32")
+                         _published_zeropp())
         rows = cm.compare_published(baseline, zeropp)
         out["published"] = rows
         out["tolerance"] = cm.PUBLISHED_TOLERANCE
@@ -203,6 +204,13 @@ def _asdict(x) -> dict:
     return dataclasses.asdict(x)
 
 
+def _published_zeropp() -> str:
+    """The paper's ZeRO++ as zeropp-train flags (``cost_model.PUBLISHED_ZEROPP``)."""
+    from zeropp_jax.analysis import cost_model as cm
+
+    return " ".join(["zeropp", *common.config_args(cm.PUBLISHED_ZEROPP)])
+
+
 def format_result(result: dict) -> str:
     mesh = "x".join(map(str, result["profile_mesh"]))
     head = (f"profiles: the example GPT's compiled step ({result['profile_params']:,} params, "
@@ -213,7 +221,7 @@ def format_result(result: dict) -> str:
             head,
             f"cluster: {c['nodes']} nodes x {c['gpus_per_node']} V100, NVLink "
             f"{c['intra_node_gbytes_per_s']:g} GB/s/GPU, peak {c['peak_tflops']:g} TFLOP/s x "
-            f"{c['efficiency']:g}; ZeRO++ = zeropp --qgz int4 (DeepSpeed's qgZ is int4)",
+            f"{c['efficiency']:g}; ZeRO++ = {_published_zeropp()} (DeepSpeed's qgZ is int4)",
             "",
             f"{'setting':<36} {'model':>6} {'published':>10} {'predicted':>10} "
             f"{'error':>7} {'overlap':>8}  within ±{result['tolerance']:.0%}",
