@@ -27,6 +27,19 @@ def test_unrotate_inverts_rotate_and_scales_norms_by_sqrt_block(shape, block):
     np.testing.assert_allclose(per_block(y), np.sqrt(block) * per_block(x), rtol=1e-5)
 
 
+@pytest.mark.parametrize("block", [2, 8, 32, 128, 256])
+def test_rotate_is_the_dense_walsh_hadamard_matrix_after_the_signs(block):
+    """The radix-4 passes (and a last radix-2 one for odd powers) give Sylvester's ``H``."""
+    dense = np.ones((1, 1))
+    while dense.shape[0] < block:
+        dense = np.block([[dense, dense], [dense, -dense]])
+    x = np.asarray(jax.random.normal(jax.random.key(block), (3, 5 * block)), np.float64)
+    signs = rotation.random_signs(block, 1)
+    want = ((x.reshape(-1, block) * signs) @ dense.T).reshape(x.shape)
+    got = rotation.rotate(jnp.asarray(x, jnp.float32), block, 1, 2)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.sqrt(block) * np.abs(x).max())
+
+
 def test_random_signs_are_fixed_and_balanced():
     signs = rotation.random_signs(128)
     assert set(np.unique(signs)) == {-1.0, 1.0}

@@ -181,6 +181,34 @@ def _encode_and_gather(
     return gathered, residual
 
 
+def _gathered_rows(
+    x: jax.Array, carry: jax.Array | None, *, bits: int, block: int, scale_dtype: Any,
+    kernels: kernels_lib.Kernels, code: str,
+) -> tuple[jax.Array, jax.Array]:
+    """Every node's decoded codes of its ``x + carry`` (``(..., r)``), gathered over ``node``.
+
+    Returns ``(rows, residual)``: float32 ``(..., nodes, r)``, row ``i`` what
+    node ``i`` sent (the same bits on every node), and this node's float32
+    ``(..., r)`` residual ``x + carry - rows[me]``. With the ``"hadamard"``
+    code the residual comes from this node's own decoded row, so the sender
+    rotates once, not twice (:func:`_encode` unrotates its residual). Moves
+    the codes over ``node``.
+    """
+    if code != "hadamard":
+        gathered, residual = _encode_and_gather(
+            x, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code)
+        return _decoded_rows(gathered, bits=bits, block=block, kernels=kernels, code=code), residual
+    total = x if carry is None else x + carry
+    me, nodes = jax.lax.axis_index(NODE), jax.lax.axis_size(NODE)
+    q, _, _ = _quantize_with_carry(
+        rotation.rotate(total, block, pattern=me, patterns=nodes), None,
+        bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels)
+    gathered = jax.tree.map(lambda a: _node_rows(a, nodes), collectives.all_gather(q, (NODE,)))
+    rows = _decoded_rows(gathered, bits=bits, block=block, kernels=kernels, code=code)
+    own = jax.lax.dynamic_index_in_dim(rows, me, axis=rows.ndim - 2, keepdims=False)
+    return rows, total - own
+
+
 def _decoded_rows(q: Any, *, bits: int, block: int, kernels: kernels_lib.Kernels,
                   code: str) -> jax.Array:
     """float32 ``(..., k, c)``: row ``i`` of codes ``(..., k, ·)`` decoded as sender ``i`` coded it."""
@@ -260,9 +288,8 @@ def cross_node_share(
       chunks of every node in node order (identical on all nodes), and the
       new carry (``None`` if ``carry`` was ``None``). Touches ``node`` only.
     """
-    gathered, residual = _encode_and_gather(
+    shared, residual = _gathered_rows(
         y, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code)
-    shared = _decoded_rows(gathered, bits=bits, block=block, kernels=kernels, code=code)
     return jnp.reshape(shared, y.shape[:-1] + (-1,)), (None if carry is None else residual)
 
 
@@ -298,7 +325,11 @@ def cross_node_gather_mean(
       and ``x + carry - sent`` (``None`` if ``carry`` was ``None``). Touches
       ``node`` only.
     """
-    gathered, residual = _encode_and_gather(
-        x, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code)
-    total = _decoded_sum(gathered, bits=bits, block=block, kernels=kernels, code=code)
+    wire = dict(bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code)
+    if code == "hadamard":  # the rows are decoded one by one anyway
+        rows, residual = _gathered_rows(x, carry, **wire)
+        total = ordered_chunk_sum(rows)
+    else:  # one fused pass
+        gathered, residual = _encode_and_gather(x, carry, **wire)
+        total = _decoded_sum(gathered, bits=bits, block=block, kernels=kernels, code=code)
     return total / jax.lax.axis_size(NODE), (None if carry is None else residual)

@@ -28,8 +28,8 @@ subtractions, then one multiplication by the power of two ``1 / block``), so
 every node that rotates back the same codes gets the same bits: 1-bit
 Adam's replicas stay identical.
 
-Costs ``log2(block)`` passes of additions over the data each way, no bytes
-on the wire. Touches no mesh axis.
+Costs ``ceil(log2(block) / 2)`` passes of additions over the data each
+way (:func:`_hadamard`), no bytes on the wire. Touches no mesh axis.
 """
 
 from __future__ import annotations
@@ -64,15 +64,30 @@ def random_signs(block: int, pattern: int = 0) -> np.ndarray:
 
 
 def _hadamard(x: jax.Array, block: int) -> jax.Array:
-    """``H`` (unnormalized Walsh-Hadamard) applied to each ``block`` of the last axis."""
+    """``H`` (unnormalized Walsh-Hadamard) applied to each ``block`` of the last axis.
+
+    ``H = H_2 (x) ... (x) H_2``, one ``H_2`` per bit of the position in the
+    block. Each pass applies ``H_4`` (or a last ``H_2``) to the two (one)
+    most significant bits, reading contiguous quarters (halves) of the
+    block, and writes them as the least significant ones: after the passes
+    every bit has had its ``H_2`` and the order is back where it started.
+    ``ceil(log2(block) / 2)`` passes over the data, not ``log2(block)``.
+    """
     shape = x.shape
     y = jnp.reshape(x, (-1, block))
-    h = 1
-    while h < block:  # butterfly: pairs i and i + h inside groups of 2h
-        y = jnp.reshape(y, (-1, block // (2 * h), 2, h))
-        a, b = y[:, :, 0, :], y[:, :, 1, :]
-        y = jnp.stack([a + b, a - b], axis=2)
-        h *= 2
+    remaining = block
+    while remaining > 1:
+        radix = 4 if remaining % 4 == 0 else 2
+        parts = jnp.reshape(y, (-1, radix, block // radix))
+        s = [parts[:, i, :] for i in range(radix)]
+        if radix == 2:
+            outs = [s[0] + s[1], s[0] - s[1]]
+        else:  # the rows of H_4, each from two butterflies
+            plus, minus = s[0] + s[1], s[0] - s[1]
+            plus2, minus2 = s[2] + s[3], s[2] - s[3]
+            outs = [plus + plus2, minus + minus2, plus - plus2, minus - minus2]
+        y = jnp.reshape(jnp.stack(outs, axis=-1), (-1, block))
+        remaining //= radix
     return jnp.reshape(y, shape)
 
 
