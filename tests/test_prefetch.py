@@ -278,8 +278,25 @@ def test_gpt_step_prefetches_with_the_same_collectives_and_one_more_layer(preset
     on, off = gather_dot_paths(c_on.as_text()), gather_dot_paths(c_off.as_text())
     assert len(on) == 2 and not any(a or b for a, b in on.values()), on
     assert all(gather_to_dot for _, gather_to_dot in off.values()), off
-    for kind in ("all-gather", "reduce-scatter"):
-        assert executions(r_on, kind) == executions(r_off, kind), kind
+    assert executions(r_on, "reduce-scatter") == executions(r_off, "reduce-scatter")
+    # Inside the node the same gathers. With hpZ the stacked unit's secondary
+    # crosses nodes a layer at a time in the forward, one layer ahead, instead
+    # of whole at the start of the step: L gathers over node for each one
+    # made there, the same bytes.
+    def in_node(r):
+        return sum(c.count for c in r.collectives if c.kind == "all-gather" and c.axis == "local")
+
+    def over_node(r):
+        return [c for c in r.collectives if c.kind == "all-gather" and c.axis == "node"]
+
+    assert in_node(r_on) == in_node(r_off)
+    layers = t_on.layout.unit("blocks").stack
+    if t_on.geometry.forms_secondary_per_layer(t_on.layout.unit("blocks")):
+        assert {c.count for c in over_node(r_on)} == {1, layers - 1}, over_node(r_on)
+        assert sum(c.count for c in over_node(r_on)) > sum(c.count for c in over_node(r_off))
+    else:
+        assert executions(r_on, "all-gather") == executions(r_off, "all-gather")
+    assert r_on.inter_node_bytes == r_off.inter_node_bytes
     # One more layer than without prefetch, carried in its wire form (qwZ:
     # int8 codes and scales, a quarter of the float32 layer). Without the
     # sinks' zeros waiting for the cotangent, hpz held them across the forward.

@@ -55,16 +55,24 @@ def test_qwz_int4_gathers_packed_bytes():
     assert codes4 * 2 == codes8
 
 
-def test_hpz_per_layer_gathers_stay_inside_the_node():
-    rep = report("hpz")
-    for c in rep.collectives:
-        if per_layer(c):
-            assert c.axis == "local", c
-        elif crosses_node(c) and c.kind == "all-gather":
-            # the once-per-step refresh of the secondary partition
-            assert c.axis == "node" and c.count == 1, c
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_hpz_per_layer_gathers_stay_inside_the_node(prefetch):
+    """Only the refresh of the secondary partition crosses nodes: once per step
+    for the whole model, or, under prefetch, layer by layer in the forward
+    for the stacked layers (one layer ahead), the same bytes."""
+    rep = report("hpz", prefetch=prefetch)
     refresh = [c for c in rep.collectives if c.kind == "all-gather" and crosses_node(c)]
     assert refresh, "hpZ must refresh its secondary copy across nodes once per step"
+    for c in rep.collectives:
+        if c in refresh:
+            assert c.axis == "node" and "hpz_secondary" in c.op_name, c
+            assert c.count == 1 or (prefetch and "/while/body/" in c.op_name), c
+        elif per_layer(c):
+            assert c.axis == "local", c
+    bytes_of = lambda r: sum(c.result_bytes * c.count for c in r.collectives  # noqa: E731
+                             if c.kind == "all-gather" and crosses_node(c))
+    assert bytes_of(rep) == bytes_of(report("hpz", prefetch=not prefetch))
+    assert any(c.count > 1 for c in refresh) == prefetch
 
 
 def test_hpz_secondary_is_decoded_once_or_kept_quantized():
@@ -74,7 +82,8 @@ def test_hpz_secondary_is_decoded_once_or_kept_quantized():
     for rep in reports.values():
         refresh = [c for c in rep.collectives if c.kind == "all-gather" and crosses_node(c)]
         assert "s8" in {c.dtype for c in refresh}, refresh
-    in_node = {s: {c.dtype for c in rep.collectives if c.kind == "all-gather" and per_layer(c)}
+    in_node = {s: {c.dtype for c in rep.collectives
+                   if c.kind == "all-gather" and per_layer(c) and c.axis == "local"}
                for s, rep in reports.items()}
     assert in_node["decoded"] == {"f32"}, in_node
     assert "s8" in in_node["quantized"], in_node
@@ -123,8 +132,9 @@ def test_zeropp_only_refresh_and_compressed_gradients_cross_nodes():
             continue
         if c.kind == "all-reduce":
             assert c.operand_bytes <= METRIC_BYTES, c
-        elif c.kind == "all-gather":
-            assert c.axis == "node" and c.count == 1 and c.dtype in ("s8", "f32"), c
+        elif c.kind == "all-gather":  # hpZ's refresh (of the stacked layers: per layer)
+            assert c.axis == "node" and c.dtype in ("s8", "f32"), c
+            assert c.count == 1 or "hpz_secondary" in c.op_name, c
         else:
             assert c.kind == "all-to-all" and c.dtype in ("u8", "f32"), c
 

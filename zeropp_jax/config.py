@@ -282,7 +282,9 @@ class ZeroConfig:
     )
     prefetch: bool = _field(
         True, "gather the next stacked layer while the current one computes, forward and "
-        "backward (depth 1, zeropp_jax.scan_layers); same collectives and values", parse=bool,
+        "backward (depth 1, zeropp_jax.scan_layers; with hpZ and one micro-batch the forward "
+        "also forms each layer's secondary partition, over node, one layer ahead); same "
+        "bytes and values", parse=bool,
     )
     node_replicated: bool = _field(
         False, "with 1-bit Adam: parameters split over local, one copy per node, each node "

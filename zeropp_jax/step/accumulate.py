@@ -23,7 +23,7 @@ from zeropp_jax.step.geometry import DATA_AXES, StepGeometry
 from zeropp_jax.wire import collectives
 
 
-def unit_source(geo: StepGeometry, primary: jax.Array) -> Any:
+def unit_source(geo: StepGeometry, primary: jax.Array, per_layer: bool = False) -> Any:
     """What a unit's per-layer gathers send, prepared once per step.
 
     The primary shard cast to the compute dtype, or quantized with qwZ
@@ -38,18 +38,22 @@ def unit_source(geo: StepGeometry, primary: jax.Array) -> Any:
     Args:
       geo: the step geometry.
       primary: float32 ``([L,] U / D)``.
+      per_layer: the unit's secondary is formed layer by layer
+        (:meth:`StepGeometry.forms_secondary_per_layer`): the primary
+        payload is returned, not gathered.
 
     Returns:
       ``([L,] U / D)`` (``([L,] U / local)`` with hpZ) in the compute dtype,
       or a ``Quantized`` pair of that length when ``geo.plan`` gathers qwZ
-      codes. Mesh axes: ``node`` with hpZ, none otherwise.
+      codes. Mesh axes: ``node`` with hpZ (unless ``per_layer``), none
+      otherwise.
     """
     cfg, plan = geo.config, geo.plan
     payload = collectives.encode_for_gather(
         primary, bits=cfg.qwz_bits, block=cfg.qwz_block, scale_dtype=cfg.scale_dtype,
         out_dtype=plan.compute_dtype, kernels=plan.kernels,
     )
-    if cfg.hpz:
+    if cfg.hpz and not per_layer:
         with jax.named_scope("hpz_secondary"):
             payload = collectives.all_gather(payload, (NODE,))
             if geo.decoded_secondary:
@@ -103,7 +107,8 @@ def accumulate(
     sources = {}
     for u in units:
         with jax.named_scope(f"unit_source_{u.name}"):
-            sources[u.name] = unit_source(geo, params[u.name])
+            sources[u.name] = unit_source(geo, params[u.name],
+                                          per_layer=geo.forms_secondary_per_layer(u))
 
     def zero_sink(u):
         shard = params[u.name]
@@ -114,7 +119,7 @@ def accumulate(
     sinks0 = {u.name: zero_sink(u) for u in units}
 
     def loss_of_sinks(sinks, micro_batch, micro_key):
-        handles = {u.name: Unit(sources[u.name], sinks[u.name], u, geo.plan) for u in units}
+        handles = {u.name: Unit(sources[u.name], sinks[u.name], u, geo.plan_of(u)) for u in units}
         if geo.layout.paths:  # a wrap policy: the remainder is gathered once, whole
             handles[REMAINDER] = gather(handles[REMAINDER])
         tree = join_units(handles, geo.layout)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from zeropp_jax.wire import collectives
 from zeropp_jax.wire.kernels import Kernels
 from zeropp_jax.layout import UnitLayout, unflatten_unit
+from zeropp_jax.mesh import NODE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,14 @@ class GatherPlan:
         (:func:`~zeropp_jax.wire.collectives.all_gather`).
       prefetch: stacked layers run by :func:`~zeropp_jax.step.prefetch.scan_layers`
         gather the next layer while the current one computes (depth 1).
+      secondary_bits: ``None``: the source is what the gather sends. An
+        int: hpZ's secondary partition is formed layer by layer (stacked
+        units under prefetch): the source is this device's primary payload
+        (qwZ codes of that many bits, or 0: the compute dtype), and a
+        layer's gather first all-gathers it over ``node`` into the layer's
+        secondary (:func:`secondary_payload`), decoded there when ``bits``
+        is 0. :func:`~zeropp_jax.step.prefetch.scan_layers` does that once
+        per layer, in the forward, and keeps the secondaries for the backward.
     """
 
     gather_axes: tuple[str, ...]
@@ -64,6 +73,11 @@ class GatherPlan:
     kernels: Kernels
     two_level: bool = False
     prefetch: bool = True
+    secondary_bits: int | None = None
+
+    def resident(self) -> "GatherPlan":
+        """This plan for a source that already is the secondary partition."""
+        return dataclasses.replace(self, secondary_bits=None)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -106,6 +120,32 @@ class Unit:
         return f"Unit({self.layout.name!r}, stack={self.layout.stack})"
 
 
+def secondary_payload(plan: GatherPlan, source: Any, order: jax.Array | None = None) -> Any:
+    """One layer's hpZ secondary partition from its primary payload (``plan.secondary_bits``).
+
+    Args:
+      plan: the unit's gather plan.
+      source: one layer's primary payload, ``(U / D,)`` in the compute
+        dtype or qwZ's ``Quantized`` codes and scales.
+      order: as :func:`gather_payload`.
+
+    Returns:
+      ``source`` itself when ``plan.secondary_bits`` is ``None``; else its
+      all-gather over ``node``, ``(U / local,)``, decoded to the compute
+      dtype when ``plan.bits`` is 0. Mesh axes: ``node``.
+    """
+    if plan.secondary_bits is None:
+        return source
+    with jax.named_scope("hpz_secondary"):
+        payload = collectives.all_gather(tie_after(source, order), (NODE,))
+        if plan.secondary_bits and not plan.bits:
+            payload = collectives.decode_gathered(
+                payload, bits=plan.secondary_bits, block=plan.block,
+                out_dtype=plan.compute_dtype, kernels=plan.kernels,
+            )
+    return payload
+
+
 def gather_payload(plan: GatherPlan, source: Any, order: jax.Array | None = None) -> Any:
     """One layer's gathered payload in its wire form: wait for ``order``, gather ``source``.
 
@@ -141,10 +181,12 @@ def gather_flat(plan: GatherPlan, source: Any, order: jax.Array | None = None) -
     Returns:
       The layer's flat ``(U,)`` parameters in ``plan.compute_dtype``, after
       an all-gather over ``plan.gather_axes`` (:func:`gather_payload`, then
-      :func:`decode_payload`). Not differentiable (see
-      :func:`reduce_gradient` for its transpose).
+      :func:`decode_payload`; first over ``node`` with
+      ``plan.secondary_bits``: :func:`secondary_payload`). Not
+      differentiable (see :func:`reduce_gradient` for its transpose).
     """
-    return decode_payload(plan, gather_payload(plan, source, order))
+    secondary = secondary_payload(plan, source, order)
+    return decode_payload(plan, gather_payload(plan.resident(), secondary, order))
 
 
 def reduce_gradient(plan: GatherPlan, cotangent: jax.Array) -> jax.Array:

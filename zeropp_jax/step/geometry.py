@@ -140,6 +140,28 @@ class StepGeometry:
             prefetch=cfg.prefetch,
         )
 
+    def forms_secondary_per_layer(self, unit: UnitLayout) -> bool:
+        """hpZ's secondary partition of ``unit`` is formed layer by layer in the forward.
+
+        For stacked units (``L >= 2``) under prefetch with one micro-batch:
+        :func:`~zeropp_jax.step.prefetch.scan_layers` gathers each layer's
+        secondary over ``node`` one layer ahead, behind the previous layer's
+        compute, and keeps it for the backward, instead of the whole unit's
+        at the start of the step, which nothing can hide. The same bytes
+        cross nodes once per step either way. With several micro-batches
+        each forward would gather it again, so it is formed once up front.
+        """
+        cfg = self.config
+        return (cfg.hpz and not cfg.node_replicated and cfg.prefetch
+                and cfg.grad_accum == 1 and (unit.stack or 0) >= 2)
+
+    def plan_of(self, unit: UnitLayout) -> GatherPlan:
+        """How ``unit`` is gathered: :attr:`plan`, forming its secondary per
+        layer where :meth:`forms_secondary_per_layer`."""
+        if not self.forms_secondary_per_layer(unit):
+            return self.plan
+        return dataclasses.replace(self.plan, secondary_bits=self.config.qwz_bits)
+
     # ------------------------------------------------------------ specs
     def shard_specs(self, axes: Any = SHARD_AXES) -> dict:
         """Unit name -> spec of a ``([L,] U)`` array split over all devices."""

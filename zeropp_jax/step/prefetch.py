@@ -17,6 +17,14 @@ same values with the gathers one layer ahead:
   layer ``i``'s forward on the gathered parameters carried in, takes its VJP
   and reduce-scatters the parameter gradient into the unit's sink.
 
+With hpZ (one micro-batch, :meth:`~zeropp_jax.step.geometry.StepGeometry.forms_secondary_per_layer`)
+the stacked unit's source is the primary payload, and the forward's gather
+of layer ``i + 1`` first all-gathers its shard over ``node`` into the
+layer's secondary partition, as DeepSpeed's ZeRO++ forms it: the one
+parameter transfer across nodes of the step then runs a layer at a time
+behind the forward's compute, rather than whole before it. The forward
+returns the stacked secondaries, which the backward gathers inside the node.
+
 Each layer is still gathered twice and its gradient reduce-scattered once
 (``2L`` gathers and ``L`` reduce-scatters per stacked unit, the collectives
 of ZeRO-3), and at most two layers' gathered parameters are alive at a time:
@@ -54,8 +62,8 @@ import numpy as np
 
 from zeropp_jax.layout import unflatten_unit
 from zeropp_jax.step.gather import (
-    Unit, decode_payload, gather_payload, layer, reduce_gradient, tie_after, varying_axes,
-    zero_after,
+    Unit, decode_payload, gather_flat, gather_payload, layer, reduce_gradient,
+    secondary_payload, tie_after, varying_axes, zero_after,
 )
 
 
@@ -120,8 +128,7 @@ def scan_layers(
         length=length,
     )
     example_flats = tuple(
-        jax.eval_shape(lambda s, p=u.plan: decode_payload(p, gather_payload(p, s)),
-                       _at(u.source, 0))
+        jax.eval_shape(functools.partial(gather_flat, u.plan), _at(u.source, 0))
         for u in units
     )
     converted, consts = jax.closure_convert(
@@ -161,21 +168,39 @@ class _Stack:
 
         return one_layer
 
-    def gather(self, sources: tuple, i: Any, after: Any, held: tuple = ()) -> tuple:
+    def gather(self, sources: tuple, i: Any, after: Any, held: tuple = ()) -> tuple[tuple, tuple]:
         """Layer ``i``'s gathered payloads (wire form), sent after ``after`` and ``held``.
 
         ``held``: the decoded flats of the layer a loop carries (one per
         unit), each of which the gather waits for (one element's read).
+        Returns ``(wires, secondaries)``: one payload per unit, and layer
+        ``i``'s hpZ secondary of each unit whose plan forms it here
+        (``GatherPlan.secondary_bits``, gathered over ``node`` first).
         """
         order = zero_after(after)
         for flat in held:
             zero = zero_after(flat)
             order = zero if order is None else order + zero
-        wires = []
+        wires, secondaries = [], []
         for plan, layout, source in zip(self.plans, self.layouts, sources):
             with jax.named_scope(f"gather_{layout.name}"):
-                wires.append(gather_payload(plan, _at(source, i), order))
-        return tuple(wires)
+                source_i = _at(source, i)
+                if plan.secondary_bits is not None:
+                    source_i = secondary_payload(plan, source_i, order)
+                    secondaries.append(source_i)
+                wires.append(gather_payload(plan.resident(), source_i, order))
+        return tuple(wires), tuple(secondaries)
+
+    def resident(self) -> "_Stack":
+        """This stack with every unit gathering a source that already is its secondary."""
+        return dataclasses.replace(self, plans=tuple(p.resident() for p in self.plans))
+
+    def resident_sources(self, sources: tuple, secondaries: tuple) -> tuple:
+        """``sources`` with each stacked secondary the forward formed (``_Stack.gather``)
+        in place of its unit's primary payload: what :meth:`resident` gathers."""
+        formed = iter(secondaries)
+        return tuple(next(formed) if plan.secondary_bits is not None else source
+                     for plan, source in zip(self.plans, sources))
 
     def decode(self, wires: tuple) -> tuple:
         """Each unit's ``(U,)`` flat parameters in the compute dtype from its gathered payload."""
@@ -190,15 +215,16 @@ class _Stack:
 def _prefetched(stack: _Stack, consts: tuple, carry: Any, others: tuple, sources: tuple,
                 sinks: tuple) -> tuple[Any, Any]:
     del sinks  # only carry the gradients
-    out, ys, _ = _forward(stack, consts, carry, others, sources)
+    out, ys, _, _ = _forward(stack, consts, carry, others, sources)
     return out, ys
 
 
 def _forward(stack, consts, carry, others, sources):
     """Layers ``0 .. L-1``, each gathered one iteration ahead.
 
-    Returns the last carry, the stacked ``ys`` and the carries into layers
-    ``1 .. L-1`` (stacked, the residuals of the backward pass).
+    Returns the last carry, the stacked ``ys``, the carries into layers
+    ``1 .. L-1`` (stacked, the residuals of the backward pass) and the
+    stacked hpZ secondaries formed on the way (``_Stack.gather``).
     """
     n = stack.length
 
@@ -206,19 +232,21 @@ def _forward(stack, consts, carry, others, sources):
         h, wires = state
         flats = stack.decode(wires)
         # waits for this layer's input and the carried layer's read, not its compute
-        ahead = stack.gather(sources, i + 1, after=h, held=flats)
+        ahead, secondaries = stack.gather(sources, i + 1, after=h, held=flats)
         h_out, y = stack.fn(h, _at(others, i), flats, *consts)
-        return (h_out, ahead), (h_out, y)
+        return (h_out, ahead), (h_out, y, secondaries)
 
-    wires = stack.gather(sources, 0, after=carry)
-    (h, wires), (inputs, ys) = jax.lax.scan(step, (carry, wires), jnp.arange(n - 1))
+    wires, first = stack.gather(sources, 0, after=carry)
+    (h, wires), (inputs, ys, secondaries) = jax.lax.scan(
+        step, (carry, wires), jnp.arange(n - 1))
     flats = _read_after(stack.decode(wires), h)  # not sliced before layer n-2 is done
     h_out, y = stack.fn(h, _at(others, n - 1), flats, *consts)
-    return h_out, _append(ys, y), inputs
+    return h_out, _append(ys, y), inputs, _prepend(first, secondaries)
 
 
 def _prefetched_fwd(stack, consts, carry, others, sources, sinks):
-    out, ys, inputs = _forward(stack, consts, carry, others, sources)
+    out, ys, inputs, secondaries = _forward(stack, consts, carry, others, sources)
+    sources = stack.resident_sources(sources, secondaries)  # the backward gathers in the node
     return (out, ys), (consts, carry, others, sources, sinks, inputs)
 
 
@@ -226,6 +254,7 @@ def _prefetched_bwd(stack, residuals, cotangents):
     consts, carry, others, sources, sinks, inputs = residuals
     ct_out, ct_ys = cotangents
     n = stack.length
+    stack = stack.resident()
 
     def layer_vjp(i, h, flats, ct_h, consts):
         def run(c, h, x, f):
@@ -240,14 +269,14 @@ def _prefetched_bwd(stack, residuals, cotangents):
         ct_h, wires, d_consts, sink_grads, consts = state
         flats = stack.decode(wires)
         # waits for the incoming cotangent and the carried layer's read, not the VJP
-        ahead = stack.gather(sources, i - 1, after=ct_h, held=flats)
+        ahead, _ = stack.gather(sources, i - 1, after=ct_h, held=flats)
         dc, d_h, d_x, grads = layer_vjp(i, _at(inputs, i - 1), flats, ct_h, consts)
         sink_grads = tuple(map(lambda g, gi: _set_row(g, i, gi), sink_grads, grads))
         # the constants pass on tied to d_h: a carry XLA cannot forward as loop-invariant
         consts = tie_after(consts, zero_after(d_h))
         return (d_h, ahead, _add(d_consts, dc), sink_grads, consts), d_x
 
-    wires = stack.gather(sources, n - 1, after=(ct_out, ct_ys))
+    wires, _ = stack.gather(sources, n - 1, after=(ct_out, ct_ys))
     # the gradients' zeros wait for the cotangent too: built before the forward, a
     # broadcast of a constant would stay alive across it
     after = zero_after((ct_out, ct_ys))

@@ -15,10 +15,10 @@ One step, reading down:
    optimizer) or 1-bit Adam (:mod:`~zeropp_jax.step.onebit_adam`: qgZ on
    Adam's momentum);
 3. both rules accumulate the micro-batches' gradients the same way
-   (:mod:`~zeropp_jax.step.accumulate`): hpZ's secondary partition, then
-   per-layer gathers (:mod:`~zeropp_jax.step.gather`) whose backward is a
-   reduce-scatter, then the once-per-step cross-node exchange
-   (:mod:`~zeropp_jax.wire.qgz`).
+   (:mod:`~zeropp_jax.step.accumulate`): hpZ's secondary partition (stacked
+   layers': a layer at a time in the forward), then per-layer gathers
+   (:mod:`~zeropp_jax.step.gather`) whose backward is a reduce-scatter, then
+   the once-per-step cross-node exchange (:mod:`~zeropp_jax.wire.qgz`).
 
 Sizes, specs and plans come from one frozen
 :class:`~zeropp_jax.step.geometry.StepGeometry`.
