@@ -279,3 +279,48 @@ def test_blocks_under_nn_scan_are_one_stacked_unit():
     gathers = sum(c.count for c in comm_report(compiled, mesh_shape=(2, 4)).collectives
                   if c.kind == "all-gather")
     assert gathers == 2 * 3 + 1
+
+
+def test_nn_scan_blocks_refresh_hpz_secondary_once_per_step():
+    """A stacked unit that runs through ``zp.layer`` (here ``nn.scan``'s, under
+    the wrap policy) forms each layer's hpZ secondary in the forward and keeps
+    it for the recomputation: the bytes across nodes of a refresh up front."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return h + nn.Dense(h.shape[-1])(jnp.tanh(nn.LayerNorm()(h))), None
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                           length=3)
+            h, _ = scan(name="blocks")(nn.Dense(32)(x), None)
+            return nn.Dense(1)(h)[:, 0]
+
+    model = Model()
+    x = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+    batch = {"x": x, "y": x.sum(axis=1)}
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss(p, b):
+        return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+    reports, losses = {}, {}
+    for prefetch in (True, False):
+        config = zp.ZeroConfig.from_preset("hpz", compute_dtype="float32", prefetch=prefetch)
+        trainer = zp.make_trainer(loss, optax.adam(1e-2), params, mesh=zp.make_mesh(2, 4),
+                                  config=config, wrap=(Block,), example_batch=batch)
+        assert trainer.geometry.forms_secondary_per_layer(trainer.layout.unit("blocks")) \
+            == prefetch
+        state = trainer.init(params)
+        losses[prefetch] = []
+        for _ in range(3):
+            state, metrics = trainer.step(state, batch)
+            losses[prefetch].append(float(metrics["loss"]))
+        compiled = trainer.compile_from_shapes(jax.eval_shape(lambda: params), batch)
+        reports[prefetch] = comm_report(compiled, mesh_shape=(2, 4))
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-6)
+    assert reports[True].inter_node_bytes == reports[False].inter_node_bytes

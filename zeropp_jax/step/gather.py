@@ -120,6 +120,22 @@ class Unit:
         return f"Unit({self.layout.name!r}, stack={self.layout.stack})"
 
 
+@jax.tree_util.register_pytree_node_class
+class Formed:
+    """A unit's source that already is its layer's hpZ secondary (:func:`layer` forms it)."""
+
+    def __init__(self, payload: Any):
+        self.payload = payload
+
+    def tree_flatten(self):
+        return (self.payload,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        del aux
+        return cls(*children)
+
+
 def secondary_payload(plan: GatherPlan, source: Any, order: jax.Array | None = None) -> Any:
     """One layer's hpZ secondary partition from its primary payload (``plan.secondary_bits``).
 
@@ -130,10 +146,13 @@ def secondary_payload(plan: GatherPlan, source: Any, order: jax.Array | None = N
       order: as :func:`gather_payload`.
 
     Returns:
-      ``source`` itself when ``plan.secondary_bits`` is ``None``; else its
+      ``source`` itself when ``plan.secondary_bits`` is ``None`` (a
+      :class:`Formed` source: its payload); else its
       all-gather over ``node``, ``(U / local,)``, decoded to the compute
       dtype when ``plan.bits`` is 0. Mesh axes: ``node``.
     """
+    if isinstance(source, Formed):
+        return source.payload
     if plan.secondary_bits is None:
         return source
     with jax.named_scope("hpz_secondary"):
@@ -272,6 +291,7 @@ def layer(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapped(*args):
         args = _in_order(args)  # units carry an order scalar from here on
+        args = _formed(args)  # and hold their hpZ secondary, kept for the recomputation
         converted, consts = jax.closure_convert(fn, *args)
         return _rematerialized(converted, tuple(consts), args)
 
@@ -291,6 +311,21 @@ def _in_order(args: tuple, after: Any = None) -> tuple:
 
 def _call_in_order(fn: Callable, consts: tuple, args: tuple, after: Any = None) -> Any:
     return fn(*_in_order(args, after), *consts)
+
+
+def _formed(args: tuple) -> tuple:
+    """``args`` with each unit whose plan forms its hpZ secondary per layer
+    (``GatherPlan.secondary_bits``) holding it, gathered over ``node`` here,
+    after the layer's inputs, once: the recomputation in the backward reads
+    the saved secondary and gathers inside the node only."""
+    def form(x):
+        if not _is_unit(x) or x.plan.secondary_bits is None or isinstance(x.source, Formed):
+            return x
+        with jax.named_scope(f"gather_{x.layout.name}"):
+            formed = Formed(secondary_payload(x.plan, x.source, x.order))
+        return Unit(formed, x.sink, x.layout, x.plan, order=x.order)
+
+    return jax.tree.map(form, args, is_leaf=_is_unit)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
