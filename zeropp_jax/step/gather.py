@@ -286,6 +286,11 @@ def layer(fn: Callable) -> Callable:
     The dependency is an added ``0 * probe`` (guarded against non-finite
     probes): opaque to every compiler pass, and one element-wise add over
     the payload each device sends (the cast or quantized shard).
+
+    A unit that forms its hpZ secondary per layer (``GatherPlan.secondary_bits``)
+    gathers it over ``node`` once, in the forward, and the layer keeps it
+    (``1/local`` of the layer) for the recomputation, which gathers inside
+    the node only.
     """
 
     @functools.wraps(fn)

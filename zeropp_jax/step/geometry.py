@@ -147,7 +147,9 @@ class StepGeometry:
         :func:`~zeropp_jax.step.prefetch.scan_layers` gathers each layer's
         secondary over ``node`` one layer ahead, behind the previous layer's
         compute, and keeps it for the backward, instead of the whole unit's
-        at the start of the step, which nothing can hide. The same bytes
+        at the start of the step, which nothing can hide (a stack run by
+        ``lax.scan(zp.layer(...))`` or ``nn.scan`` forms it in each layer's
+        forward and keeps it for the recomputation). The same bytes
         cross nodes once per step either way. With several micro-batches
         each forward would gather it again, so it is formed once up front.
         """
