@@ -238,7 +238,8 @@ def test_wrapped_llama_gathers_each_decoder_layer_twice():
 
 
 @pytest.mark.slow
-def test_blocks_under_nn_scan_are_one_stacked_unit():
+def _nn_scan_model():
+    """``(Block, loss, params, batch)``: three blocks under Linen's ``nn.scan``."""
     import flax.linen as nn
 
     class Block(nn.Module):
@@ -262,6 +263,11 @@ def test_blocks_under_nn_scan_are_one_stacked_unit():
     def loss(p, b):
         return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
 
+    return Block, loss, params, batch
+
+
+def test_blocks_under_nn_scan_are_one_stacked_unit():
+    Block, loss, params, batch = _nn_scan_model()
     opt = optax.adam(1e-2)
     trainer = zp.make_trainer(
         loss, opt, params, mesh=zp.make_mesh(2, 4),
@@ -285,29 +291,7 @@ def test_nn_scan_blocks_refresh_hpz_secondary_once_per_step():
     """A stacked unit that runs through ``zp.layer`` (here ``nn.scan``'s, under
     the wrap policy) forms each layer's hpZ secondary in the forward and keeps
     it for the recomputation: the bytes across nodes of a refresh up front."""
-    import flax.linen as nn
-
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, h, _):
-            return h + nn.Dense(h.shape[-1])(jnp.tanh(nn.LayerNorm()(h))), None
-
-    class Model(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            scan = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                           length=3)
-            h, _ = scan(name="blocks")(nn.Dense(32)(x), None)
-            return nn.Dense(1)(h)[:, 0]
-
-    model = Model()
-    x = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
-    batch = {"x": x, "y": x.sum(axis=1)}
-    params = model.init(jax.random.key(0), x)["params"]
-
-    def loss(p, b):
-        return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
-
+    Block, loss, params, batch = _nn_scan_model()
     reports, losses = {}, {}
     for prefetch in (True, False):
         config = zp.ZeroConfig.from_preset("hpz", compute_dtype="float32", prefetch=prefetch)

@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from zeropp_jax.layout import REMAINDER, join_units
-from zeropp_jax.mesh import NODE
-from zeropp_jax.step.gather import Unit, gather
+from zeropp_jax.step.gather import Unit, gather, secondary_payload
 from zeropp_jax.step.geometry import DATA_AXES, StepGeometry
 from zeropp_jax.wire import collectives
 
@@ -53,14 +52,8 @@ def unit_source(geo: StepGeometry, primary: jax.Array, per_layer: bool = False) 
         primary, bits=cfg.qwz_bits, block=cfg.qwz_block, scale_dtype=cfg.scale_dtype,
         out_dtype=plan.compute_dtype, kernels=plan.kernels,
     )
-    if cfg.hpz and not per_layer:
-        with jax.named_scope("hpz_secondary"):
-            payload = collectives.all_gather(payload, (NODE,))
-            if geo.decoded_secondary:
-                payload = collectives.decode_gathered(
-                    payload, bits=cfg.qwz_bits, block=cfg.qwz_block,
-                    out_dtype=plan.compute_dtype, kernels=plan.kernels,
-                )
+    if cfg.hpz and not per_layer:  # the whole unit's secondary, up front
+        payload = secondary_payload(geo.secondary_plan, payload)
     return payload
 
 

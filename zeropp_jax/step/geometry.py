@@ -160,8 +160,13 @@ class StepGeometry:
     def plan_of(self, unit: UnitLayout) -> GatherPlan:
         """How ``unit`` is gathered: :attr:`plan`, forming its secondary per
         layer where :meth:`forms_secondary_per_layer`."""
-        if not self.forms_secondary_per_layer(unit):
-            return self.plan
+        return self.secondary_plan if self.forms_secondary_per_layer(unit) else self.plan
+
+    @functools.cached_property
+    def secondary_plan(self) -> GatherPlan:
+        """:attr:`plan` whose source is the primary payload (qwZ's ``qwz_bits``
+        codes, or the compute dtype): what forms hpZ's secondary partition
+        (:func:`~zeropp_jax.step.gather.secondary_payload`)."""
         return dataclasses.replace(self.plan, secondary_bits=self.config.qwz_bits)
 
     # ------------------------------------------------------------ specs
