@@ -286,6 +286,12 @@ class ZeroConfig:
         "also forms each layer's secondary partition, over node, one layer ahead); same "
         "bytes and values", parse=bool,
     )
+    keep_activations: bool = _field(
+        False, "save each layer's activations (outputs of its matrix products) in the "
+        "forward, so the backward gathers the layer's parameters again but does not "
+        "recompute its matrix products; more activation memory, less compute; same bytes",
+        parse=bool,
+    )
     node_replicated: bool = _field(
         False, "with 1-bit Adam: parameters split over local, one copy per node, each node "
         "applying the same update, so no parameter crosses nodes", parse=bool)

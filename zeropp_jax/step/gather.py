@@ -31,6 +31,7 @@ from zeropp_jax.wire import collectives
 from zeropp_jax.wire.kernels import Kernels
 from zeropp_jax.layout import UnitLayout, unflatten_unit
 from zeropp_jax.mesh import NODE
+from zeropp_jax.step.linearize import linearize, pull_back
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,10 @@ class GatherPlan:
         secondary (:func:`secondary_payload`), decoded there when ``bits``
         is 0. :func:`~zeropp_jax.step.prefetch.scan_layers` does that once
         per layer, in the forward, and keeps the secondaries for the backward.
+      keep_activations: a layer's forward saves its activations for the
+        backward, which gathers the parameters again but recomputes only
+        what was not saved (:mod:`~zeropp_jax.step.linearize`); else the
+        backward recomputes the layer's whole forward.
     """
 
     gather_axes: tuple[str, ...]
@@ -74,6 +79,7 @@ class GatherPlan:
     two_level: bool = False
     prefetch: bool = True
     secondary_bits: int | None = None
+    keep_activations: bool = False
 
     def resident(self) -> "GatherPlan":
         """This plan for a source that already is the secondary partition."""
@@ -287,6 +293,11 @@ def layer(fn: Callable) -> Callable:
     probes): opaque to every compiler pass, and one element-wise add over
     the payload each device sends (the cast or quantized shard).
 
+    With ``GatherPlan.keep_activations`` the forward also keeps the layer's
+    activations (:mod:`~zeropp_jax.step.linearize`), and the backward
+    recomputes only the gathers and what was not kept, not the layer's
+    matrix products.
+
     A unit that forms its hpZ secondary per layer (``GatherPlan.secondary_bits``)
     gathers it over ``node`` once, in the forward, and the layer keeps it
     (``1/local`` of the layer) for the recomputation, which gathers inside
@@ -339,16 +350,25 @@ def _rematerialized(fn: Callable, consts: tuple, args: tuple) -> Any:
 
 
 def _remat_fwd(fn, consts, args):
-    return _call_in_order(fn, consts, args), (consts, args)
+    units = [x for x in jax.tree.leaves(args, is_leaf=_is_unit) if _is_unit(x)]
+    if not any(u.plan.keep_activations for u in units):
+        return _call_in_order(fn, consts, args), (consts, args, None)
+    # the layer's flat parameters, which its saved activations must not include
+    flats = [jax.eval_shape(functools.partial(gather_flat, u.plan), u.source) for u in units]
+    out, lin = linearize(functools.partial(_call_in_order, fn), consts, args, drop=flats)
+    return out, (consts, args, lin)
 
 
 def _remat_bwd(fn, residuals, cotangent):
     # The recomputation's inputs (activations and constants) wait for the
     # cotangent; the units' gathers wait for those and the cotangent.
+    consts, args, lin = residuals
     zero = zero_after(cotangent)
     consts, args = jax.tree.map(
-        lambda x: x if _is_unit(x) else tie_after(x, zero), residuals, is_leaf=_is_unit
+        lambda x: x if _is_unit(x) else tie_after(x, zero), (consts, args), is_leaf=_is_unit
     )
+    if lin is not None:  # the gathers (and what was not saved) recomputed from these
+        return pull_back(lin, (consts, args), cotangent)
     _, vjp = jax.vjp(lambda c, a: _call_in_order(fn, c, a, after=cotangent), consts, args)
     return vjp(cotangent)
 

@@ -138,6 +138,7 @@ class StepGeometry:
             kernels=self.kernels,
             two_level=cfg.hierarchical_collectives,
             prefetch=cfg.prefetch,
+            keep_activations=cfg.keep_activations,
         )
 
     def forms_secondary_per_layer(self, unit: UnitLayout) -> bool:

@@ -25,6 +25,11 @@ parameter transfer across nodes of the step then runs a layer at a time
 behind the forward's compute, rather than whole before it. The forward
 returns the stacked secondaries, which the backward gathers inside the node.
 
+With ``keep_activations`` (``GatherPlan.keep_activations``) the forward
+also keeps each layer's activations (:func:`~zeropp_jax.step.linearize.linearize`,
+stacked like the layers) and the backward applies the kept VJP to the
+parameters it gathers again, instead of recomputing the layer's forward.
+
 Each layer is still gathered twice and its gradient reduce-scattered once
 (``2L`` gathers and ``L`` reduce-scatters per stacked unit, the collectives
 of ZeRO-3), and at most two layers' gathered parameters are alive at a time:
@@ -65,6 +70,7 @@ from zeropp_jax.step.gather import (
     Unit, decode_payload, gather_flat, gather_payload, layer, reduce_gradient,
     secondary_payload, tie_after, varying_axes, zero_after,
 )
+from zeropp_jax.step.linearize import Linearized, linearize, pull_back
 
 
 def scan_layers(
@@ -191,6 +197,16 @@ class _Stack:
                 wires.append(gather_payload(plan.resident(), source_i, order))
         return tuple(wires), tuple(secondaries)
 
+    def call(self, consts: tuple, h: Any, others_i: Any, flats: tuple) -> tuple[Any, Any]:
+        """One layer: ``fn`` on its input ``h``, other leaves and gathered flats."""
+        return self.fn(h, others_i, flats, *consts)
+
+    def run(self, consts: tuple, h: Any, others_i: Any, flats: tuple):
+        """:meth:`call`, and with ``keep_activations`` its :class:`Linearized` VJP (else ``None``)."""
+        if not self.plans[0].keep_activations:
+            return self.call(consts, h, others_i, flats), None
+        return linearize(self.call, consts, h, others_i, flats, drop=flats)
+
     def resident(self) -> "_Stack":
         """This stack with every unit gathering a source that already is its secondary."""
         return dataclasses.replace(self, plans=tuple(p.resident() for p in self.plans))
@@ -215,7 +231,7 @@ class _Stack:
 def _prefetched(stack: _Stack, consts: tuple, carry: Any, others: tuple, sources: tuple,
                 sinks: tuple) -> tuple[Any, Any]:
     del sinks  # only carry the gradients
-    out, ys, _, _ = _forward(stack, consts, carry, others, sources)
+    out, ys, *_ = _forward(stack, consts, carry, others, sources)
     return out, ys
 
 
@@ -223,8 +239,10 @@ def _forward(stack, consts, carry, others, sources):
     """Layers ``0 .. L-1``, each gathered one iteration ahead.
 
     Returns the last carry, the stacked ``ys``, the carries into layers
-    ``1 .. L-1`` (stacked, the residuals of the backward pass) and the
-    stacked hpZ secondaries formed on the way (``_Stack.gather``).
+    ``1 .. L-1`` (stacked, the residuals of the backward pass), the
+    stacked hpZ secondaries formed on the way (``_Stack.gather``) and, with
+    ``keep_activations``, the layers' stacked :class:`Linearized` VJPs
+    (else ``None``).
     """
     n = stack.length
 
@@ -233,35 +251,38 @@ def _forward(stack, consts, carry, others, sources):
         flats = stack.decode(wires)
         # waits for this layer's input and the carried layer's read, not its compute
         ahead, secondaries = stack.gather(sources, i + 1, after=h, held=flats)
-        h_out, y = stack.fn(h, _at(others, i), flats, *consts)
-        return (h_out, ahead), (h_out, y, secondaries)
+        (h_out, y), lin = stack.run(consts, h, _at(others, i), flats)
+        return (h_out, ahead), (h_out, y, secondaries, lin)
 
     wires, first = stack.gather(sources, 0, after=carry)
-    (h, wires), (inputs, ys, secondaries) = jax.lax.scan(
+    (h, wires), (inputs, ys, secondaries, lins) = jax.lax.scan(
         step, (carry, wires), jnp.arange(n - 1))
     flats = _read_after(stack.decode(wires), h)  # not sliced before layer n-2 is done
-    h_out, y = stack.fn(h, _at(others, n - 1), flats, *consts)
-    return h_out, _append(ys, y), inputs, _prepend(first, secondaries)
+    (h_out, y), lin = stack.run(consts, h, _at(others, n - 1), flats)
+    return (h_out, _append(ys, y), inputs, _prepend(first, secondaries),
+            _append_linearized(lins, lin))
 
 
 def _prefetched_fwd(stack, consts, carry, others, sources, sinks):
-    out, ys, inputs, secondaries = _forward(stack, consts, carry, others, sources)
+    out, ys, inputs, secondaries, lins = _forward(stack, consts, carry, others, sources)
     sources = stack.resident_sources(sources, secondaries)  # the backward gathers in the node
-    return (out, ys), (consts, carry, others, sources, sinks, inputs)
+    return (out, ys), (consts, carry, others, sources, sinks, inputs, lins)
 
 
 def _prefetched_bwd(stack, residuals, cotangents):
-    consts, carry, others, sources, sinks, inputs = residuals
+    consts, carry, others, sources, sinks, inputs, lins = residuals
     ct_out, ct_ys = cotangents
     n = stack.length
     stack = stack.resident()
 
     def layer_vjp(i, h, flats, ct_h, consts):
-        def run(c, h, x, f):
-            return stack.fn(h, x, f, *c)
-
-        _, vjp = jax.vjp(run, consts, h, _at(others, i), flats)
-        d_consts, d_h, d_x, d_flats = vjp((ct_h, _at_cotangent(ct_ys, i)))
+        primals = (consts, h, _at(others, i), flats)
+        ct = (ct_h, _at_cotangent(ct_ys, i))
+        if lins is None:  # recompute the layer's forward
+            _, vjp = jax.vjp(stack.call, *primals)
+            d_consts, d_h, d_x, d_flats = vjp(ct)
+        else:
+            d_consts, d_h, d_x, d_flats = pull_back(_at(lins, i), primals, ct)
         grads = tuple(map(reduce_gradient, stack.plans, d_flats))
         return _floats_only(d_consts), d_h, _floats_only(d_x), grads
 
@@ -291,6 +312,24 @@ def _prefetched_bwd(stack, residuals, cotangents):
 
 
 _prefetched.defvjp(_prefetched_fwd, _prefetched_bwd)
+
+
+def _append_linearized(lins: Linearized | None, last: Linearized | None) -> Linearized | None:
+    """The loop's stacked VJPs (layers ``0 .. L-2``) with the last layer's appended.
+
+    Both are traces of one function on the same shapes, so their saved
+    arrays line up; the loop's tree structure serves every layer.
+    """
+    if lins is None:
+        return None
+    rows = [(x.shape[1:], x.dtype) for x in lins.saved]
+    if lins.slots != last.slots or rows != [(x.shape, x.dtype) for x in last.saved]:
+        raise RuntimeError(
+            "keep_activations: the last stacked layer saved different activations than the "
+            "others (a layer whose trace depends on more than its shapes); run with "
+            "keep_activations=False"
+        )
+    return Linearized(_append(lins.saved, last.saved), lins.treedef, lins.slots)
 
 
 def _read_after(flats: tuple, deps: Any) -> tuple:

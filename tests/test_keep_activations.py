@@ -1,0 +1,164 @@
+"""``ZeroConfig.keep_activations``: layers keep their activations, never their gathered parameters.
+
+``linearize`` / ``pull_back`` against ``jax.vjp``; the same values as full
+recomputation through ``zp.scan_layers`` (prefetch on) and ``zp.layer``
+(prefetch off); the same collectives with fewer matrix products; and
+temporaries that grow by the kept activations, not by gathered layers.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zeropp_jax as zp
+from zeropp_jax.models import gpt
+from zeropp_jax.step.linearize import linearize, pull_back
+
+from _util import (
+    TINY, assert_trees_close, compile_step, executions, gpt_loss, mesh_of, optimizer,
+    tiny_batches, zero_run,
+)
+
+WIDTH, LAYERS, BATCH = 128, 4, 8
+_DOT_RE = re.compile(r"= \S+ dot\(")
+
+
+def _layer(w, x):
+    h = jnp.tanh(x @ w[0])
+    return jnp.sum(jnp.sin(h @ w[1]) * h)
+
+
+def test_linearize_matches_vjp_and_keeps_activations_only():
+    kw, kx = jax.random.split(jax.random.key(0))
+    w = jax.random.normal(kw, (2, 24, 24)) / 5
+    x = jax.random.normal(kx, (5, 24))
+
+    @jax.jit
+    def run(w, x):
+        out, lin = linearize(_layer, w, x, drop=w)
+        # the saved arrays: the two matrix products' outputs, (5, 24) each
+        shapes = [a.shape for a in lin.saved]
+        return out, pull_back(lin, (w, x), jnp.ones(())), shapes
+
+    want_out, vjp = jax.vjp(_layer, w, x)
+    out, grads, _ = run(w, x)
+    np.testing.assert_allclose(out, want_out, rtol=1e-6)
+    assert_trees_close(grads, vjp(jnp.ones(())), rtol=1e-5, atol=1e-6)
+    _, lin = jax.eval_shape(lambda w, x: linearize(_layer, w, x), w, x)
+    assert sorted(a.shape for a in lin.saved) == [(5, 24), (5, 24)]
+    assert lin.slots.count(None) == 2 and {0, 1} <= set(lin.slots)
+
+
+def test_linearize_refuses_to_keep_an_array_shaped_like_the_parameters():
+    # a matrix product of the parameters with a constant is an activation
+    # the policy keeps: shaped like the flat parameters, it is refused
+    w = jnp.linspace(-1.0, 1.0, 12)
+
+    def touches_weights(w, x):
+        return jnp.sum(jnp.tanh(jnp.eye(12) @ w) * x)
+
+    with pytest.raises(RuntimeError, match="shaped like its gathered parameters"):
+        linearize(touches_weights, w, 2.0, drop=w)
+
+
+# ------------------------------------------------------------ a stacked MLP
+def _mlp_params(layers=LAYERS):
+    k1, k2 = jax.random.split(jax.random.key(1))
+    return {
+        "scale": 1.0 + 0.1 * jax.random.normal(k1, (WIDTH,)),
+        "blocks": {"w": jax.random.normal(k2, (layers, WIDTH, WIDTH)) / np.sqrt(WIDTH),
+                   "b": jnp.zeros((layers, WIDTH))},
+    }
+
+
+def _mlp_loss(params, x):
+    scale = zp.gather(params["scale"])
+
+    def block(h, stored):
+        p = zp.gather(stored)
+        h = jnp.tanh(h @ p["w"] + p["b"][None, :]) * scale[None, :]
+        return h, jnp.mean(h)
+
+    h, ys = zp.scan_layers(block, x, params["blocks"])
+    return jnp.mean(jnp.square(h)) + jnp.sum(ys)
+
+
+def _config(keep, prefetch, preset="zero3"):
+    return zp.ZeroConfig.from_preset(
+        preset, compute_dtype="float32", prefetch=prefetch, keep_activations=keep
+    )
+
+
+def _mlp_step(keep, prefetch):
+    batch = jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32)
+    return compile_step(
+        _mlp_loss, jax.eval_shape(_mlp_params), config=_config(keep, prefetch),
+        stacked=("blocks",), batch=batch,
+    )
+
+
+def _dots(compiled):
+    return len(_DOT_RE.findall(compiled.as_text()))
+
+
+# prefetch on: scan_layers' own custom VJP; off: lax.scan(zp.layer(block))
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_same_collectives_fewer_dots_and_no_gathered_layer_kept(prefetch):
+    (trainer, keep, r_keep), (_, full, r_full) = (
+        _mlp_step(True, prefetch), _mlp_step(False, prefetch)
+    )
+    for kind in ("all-gather", "reduce-scatter"):
+        assert executions(r_keep, kind) == executions(r_full, kind), kind
+    assert r_keep.inter_node_bytes == r_full.inter_node_bytes
+    # per layer: the forward's product is not computed again in the backward
+    assert _dots(keep) < _dots(full), (_dots(keep), _dots(full))
+    # Temporaries grow by the kept activations (one (BATCH, WIDTH) float32
+    # product per layer), far less than one gathered layer (WIDTH x WIDTH):
+    # no layer's parameters stay alive from the forward to the backward.
+    layer_bytes = 4 * trainer.layout.unit("blocks").padded
+    kept = LAYERS * BATCH * WIDTH * 4
+    extra = keep.memory_analysis().temp_size_in_bytes - full.memory_analysis().temp_size_in_bytes
+    assert extra <= 2 * kept < layer_bytes, (extra, kept, layer_bytes)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_mlp_values_equal_full_recomputation(prefetch):
+    params = _mlp_params()
+    batches = [jax.random.normal(jax.random.key(i), (BATCH, WIDTH)) for i in range(2)]
+    runs = {}
+    for keep in (True, False):
+        trainer = zp.make_trainer(
+            _mlp_loss, optax.adam(1e-2), params, mesh=mesh_of(2, 4),
+            config=_config(keep, prefetch), per_layer=True, stacked=("blocks",),
+        )
+        state, losses = trainer.init(params), []
+        for batch in batches:
+            state, metrics = trainer.step(state, batch)
+            losses.append(float(metrics["loss"]))
+        runs[keep] = np.array(losses), jax.device_get(trainer.gather_params(state))
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
+    assert_trees_close(runs[True][1], runs[False][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_gpt_zeropp_values_equal_full_recomputation(prefetch):
+    # zeropp in its full-precision warm-up (see test_prefetch's GPT test)
+    params = gpt.init_params(TINY, jax.random.key(0))
+    runs = {}
+    for keep in (True, False):
+        config = _config(keep, prefetch, preset="zeropp")
+        trainer = zp.make_trainer(
+            gpt_loss(), optimizer(config), params, mesh=mesh_of(2, 4), config=config,
+            per_layer=True, stacked=("blocks",),
+        )
+        losses, state = zero_run(trainer, params, tiny_batches(), 2)
+        runs[keep] = losses, jax.device_get(trainer.gather_params(state))
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
+    assert_trees_close(runs[True][1], runs[False][1], rtol=1e-5, atol=1e-5)
