@@ -8,8 +8,6 @@ temporaries that grow by the kept activations, not by gathered layers.
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +15,7 @@ import optax
 import pytest
 
 import zeropp_jax as zp
+from zeropp_jax.analysis.hlo import multiplicities, parse_module
 from zeropp_jax.models import gpt
 from zeropp_jax.step.linearize import linearize, pull_back
 
@@ -25,8 +24,7 @@ from _util import (
     tiny_batches, zero_run,
 )
 
-WIDTH, LAYERS, BATCH = 128, 4, 8
-_DOT_RE = re.compile(r"= \S+ dot\(")
+WIDTH, LAYERS, BATCH = 128, 4, 64  # 8 rows per device
 
 
 def _layer(w, x):
@@ -44,7 +42,8 @@ def test_linearize_matches_vjp_and_keeps_activations_only():
         out, lin = linearize(_layer, w, x, drop=w)
         # the saved arrays: the two matrix products' outputs, (5, 24) each
         shapes = [a.shape for a in lin.saved]
-        return out, pull_back(lin, (w, x), jnp.ones(())), shapes
+        # the inputs given again are new arrays (as the backward's re-gather is)
+        return out, pull_back(lin, (w * 1.0, x + 0.0), jnp.ones(())), shapes
 
     want_out, vjp = jax.vjp(_layer, w, x)
     out, grads, _ = run(w, x)
@@ -104,7 +103,11 @@ def _mlp_step(keep, prefetch):
 
 
 def _dots(compiled):
-    return len(_DOT_RE.findall(compiled.as_text()))
+    """Matrix products the step executes (loop bodies times their trip counts)."""
+    comps, entry = parse_module(compiled.as_text())
+    runs = multiplicities(comps, entry)
+    return sum(runs[name].count for name, comp in comps.items() if name in runs
+               for inst in comp.instructions if inst.opcode == "dot")
 
 
 # prefetch on: scan_layers' own custom VJP; off: lax.scan(zp.layer(block))
@@ -117,14 +120,15 @@ def test_same_collectives_fewer_dots_and_no_gathered_layer_kept(prefetch):
         assert executions(r_keep, kind) == executions(r_full, kind), kind
     assert r_keep.inter_node_bytes == r_full.inter_node_bytes
     # per layer: the forward's product is not computed again in the backward
-    assert _dots(keep) < _dots(full), (_dots(keep), _dots(full))
-    # Temporaries grow by the kept activations (one (BATCH, WIDTH) float32
-    # product per layer), far less than one gathered layer (WIDTH x WIDTH):
-    # no layer's parameters stay alive from the forward to the backward.
+    assert _dots(full) - _dots(keep) == LAYERS, (_dots(keep), _dots(full))
+    # Temporaries grow by the kept activations (one (BATCH / 8, WIDTH) float32
+    # product per layer and device), less than one gathered layer
+    # (WIDTH x WIDTH): no layer's parameters stay alive from the forward to
+    # the backward, and the kept products are not copied.
     layer_bytes = 4 * trainer.layout.unit("blocks").padded
-    kept = LAYERS * BATCH * WIDTH * 4
+    kept = LAYERS * BATCH // 8 * WIDTH * 4
     extra = keep.memory_analysis().temp_size_in_bytes - full.memory_analysis().temp_size_in_bytes
-    assert extra <= 2 * kept < layer_bytes, (extra, kept, layer_bytes)
+    assert extra <= kept * 1.25 + 1024 < layer_bytes, (extra, kept, layer_bytes)
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
@@ -144,6 +148,44 @@ def test_mlp_values_equal_full_recomputation(prefetch):
         runs[keep] = np.array(losses), jax.device_get(trainer.gather_params(state))
     np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
     assert_trees_close(runs[True][1], runs[False][1], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------ unrolled layers
+def _loop_params():
+    keys = jax.random.split(jax.random.key(3), LAYERS)
+    return {f"l{i}": {"w": jax.random.normal(k, (WIDTH, WIDTH)) / np.sqrt(WIDTH)}
+            for i, k in enumerate(keys)}
+
+
+def _loop_loss(params, x):
+    # the first activation each layer receives is a replicated constant, which
+    # cannot order a gather: the re-gather must still wait for the cotangent
+    table = jnp.linspace(0.5, 1.5, WIDTH)
+
+    def block(table, h, stored):
+        return jnp.tanh(h @ zp.gather(stored)["w"]) * table[None, :]
+
+    h = x
+    for i in range(LAYERS):
+        h = zp.layer(block)(table, h, params[f"l{i}"])
+    return jnp.mean(jnp.square(h))
+
+
+def test_unrolled_layers_gather_again_in_the_backward():
+    batch = jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32)
+    shapes = jax.eval_shape(_loop_params)
+    runs = {keep: compile_step(_loop_loss, shapes, config=_config(keep, True), batch=batch)
+            for keep in (True, False)}
+    # L gathers forward and L backward; kept activations spare the first
+    # layer's (its input is the batch: its weight gradient needs no weights)
+    assert executions(runs[False][2], "all-gather") == 2 * LAYERS
+    assert executions(runs[True][2], "all-gather") == 2 * LAYERS - 1
+    # and no gathered layer is kept from the forward (without the backward's
+    # sources tied to the cotangent, XLA:CPU kept them: +213 KB here)
+    layer_bytes = 4 * runs[True][0].layout.unit("l0").padded
+    extra = (runs[True][1].memory_analysis().temp_size_in_bytes
+             - runs[False][1].memory_analysis().temp_size_in_bytes)
+    assert extra < layer_bytes, (extra, layer_bytes)
 
 
 @pytest.mark.slow

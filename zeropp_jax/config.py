@@ -289,7 +289,8 @@ class ZeroConfig:
     keep_activations: bool = _field(
         False, "save each layer's activations (outputs of its matrix products) in the "
         "forward, so the backward gathers the layer's parameters again but does not "
-        "recompute its matrix products; more activation memory, less compute; same bytes",
+        "recompute its matrix products; more activation memory, less compute; the same or "
+        "fewer bytes (a layer whose input needs no gradient is not gathered again)",
         parse=bool,
     )
     node_replicated: bool = _field(

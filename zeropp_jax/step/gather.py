@@ -122,6 +122,10 @@ class Unit:
         """This unit with its gather made to wait for ``order`` (see :func:`layer`)."""
         return Unit(self.source, self.sink, self.layout, self.plan, order=order)
 
+    def tied(self, zero: jax.Array | None) -> "Unit":
+        """This unit with its source computed after ``zero`` (:func:`tie_after`)."""
+        return Unit(tie_after(self.source, zero), self.sink, self.layout, self.plan, self.order)
+
     def __repr__(self):
         return f"Unit({self.layout.name!r}, stack={self.layout.stack})"
 
@@ -284,19 +288,16 @@ def layer(fn: Callable) -> Callable:
       before the previous layer has produced them; otherwise a scheduler
       that ignores memory may issue every gather of a Python loop of layers
       at the start;
-    * backward: the recomputation depends on the incoming cotangent, so it
-      cannot be merged with the forward gather. ``jax.checkpoint`` relies on
-      optimization barriers for this, which some XLA backends (CPU) drop
-      before common-subexpression elimination.
+    * backward: the recomputation (its sources) depends on the incoming
+      cotangent, so it cannot be merged with the forward gather.
+      ``jax.checkpoint`` relies on optimization barriers for this, which
+      some XLA backends (CPU) drop before common-subexpression elimination.
 
     The dependency is an added ``0 * probe`` (guarded against non-finite
-    probes): opaque to every compiler pass, and one element-wise add over
-    the payload each device sends (the cast or quantized shard).
-
-    With ``GatherPlan.keep_activations`` the forward also keeps the layer's
-    activations (:mod:`~zeropp_jax.step.linearize`), and the backward
-    recomputes only the gathers and what was not kept, not the layer's
-    matrix products.
+    probes): opaque to every compiler pass, one element-wise add over the
+    payload each device sends. With ``GatherPlan.keep_activations`` the
+    forward keeps the layer's activations (:mod:`~zeropp_jax.step.linearize`)
+    and the backward recomputes the gathers and what was not kept only.
 
     A unit that forms its hpZ secondary per layer (``GatherPlan.secondary_bits``)
     gathers it over ``node`` once, in the forward, and the layer keeps it
@@ -322,6 +323,10 @@ def _in_order(args: tuple, after: Any = None) -> tuple:
     order = zero_after((after, activations))
     if order is None:  # nothing to wait for; a scalar all the same (one pytree structure)
         order = jnp.zeros((), jnp.float32)
+    # one type in both passes (fn is traced with the forward's): varying as the activations
+    vary = frozenset().union(*map(varying_axes, filter(_is_numeric, jax.tree.leaves(activations))))
+    if vary - varying_axes(order):
+        order = jax.lax.pcast(order, tuple(sorted(vary - varying_axes(order))), to="varying")
     return jax.tree.map(lambda x: x.ordered(order) if _is_unit(x) else x, args, is_leaf=_is_unit)
 
 
@@ -367,7 +372,10 @@ def _remat_bwd(fn, residuals, cotangent):
     consts, args = jax.tree.map(
         lambda x: x if _is_unit(x) else tie_after(x, zero), (consts, args), is_leaf=_is_unit
     )
-    if lin is not None:  # the gathers (and what was not saved) recomputed from these
+    if lin is not None:  # the gathers (and what was not kept) recomputed from these:
+        # the forward's order scalar may not depend on the cotangent, the sources do
+        args = jax.tree.map(lambda x: x.tied(zero) if _is_unit(x) else x, args,
+                            is_leaf=_is_unit)
         return pull_back(lin, (consts, args), cotangent)
     _, vjp = jax.vjp(lambda c, a: _call_in_order(fn, c, a, after=cotangent), consts, args)
     return vjp(cotangent)

@@ -17,22 +17,29 @@ layer's inputs) and keeps only what is not one of those inputs:
   gathered anew in the backward, as ZeRO-3 does) and applies the VJP.
 
 The backward then recomputes the element-wise work and batched matrix
-products (attention scores) of the layer, not its weight matrix products,
-and the parameters' all-gathers stay as they were (``2L`` per step). The
-saved activations are what a training step without ZeRO's recomputation
-keeps: about ``(3 + 1 + 4 + 1) x batch x length x width`` values per
-transformer layer, against ``1 x`` with full recomputation.
+products (attention scores and probabilities) of the layer, not its weight
+matrix products, and the parameters' all-gathers stay as they were (``2L``
+per step; one fewer for a layer whose input needs no gradient). What is
+kept is what :data:`POLICY` saves: about
+``(3 + 1 + 4 + 1) x batch x length x width`` values per transformer layer
+(its projections' and MLP's outputs), against ``1 x`` (the layer's input)
+with full recomputation; a step without any recomputation would keep the
+element-wise results and attention probabilities as well.
 
 It relies on ``jax.vjp`` holding its inputs by reference in the VJP it
-returns (JAX 0.10 and later); :func:`linearize` raises if an input it was
-told must not be kept was copied instead.
+returns (JAX 0.10 and later), which :func:`linearize` checks once. A
+product of parameters alone (``W_a @ W_b``) is an activation to the policy
+and would be kept; only one shaped like the flat gathered parameters is
+recognised (and refused).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 """What a linearized layer keeps: outputs of matrix products without batch dimensions."""
@@ -69,18 +76,24 @@ def linearize(fn: Callable, *primals: Any, drop: Any = ()) -> tuple[Any, Lineari
     Args:
       fn: the layer.
       *primals: its inputs (pytrees of arrays, traced).
-      drop: leaves of ``primals`` that must not be kept (the flat gathered
-        parameters); checked: no saved array may have one's shape and dtype.
+      drop: arrays (or ``jax.ShapeDtypeStruct``s) that must not be kept, the
+        layer's flat gathered parameters, inputs or computed inside ``fn``;
+        checked by shape: no kept array may have one's shape and dtype.
 
     Returns:
       ``(out, linearized)``: ``fn``'s output and its :class:`Linearized` VJP,
       for :func:`pull_back` with the same ``primals``.
 
     Raises:
-      RuntimeError: if a leaf of ``drop`` would be kept (a ``jax.vjp``
-        that copies its inputs, or a layer that saves the product of two
-        parameter arrays).
+      RuntimeError: if an array shaped like a leaf of ``drop`` would be
+        kept, or if this JAX's ``jax.vjp`` copies its inputs.
     """
+    if not _vjp_references_inputs():
+        raise RuntimeError(
+            "keep_activations: this JAX's jax.vjp copies the inputs its VJP needs, so the "
+            "gathered parameters would stay alive until the backward pass; run with "
+            "keep_activations=False, which recomputes each layer"
+        )
     out, vjp = jax.vjp(jax.checkpoint(fn, policy=POLICY), *primals)
     leaves, treedef = jax.tree.flatten(vjp)
     position = {id(x): i for i, x in enumerate(jax.tree.leaves(primals))}
@@ -91,9 +104,8 @@ def linearize(fn: Callable, *primals: Any, drop: Any = ()) -> tuple[Any, Lineari
     if copies:
         raise RuntimeError(
             f"keep_activations: the layer's VJP would keep {len(copies)} array(s) shaped like "
-            f"its gathered parameters {sorted(dropped)} until the backward pass (a jax.vjp "
-            "that copies its inputs rather than referencing them); run with "
-            "keep_activations=False, which recomputes each layer"
+            f"its gathered parameters {sorted(dropped, key=str)} until the backward pass; run "
+            "with keep_activations=False, which recomputes each layer"
         )
     return out, Linearized(saved, treedef, slots)
 
@@ -114,3 +126,17 @@ def pull_back(linearized: Linearized, primals: tuple, cotangent: Any) -> tuple:
     saved = iter(linearized.saved)
     leaves = [next(saved) if slot is None else given[slot] for slot in linearized.slots]
     return jax.tree.unflatten(linearized.treedef, leaves)(cotangent)
+
+
+@functools.cache
+def _vjp_references_inputs() -> bool:
+    """Whether ``jax.vjp`` under :data:`POLICY` keeps an input it needs as that very object."""
+    found = []
+
+    def probe(x):
+        _, vjp = jax.vjp(jax.checkpoint(jnp.sin, policy=POLICY), x)
+        found.append(any(leaf is x for leaf in jax.tree.leaves(vjp)))
+        return x
+
+    jax.make_jaxpr(probe)(jax.ShapeDtypeStruct((2,), jnp.float32))
+    return found[0]

@@ -27,7 +27,8 @@ returns the stacked secondaries, which the backward gathers inside the node.
 
 With ``keep_activations`` (``GatherPlan.keep_activations``) the forward
 also keeps each layer's activations (:func:`~zeropp_jax.step.linearize.linearize`,
-stacked like the layers) and the backward applies the kept VJP to the
+stacked like the layers, the last layer's apart, which the backward then
+also takes before its loop) and the backward applies the kept VJP to the
 parameters it gathers again, instead of recomputing the layer's forward.
 
 Each layer is still gathered twice and its gradient reduce-scattered once
@@ -70,7 +71,7 @@ from zeropp_jax.step.gather import (
     Unit, decode_payload, gather_flat, gather_payload, layer, reduce_gradient,
     secondary_payload, tie_after, varying_axes, zero_after,
 )
-from zeropp_jax.step.linearize import Linearized, linearize, pull_back
+from zeropp_jax.step.linearize import linearize, pull_back
 
 
 def scan_layers(
@@ -201,9 +202,9 @@ class _Stack:
         """One layer: ``fn`` on its input ``h``, other leaves and gathered flats."""
         return self.fn(h, others_i, flats, *consts)
 
-    def run(self, consts: tuple, h: Any, others_i: Any, flats: tuple):
-        """:meth:`call`, and with ``keep_activations`` its :class:`Linearized` VJP (else ``None``)."""
-        if not self.plans[0].keep_activations:
+    def run(self, consts: tuple, h: Any, others_i: Any, flats: tuple, keep: bool):
+        """:meth:`call`, and with ``keep`` its :class:`Linearized` VJP (else ``None``)."""
+        if not keep:
             return self.call(consts, h, others_i, flats), None
         return linearize(self.call, consts, h, others_i, flats, drop=flats)
 
@@ -231,18 +232,18 @@ class _Stack:
 def _prefetched(stack: _Stack, consts: tuple, carry: Any, others: tuple, sources: tuple,
                 sinks: tuple) -> tuple[Any, Any]:
     del sinks  # only carry the gradients
-    out, ys, *_ = _forward(stack, consts, carry, others, sources)
+    out, ys, *_ = _forward(stack, consts, carry, others, sources, keep=False)
     return out, ys
 
 
-def _forward(stack, consts, carry, others, sources):
+def _forward(stack, consts, carry, others, sources, keep):
     """Layers ``0 .. L-1``, each gathered one iteration ahead.
 
     Returns the last carry, the stacked ``ys``, the carries into layers
     ``1 .. L-1`` (stacked, the residuals of the backward pass), the
     stacked hpZ secondaries formed on the way (``_Stack.gather``) and, with
-    ``keep_activations``, the layers' stacked :class:`Linearized` VJPs
-    (else ``None``).
+    ``keep``, the layers' :class:`Linearized` VJPs (else ``None``): layers
+    ``0 .. L-2``'s stacked and layer ``L-1``'s, traced outside the loop.
     """
     n = stack.length
 
@@ -251,20 +252,21 @@ def _forward(stack, consts, carry, others, sources):
         flats = stack.decode(wires)
         # waits for this layer's input and the carried layer's read, not its compute
         ahead, secondaries = stack.gather(sources, i + 1, after=h, held=flats)
-        (h_out, y), lin = stack.run(consts, h, _at(others, i), flats)
+        (h_out, y), lin = stack.run(consts, h, _at(others, i), flats, keep)
         return (h_out, ahead), (h_out, y, secondaries, lin)
 
     wires, first = stack.gather(sources, 0, after=carry)
     (h, wires), (inputs, ys, secondaries, lins) = jax.lax.scan(
         step, (carry, wires), jnp.arange(n - 1))
     flats = _read_after(stack.decode(wires), h)  # not sliced before layer n-2 is done
-    (h_out, y), lin = stack.run(consts, h, _at(others, n - 1), flats)
+    (h_out, y), lin = stack.run(consts, h, _at(others, n - 1), flats, keep)
     return (h_out, _append(ys, y), inputs, _prepend(first, secondaries),
-            _append_linearized(lins, lin))
+            (lins, lin) if keep else None)
 
 
 def _prefetched_fwd(stack, consts, carry, others, sources, sinks):
-    out, ys, inputs, secondaries, lins = _forward(stack, consts, carry, others, sources)
+    keep = stack.plans[0].keep_activations
+    out, ys, inputs, secondaries, lins = _forward(stack, consts, carry, others, sources, keep)
     sources = stack.resident_sources(sources, secondaries)  # the backward gathers in the node
     return (out, ys), (consts, carry, others, sources, sinks, inputs, lins)
 
@@ -275,23 +277,23 @@ def _prefetched_bwd(stack, residuals, cotangents):
     n = stack.length
     stack = stack.resident()
 
-    def layer_vjp(i, h, flats, ct_h, consts):
+    def layer_vjp(i, h, flats, ct_h, consts, lin):
         primals = (consts, h, _at(others, i), flats)
         ct = (ct_h, _at_cotangent(ct_ys, i))
-        if lins is None:  # recompute the layer's forward
+        if lin is None:  # recompute the layer's forward
             _, vjp = jax.vjp(stack.call, *primals)
             d_consts, d_h, d_x, d_flats = vjp(ct)
-        else:
-            d_consts, d_h, d_x, d_flats = pull_back(_at(lins, i), primals, ct)
+        else:  # the forward kept its VJP
+            d_consts, d_h, d_x, d_flats = pull_back(lin, primals, ct)
         grads = tuple(map(reduce_gradient, stack.plans, d_flats))
         return _floats_only(d_consts), d_h, _floats_only(d_x), grads
 
-    def step(state, i):  # i = L-1 .. 1
+    def step(state, i, lin=None):  # i = L-1 .. 1
         ct_h, wires, d_consts, sink_grads, consts = state
         flats = stack.decode(wires)
         # waits for the incoming cotangent and the carried layer's read, not the VJP
         ahead, _ = stack.gather(sources, i - 1, after=ct_h, held=flats)
-        dc, d_h, d_x, grads = layer_vjp(i, _at(inputs, i - 1), flats, ct_h, consts)
+        dc, d_h, d_x, grads = layer_vjp(i, _at(inputs, i - 1), flats, ct_h, consts, lin)
         sink_grads = tuple(map(lambda g, gi: _set_row(g, i, gi), sink_grads, grads))
         # the constants pass on tied to d_h: a carry XLA cannot forward as loop-invariant
         consts = tie_after(consts, zero_after(d_h))
@@ -303,33 +305,23 @@ def _prefetched_bwd(stack, residuals, cotangents):
     after = zero_after((ct_out, ct_ys))
     state = (ct_out, wires, _zeros(_floats_only(consts)), tie_after(_zeros(sinks), after),
              consts)
-    state, d_xs = jax.lax.scan(step, state, jnp.arange(1, n), reverse=True)
+    stop, last = n, None
+    if lins is not None:  # layer L-1's kept VJP was traced outside the forward's loop
+        lins, last = lins
+        state, last = step(state, n - 1, last)
+        stop = n - 1
+    state, d_xs = jax.lax.scan(
+        lambda state, i: step(state, i, _at(lins, i)), state, jnp.arange(1, stop), reverse=True)
+    if last is not None:
+        d_xs = _append(d_xs, last)
     ct_h, wires, d_consts, sink_grads, consts = state
     flats = _read_after(stack.decode(wires), ct_h)  # not sliced before layer 1's VJP
-    dc, d_carry, d_x, grads = layer_vjp(0, carry, flats, ct_h, consts)
+    dc, d_carry, d_x, grads = layer_vjp(0, carry, flats, ct_h, consts, _at(lins, 0))
     sink_grads = tuple(map(lambda g, gi: _set_row(g, 0, gi), sink_grads, grads))
     return _add(d_consts, dc), d_carry, _prepend(d_x, d_xs), None, sink_grads
 
 
 _prefetched.defvjp(_prefetched_fwd, _prefetched_bwd)
-
-
-def _append_linearized(lins: Linearized | None, last: Linearized | None) -> Linearized | None:
-    """The loop's stacked VJPs (layers ``0 .. L-2``) with the last layer's appended.
-
-    Both are traces of one function on the same shapes, so their saved
-    arrays line up; the loop's tree structure serves every layer.
-    """
-    if lins is None:
-        return None
-    rows = [(x.shape[1:], x.dtype) for x in lins.saved]
-    if lins.slots != last.slots or rows != [(x.shape, x.dtype) for x in last.saved]:
-        raise RuntimeError(
-            "keep_activations: the last stacked layer saved different activations than the "
-            "others (a layer whose trace depends on more than its shapes); run with "
-            "keep_activations=False"
-        )
-    return Linearized(_append(lins.saved, last.saved), lins.treedef, lins.slots)
 
 
 def _read_after(flats: tuple, deps: Any) -> tuple:
