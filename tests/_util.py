@@ -69,6 +69,17 @@ def zero_run(trainer, params, batches, steps):
     return np.array(losses), state
 
 
+def tiny_gpt_run(config, steps=2):
+    """Losses and gathered parameters of the tiny GPT (stacked blocks) after ``steps`` steps."""
+    params = gpt.init_params(TINY, jax.random.key(0))
+    trainer = zp.make_trainer(
+        gpt_loss(), optimizer(config), params, mesh=mesh_of(2, 4), config=config,
+        per_layer=True, stacked=("blocks",),
+    )
+    losses, state = zero_run(trainer, params, tiny_batches(), steps)
+    return losses, jax.device_get(trainer.gather_params(state))
+
+
 def continue_run(trainer, state, start, stop):
     """Steps ``start .. stop - 1`` of the tiny batches from ``state``; ``(losses, state)``."""
     batches = tiny_batches()

@@ -16,13 +16,9 @@ import pytest
 
 import zeropp_jax as zp
 from zeropp_jax.analysis.hlo import multiplicities, parse_module
-from zeropp_jax.models import gpt
 from zeropp_jax.step.linearize import linearize, pull_back
 
-from _util import (
-    TINY, assert_trees_close, compile_step, executions, gpt_loss, mesh_of, optimizer,
-    tiny_batches, zero_run,
-)
+from _util import assert_trees_close, compile_step, executions, mesh_of, tiny_gpt_run
 
 WIDTH, LAYERS, BATCH = 128, 4, 64  # 8 rows per device
 
@@ -192,15 +188,6 @@ def test_unrolled_layers_gather_again_in_the_backward():
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_gpt_zeropp_values_equal_full_recomputation(prefetch):
     # zeropp in its full-precision warm-up (see test_prefetch's GPT test)
-    params = gpt.init_params(TINY, jax.random.key(0))
-    runs = {}
-    for keep in (True, False):
-        config = _config(keep, prefetch, preset="zeropp")
-        trainer = zp.make_trainer(
-            gpt_loss(), optimizer(config), params, mesh=mesh_of(2, 4), config=config,
-            per_layer=True, stacked=("blocks",),
-        )
-        losses, state = zero_run(trainer, params, tiny_batches(), 2)
-        runs[keep] = losses, jax.device_get(trainer.gather_params(state))
+    runs = {keep: tiny_gpt_run(_config(keep, prefetch, preset="zeropp")) for keep in (True, False)}
     np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
     assert_trees_close(runs[True][1], runs[False][1], rtol=1e-5, atol=1e-5)

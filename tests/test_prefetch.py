@@ -21,12 +21,8 @@ import pytest
 
 import zeropp_jax as zp
 from zeropp_jax.analysis.hlo import parse_module
-from zeropp_jax.models import gpt
 
-from _util import (
-    TINY, assert_trees_close, compile_step, executions, gpt_loss, gpt_step, mesh_of,
-    optimizer, tiny_batches, zero_run,
-)
+from _util import assert_trees_close, compile_step, executions, gpt_step, mesh_of, tiny_gpt_run
 
 WIDTH, LAYERS = 128, 3
 _CALLS_RE = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
@@ -237,16 +233,9 @@ def test_gpt_values_equal_without_prefetch(preset):
     # momenta that are zero up to rounding (embedding rows a batch does not
     # touch), which turns last-bit differences into different updates. Adam
     # divides by the root of tiny second moments, hence atol on parameters.
-    params = gpt.init_params(TINY, jax.random.key(0))
-    runs = {}
-    for pf in (True, False):
-        config = zp.ZeroConfig.from_preset(preset, compute_dtype="float32", prefetch=pf)
-        trainer = zp.make_trainer(
-            gpt_loss(), optimizer(config), params, mesh=mesh_of(2, 4), config=config,
-            per_layer=True, stacked=("blocks",),
-        )
-        losses, state = zero_run(trainer, params, tiny_batches(), 2)
-        runs[pf] = losses, jax.device_get(trainer.gather_params(state))
+    runs = {pf: tiny_gpt_run(zp.ZeroConfig.from_preset(preset, compute_dtype="float32",
+                                                     prefetch=pf))
+            for pf in (True, False)}
     np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
     assert_trees_close(runs[True][1], runs[False][1], rtol=1e-5, atol=1e-5)
 
