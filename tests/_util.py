@@ -69,6 +69,29 @@ def zero_run(trainer, params, batches, steps):
     return np.array(losses), state
 
 
+def stacked_mlp_params(layers, width=128):
+    """A shared ``scale`` and ``blocks`` of ``layers`` stacked ``(width, width)`` layers."""
+    k1, k2 = jax.random.split(jax.random.key(1))
+    return {
+        "scale": 1.0 + 0.1 * jax.random.normal(k1, (width,)),
+        "blocks": {"w": jax.random.normal(k2, (layers, width, width)) / np.sqrt(width),
+                   "b": jnp.zeros((layers, width))},
+    }
+
+
+def stacked_mlp_loss(params, x):
+    """``zp.scan_layers`` over the blocks, which close over a gathered ``scale``; with ``ys``."""
+    scale = zp.gather(params["scale"])  # a closure constant of every layer, with a gradient
+
+    def block(h, stored):
+        p = zp.gather(stored)
+        h = jnp.tanh(h @ p["w"] + p["b"][None, :]) * scale[None, :]
+        return h, jnp.mean(h)
+
+    h, ys = zp.scan_layers(block, x, params["blocks"])
+    return jnp.mean(jnp.square(h)) + jnp.sum(ys)
+
+
 def tiny_gpt_run(config, steps=2):
     """Losses and gathered parameters of the tiny GPT (stacked blocks) after ``steps`` steps."""
     params = gpt.init_params(TINY, jax.random.key(0))

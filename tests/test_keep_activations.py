@@ -18,7 +18,10 @@ import zeropp_jax as zp
 from zeropp_jax.analysis.hlo import multiplicities, parse_module
 from zeropp_jax.step.linearize import linearize, pull_back
 
-from _util import assert_trees_close, compile_step, executions, mesh_of, tiny_gpt_run
+from _util import (
+    assert_trees_close, compile_step, executions, mesh_of, stacked_mlp_loss, stacked_mlp_params,
+    tiny_gpt_run,
+)
 
 WIDTH, LAYERS, BATCH = 128, 4, 64  # 8 rows per device
 
@@ -64,24 +67,7 @@ def test_linearize_refuses_to_keep_an_array_shaped_like_the_parameters():
 
 # ------------------------------------------------------------ a stacked MLP
 def _mlp_params(layers=LAYERS):
-    k1, k2 = jax.random.split(jax.random.key(1))
-    return {
-        "scale": 1.0 + 0.1 * jax.random.normal(k1, (WIDTH,)),
-        "blocks": {"w": jax.random.normal(k2, (layers, WIDTH, WIDTH)) / np.sqrt(WIDTH),
-                   "b": jnp.zeros((layers, WIDTH))},
-    }
-
-
-def _mlp_loss(params, x):
-    scale = zp.gather(params["scale"])
-
-    def block(h, stored):
-        p = zp.gather(stored)
-        h = jnp.tanh(h @ p["w"] + p["b"][None, :]) * scale[None, :]
-        return h, jnp.mean(h)
-
-    h, ys = zp.scan_layers(block, x, params["blocks"])
-    return jnp.mean(jnp.square(h)) + jnp.sum(ys)
+    return stacked_mlp_params(layers, WIDTH)
 
 
 def _config(keep, prefetch, preset="zero3"):
@@ -93,7 +79,7 @@ def _config(keep, prefetch, preset="zero3"):
 def _mlp_step(keep, prefetch):
     batch = jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32)
     return compile_step(
-        _mlp_loss, jax.eval_shape(_mlp_params), config=_config(keep, prefetch),
+        stacked_mlp_loss, jax.eval_shape(_mlp_params), config=_config(keep, prefetch),
         stacked=("blocks",), batch=batch,
     )
 
@@ -134,7 +120,7 @@ def test_mlp_values_equal_full_recomputation(prefetch):
     runs = {}
     for keep in (True, False):
         trainer = zp.make_trainer(
-            _mlp_loss, optax.adam(1e-2), params, mesh=mesh_of(2, 4),
+            stacked_mlp_loss, optax.adam(1e-2), params, mesh=mesh_of(2, 4),
             config=_config(keep, prefetch), per_layer=True, stacked=("blocks",),
         )
         state, losses = trainer.init(params), []

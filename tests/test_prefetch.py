@@ -22,7 +22,10 @@ import pytest
 import zeropp_jax as zp
 from zeropp_jax.analysis.hlo import parse_module
 
-from _util import assert_trees_close, compile_step, executions, gpt_step, mesh_of, tiny_gpt_run
+from _util import (
+    assert_trees_close, compile_step, executions, gpt_step, mesh_of, stacked_mlp_loss,
+    stacked_mlp_params, tiny_gpt_run,
+)
 
 WIDTH, LAYERS = 128, 3
 _CALLS_RE = re.compile(r"\b(?:calls|to_apply)=%?([\w.\-]+)")
@@ -92,36 +95,18 @@ def gather_dot_paths(hlo_text):
 
 # ------------------------------------------------------------ a tiny stacked model
 def _mlp_params(layers=LAYERS):
-    k1, k2 = jax.random.split(jax.random.key(1))
-    return {
-        "scale": 1.0 + 0.1 * jax.random.normal(k1, (WIDTH,)),
-        "blocks": {"w": jax.random.normal(k2, (layers, WIDTH, WIDTH)) / np.sqrt(WIDTH),
-                   "b": jnp.zeros((layers, WIDTH))},
-    }
+    return stacked_mlp_params(layers, WIDTH)
 
 
 def _mlp_shapes(layers=LAYERS):
     return jax.eval_shape(lambda: _mlp_params(layers))
 
 
-def _mlp_loss(params, x):
-    """Stacked layers that close over a gathered parameter and return ``ys``."""
-    scale = zp.gather(params["scale"])  # a closure constant of every layer, with a gradient
-
-    def block(h, stored):
-        p = zp.gather(stored)
-        h = jnp.tanh(h @ p["w"] + p["b"][None, :]) * scale[None, :]
-        return h, jnp.mean(h)
-
-    h, ys = zp.scan_layers(block, x, params["blocks"])
-    return jnp.mean(jnp.square(h)) + jnp.sum(ys)
-
-
 def _mlp_step(prefetch, preset="zero3", layers=LAYERS):
     config = zp.ZeroConfig.from_preset(preset, compute_dtype="float32", prefetch=prefetch)
     batch = jax.ShapeDtypeStruct((8, WIDTH), jnp.float32)
     return compile_step(
-        _mlp_loss, _mlp_shapes(layers), config=config, stacked=("blocks",), batch=batch
+        stacked_mlp_loss, _mlp_shapes(layers), config=config, stacked=("blocks",), batch=batch
     )
 
 
@@ -192,7 +177,7 @@ def test_values_equal_without_prefetch_with_constants_and_ys(layers):
     for pf in (True, False):
         config = zp.ZeroConfig(compute_dtype="float32", prefetch=pf)
         trainer = zp.make_trainer(
-            _mlp_loss, optax.adam(1e-2), params, mesh=mesh_of(2, 4), config=config,
+            stacked_mlp_loss, optax.adam(1e-2), params, mesh=mesh_of(2, 4), config=config,
             per_layer=True, stacked=("blocks",),
         )
         runs[pf] = _train(trainer, params, batches)
