@@ -92,6 +92,16 @@ def stacked_mlp_loss(params, x):
     return jnp.mean(jnp.square(h)) + jnp.sum(ys)
 
 
+def train_and_gather(trainer, params, batches):
+    """Losses of ``trainer`` over ``batches`` (a list) from ``params``, and the gathered result."""
+    state = trainer.init(params)
+    losses = []
+    for b in batches:
+        state, metrics = trainer.step(state, b)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), jax.device_get(trainer.gather_params(state))
+
+
 def tiny_gpt_run(config, steps=2):
     """Losses and gathered parameters of the tiny GPT (stacked blocks) after ``steps`` steps."""
     params = gpt.init_params(TINY, jax.random.key(0))

@@ -20,7 +20,7 @@ from zeropp_jax.step.linearize import linearize, pull_back
 
 from _util import (
     assert_trees_close, compile_step, executions, mesh_of, stacked_mlp_loss, stacked_mlp_params,
-    tiny_gpt_run,
+    tiny_gpt_run, train_and_gather,
 )
 
 WIDTH, LAYERS, BATCH = 128, 4, 64  # 8 rows per device
@@ -123,11 +123,7 @@ def test_mlp_values_equal_full_recomputation(prefetch):
             stacked_mlp_loss, optax.adam(1e-2), params, mesh=mesh_of(2, 4),
             config=_config(keep, prefetch), per_layer=True, stacked=("blocks",),
         )
-        state, losses = trainer.init(params), []
-        for batch in batches:
-            state, metrics = trainer.step(state, batch)
-            losses.append(float(metrics["loss"]))
-        runs[keep] = np.array(losses), jax.device_get(trainer.gather_params(state))
+        runs[keep] = train_and_gather(trainer, params, batches)
     np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
     assert_trees_close(runs[True][1], runs[False][1], rtol=1e-5, atol=1e-6)
 

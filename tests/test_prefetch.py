@@ -24,7 +24,7 @@ from zeropp_jax.analysis.hlo import parse_module
 
 from _util import (
     assert_trees_close, compile_step, executions, gpt_step, mesh_of, stacked_mlp_loss,
-    stacked_mlp_params, tiny_gpt_run,
+    stacked_mlp_params, tiny_gpt_run, train_and_gather,
 )
 
 WIDTH, LAYERS = 128, 3
@@ -158,15 +158,6 @@ def test_two_layers_hold_at_most_one_more_gathered_layer():
     assert extra <= layer_bytes * 1.01 + 1024, (extra, layer_bytes)
 
 
-def _train(trainer, params, batches):
-    state = trainer.init(params)
-    losses = []
-    for b in batches:
-        state, metrics = trainer.step(state, b)
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.device_get(trainer.gather_params(state))
-
-
 @pytest.mark.parametrize(
     "layers", [LAYERS, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
 )
@@ -180,7 +171,7 @@ def test_values_equal_without_prefetch_with_constants_and_ys(layers):
             stacked_mlp_loss, optax.adam(1e-2), params, mesh=mesh_of(2, 4), config=config,
             per_layer=True, stacked=("blocks",),
         )
-        runs[pf] = _train(trainer, params, batches)
+        runs[pf] = train_and_gather(trainer, params, batches)
     np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=1e-6)
     assert_trees_close(runs[True][1], runs[False][1], rtol=1e-5, atol=1e-6)
 
