@@ -305,15 +305,15 @@ def _prefetched_bwd(stack, residuals, cotangents):
     after = zero_after((ct_out, ct_ys))
     state = (ct_out, wires, _zeros(_floats_only(consts)), tie_after(_zeros(sinks), after),
              consts)
-    stop, last = n, None
+    stop, d_x_last = n, None
     if lins is not None:  # layer L-1's kept VJP was traced outside the forward's loop
-        lins, last = lins
-        state, last = step(state, n - 1, last)
+        lins, lin_last = lins
+        state, d_x_last = step(state, n - 1, lin_last)
         stop = n - 1
     state, d_xs = jax.lax.scan(
         lambda state, i: step(state, i, _at(lins, i)), state, jnp.arange(1, stop), reverse=True)
-    if last is not None:
-        d_xs = _append(d_xs, last)
+    if d_x_last is not None:
+        d_xs = _append(d_xs, d_x_last)
     ct_h, wires, d_consts, sink_grads, consts = state
     flats = _read_after(stack.decode(wires), ct_h)  # not sliced before layer 1's VJP
     dc, d_carry, d_x, grads = layer_vjp(0, carry, flats, ct_h, consts, _at(lins, 0))
