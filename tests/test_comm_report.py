@@ -413,25 +413,62 @@ def test_bfloat16_run_counted_at_bfloat16(mesh):
         comm_report(compiled, mesh_shape=MESH_SHAPE, float_dtypes=("int8", "bf16"))
 
 
-def test_quantization_scales_count_at_the_runs_scale_dtype(mesh):
-    from zeropp_jax.wire.collectives import SCALES_SCOPE
+def test_a_quantized_payload_moves_as_one_packed_collective_of_exact_bytes(mesh):
+    from zeropp_jax.analysis.collectives import payload_role
+    from zeropp_jax.wire import collectives
+    from zeropp_jax.wire.quantization import quantize
 
-    def f(a):
-        with jax.named_scope(SCALES_SCOPE):
-            return jax.lax.all_gather(a, "node", tiled=True)
+    def f(a):  # this device's f32[8, 8] -> int8 codes f32[8, 8] and bf16 scales [8, 1]
+        q = quantize(a, bits=8, block=8, scale_dtype=jnp.bfloat16)
+        return collectives.all_gather(q, ("node",)).values.astype(jnp.float32)
 
     x = jnp.zeros((64, 8), jnp.float32)
-    compiled = _compile(mesh, f, x)
-    report = comm_report(compiled, mesh_shape=MESH_SHAPE, float_dtypes=("bf16", "bf16"))
-    assert report.inter_node_bytes == 4 * 64 * 4 and not report.narrowed
-    # ... unless the run's scale dtype is narrower: then they count at it.
-    bf16 = comm_report(compiled, mesh_shape=MESH_SHAPE, float_dtypes=("bf16", "bf16"),
-                       scale_dtype=jnp.bfloat16)
-    assert bf16.inter_node_bytes == 4 * 64 * 2 and bf16.narrowed
-    assert bf16.summary()[0].dtype == "bf16" and "scales bf16" in bf16.format_table()
-    assert bf16.to_json()["scale_dtype"] == "bf16"
-    f32 = comm_report(compiled, mesh_shape=MESH_SHAPE, scale_dtype="float32")
-    assert f32.inter_node_bytes == 4 * 64 * 4 and not f32.narrowed
+    report = comm_report(_compile(mesh, f, x), mesh_shape=MESH_SHAPE,
+                         float_dtypes=("bf16", "bf16"))
+    c = _only(report)
+    assert c.kind == "all-gather" and c.dtype == "u8" and payload_role(c) == "packed"
+    # per device 64 code bytes + 8 bf16 scales: XLA:CPU cannot widen bytes
+    assert c.operand_bytes == 64 + 8 * 2 and not report.narrowed
+    assert report.inter_node_bytes == 4 * (64 + 16)
+
+
+@pytest.mark.parametrize("two_level", [False, True])
+def test_packed_collectives_equal_one_collective_per_array(mesh, two_level):
+    from zeropp_jax.wire import collectives
+
+    key = jax.random.key(0)
+    x = jax.random.normal(key, (8 * 3, 2, 40))  # per device (3, 2, 40)
+    spec = P(("node", "local"))
+
+    def parts(a):  # arrays of four dtypes and shapes, all (..., 2, m)
+        return {"f": a[0], "h": a[1, :, :8].astype(jnp.bfloat16),
+                "i": (a[2] * 50).astype(jnp.int8), "u": (a[2, :, :24] > 0).astype(jnp.uint8)}
+
+    def gathered(a, packed):
+        payload = parts(a)
+        if packed:
+            return collectives.all_gather(payload, ("local", "node"), two_level=two_level)
+        return {k: collectives.all_gather(v, ("local", "node"), two_level=two_level)
+                for k, v in payload.items()}
+
+    def exchanged(a, packed):
+        payload = parts(a)
+        if packed:
+            return collectives.all_to_all_chunks(payload, "node")
+        return {k: collectives.all_to_all_chunks(v, "node") for k, v in payload.items()}
+
+    placed = jax.device_put(x, NamedSharding(mesh, spec))
+    for fn in (gathered, exchanged):
+        runs = [jax.jit(jax.shard_map(lambda a, p=p: jax.tree.map(lambda v: v[None], fn(a, p)),
+                                      mesh=mesh, in_specs=spec, out_specs=spec))(placed)
+                for p in (True, False)]
+        for k in runs[1]:
+            assert runs[0][k].dtype == runs[1][k].dtype and runs[0][k].shape == runs[1][k].shape
+            assert (runs[0][k].view(jnp.uint8) == runs[1][k].view(jnp.uint8)).all(), (fn, k)
+        hlo = jax.jit(jax.shard_map(lambda a: fn(a, True), mesh=mesh, in_specs=spec,
+                                    out_specs=spec)).lower(placed).compile().as_text()
+        assert len([c for c in parse_collectives(hlo, mesh_shape=MESH_SHAPE)]) == (
+            2 if fn is gathered and two_level else 1)
 
 
 def test_full_precision_steps_of_a_schedule():

@@ -119,11 +119,11 @@ WORK = cm.Workload(params=18e9, tokens_per_gpu=1024)
 @pytest.mark.slow
 def test_profile_roles_from_the_compiled_program(profiles):
     roles = {c.role for c in profiles["zeropp"].collectives}
-    assert {"codes", "scales", "float"} <= roles
+    assert {"packed", "float"} <= roles
     assert {c.role for c in profiles["zero3"].collectives} == {"float", "metric"}
     for c in profiles["zeropp"].collectives:
-        if c.role == "codes":
-            assert c.dtype in ("s8", "u8")
+        if c.role == "packed":
+            assert c.dtype == "u8"
 
 
 @pytest.mark.slow

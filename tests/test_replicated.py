@@ -161,11 +161,8 @@ def test_no_parameter_crosses_nodes():
     METRIC_BYTES = 16  # the loss and norm scalars
     compressed = [c for c in _report(True).collectives
                   if _crosses_node(c) and not (c.kind == "all-reduce" and c.operand_bytes <= METRIC_BYTES)]
-    # bf16 scales (XLA:CPU may carry them as f32)
-    scales = {c.dtype for c in compressed if c.dtype != "u8"}
-    assert len(scales) == 1 and scales <= {"bf16", "f32"}
-    assert {(c.kind, c.dtype) for c in compressed} == {
-        ("all-gather", dtype) for dtype in ("u8", *scales)}
+    # codes and bf16 scales of every unit packed into one byte buffer
+    assert [(c.kind, c.dtype, c.count) for c in compressed] == [("all-gather", "u8", 1)]
     assert all(c.axis == "node" for c in compressed)
     full = [c for c in _report(False).collectives if _crosses_node(c)]
     assert {c.kind for c in full} == {"all-reduce"}
@@ -184,9 +181,10 @@ def test_compressed_step_is_zeropps_without_the_hpz_refresh():
 @pytest.mark.slow
 @pytest.mark.parametrize("accum, limit", [(1, 16), (4, 64)])
 def test_refresh_cycle_moves_16x_fewer_bytes_than_zero3_in_bf16(accum, limit):
-    """Two-level per-node bytes at the widths a bf16 GPU run sends (floats
-    and scales in bf16), over one refresh cycle of the preset."""
-    wire = dict(float_dtypes=("bf16", "bf16"), scale_dtype="bf16")
+    """Two-level per-node bytes at the widths a bf16 GPU run sends (floats in
+    bf16; the scales are bf16 bytes in their packed buffers), over one
+    refresh cycle of the preset."""
+    wire = dict(float_dtypes=("bf16", "bf16"))
 
     def inter(preset, compress):
         compiled = _compiled(preset, compress, accum)

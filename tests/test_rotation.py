@@ -124,8 +124,8 @@ def test_gather_mean_is_every_nodes_decoded_codes_averaged_on_every_node(code):
     wire = dict(bits=1, block=block, scale_dtype=jnp.float32, code=code)
 
     def run(x, c):
-        mean, new_carry = cross_node_gather_mean(x[0], c[0], **wire)
-        sent = x[0] + c[0] - new_carry
+        mean, new_carry = cross_node_gather_mean({"x": x[0]}, {"x": c[0]}, **wire)
+        mean, sent = mean["x"], x[0] + c[0] - new_carry["x"]
         return jnp.stack([mean, sent])[None]
 
     out = _on_mesh(run, x, carry)  # (devices, 2, width): device = node * 4 + local

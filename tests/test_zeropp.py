@@ -37,22 +37,30 @@ def report(preset, **overrides):
     return gpt_step(3, preset, **overrides)[2]
 
 
+def _gathered_bytes(rep):
+    return sum(c.result_bytes * c.count for c in rep.collectives if c.kind == "all-gather")
+
+
 def test_qwz_gathers_carry_int8_codes_and_scales_only():
+    from zeropp_jax.analysis.collectives import payload_role
+
     rep = report("qwz")
     gathers = [c for c in rep.collectives if c.kind == "all-gather"]
-    assert {c.dtype for c in gathers} == {"s8", "f32"}
-    codes = sum(c.result_bytes * c.count for c in gathers if c.dtype == "s8")
-    scales = sum(c.result_bytes * c.count for c in gathers if c.dtype == "f32")
-    # fp32 scales: 4 bytes per 256-element block of 1-byte codes (qwZ block)
-    assert scales <= codes * 4 / 256 * 1.01
+    # codes and fp32 scales packed into one byte buffer per gather
+    assert {(c.dtype, payload_role(c)) for c in gathers} == {("u8", "packed")}
+    # 1 byte per value plus a 4-byte scale per 256-element block (qwZ block),
+    # against zero3's 4 bytes per value, for the same gathers
+    assert [c.count for c in gathers] == [
+        c.count for c in report("zero3").collectives if c.kind == "all-gather"]
+    want = _gathered_bytes(report("zero3")) / 4 * (1 + 4 / 256)
+    assert _gathered_bytes(rep) == pytest.approx(want, rel=0.01)
 
 
 def test_qwz_int4_gathers_packed_bytes():
-    rep4 = report("qwz", qwz_bits=4)
-    rep8 = report("qwz")
-    codes4 = sum(c.result_bytes * c.count for c in rep4.collectives if c.dtype == "u8")
-    codes8 = sum(c.result_bytes * c.count for c in rep8.collectives if c.dtype == "s8")
-    assert codes4 * 2 == codes8
+    packed4, packed8 = _gathered_bytes(report("qwz", qwz_bits=4)), _gathered_bytes(report("qwz"))
+    # int8: n + s bytes, int4: n / 2 + s, s = 4 n / 256 (fp32 scales per 256)
+    codes8 = 2 * (packed8 - packed4)
+    assert packed8 - codes8 == pytest.approx(codes8 * 4 / 256, rel=1e-6)
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
@@ -81,12 +89,12 @@ def test_hpz_secondary_is_decoded_once_or_kept_quantized():
     reports = {s: report("zeropp", hpz_secondary=s) for s in ("decoded", "quantized")}
     for rep in reports.values():
         refresh = [c for c in rep.collectives if c.kind == "all-gather" and crosses_node(c)]
-        assert "s8" in {c.dtype for c in refresh}, refresh
+        assert "u8" in {c.dtype for c in refresh}, refresh  # codes and scales, packed
     in_node = {s: {c.dtype for c in rep.collectives
                    if c.kind == "all-gather" and per_layer(c) and c.axis == "local"}
                for s, rep in reports.items()}
     assert in_node["decoded"] == {"f32"}, in_node
-    assert "s8" in in_node["quantized"], in_node
+    assert in_node["quantized"] == {"u8"}, in_node
     assert reports["decoded"].inter_node_bytes == reports["quantized"].inter_node_bytes
 
     runs = {}
@@ -109,7 +117,7 @@ def test_qgz_gradients_cross_nodes_as_packed_bits_and_scales():
     across = [c for c in rep.collectives if crosses_node(c) and c.kind != "all-gather"]
     assert not [c for c in across if c.kind == "reduce-scatter"], across
     a2a = [c for c in across if c.kind == "all-to-all"]
-    assert {c.dtype for c in a2a} == {"u8", "f32"}
+    assert {c.dtype for c in a2a} == {"u8"}  # bits and scales packed, one per unit
     assert all(c.axis == "node" and c.count == 1 for c in a2a)
     for c in rep.collectives:
         if c.kind == "reduce-scatter":
@@ -117,11 +125,18 @@ def test_qgz_gradients_cross_nodes_as_packed_bits_and_scales():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,dtype", [("int8", "s8"), ("int4", "u8")])
-def test_qgz_integer_modes_on_the_wire(mode, dtype):
+@pytest.mark.parametrize("mode,bits", [("int8", 8), ("int4", 4)])
+def test_qgz_integer_modes_on_the_wire(mode, bits):
     rep = report("qgz", qgz=mode, **GRADIENT)
     a2a = [c for c in rep.collectives if c.kind == "all-to-all"]
-    assert {c.dtype for c in a2a} == {dtype, "f32"}
+    assert {c.dtype for c in a2a} == {"u8"}
+    # per value: bits / 8 bytes of codes plus a float32 scale per qgZ block
+    block = zp.ZeroConfig.from_preset("qgz", qgz=mode, **GRADIENT).qgz_block
+    one_bit = report("qgz", **GRADIENT)
+    values = sum(c.operand_bytes for c in one_bit.collectives if c.kind == "all-to-all")
+    values /= 1 / 8 + 4 / zp.ZeroConfig.from_preset("qgz", **GRADIENT).qgz_block
+    got = sum(c.operand_bytes for c in a2a)
+    assert got == pytest.approx(values * (bits / 8 + 4 / block), rel=0.02)
 
 
 def test_zeropp_only_refresh_and_compressed_gradients_cross_nodes():
@@ -133,10 +148,10 @@ def test_zeropp_only_refresh_and_compressed_gradients_cross_nodes():
         if c.kind == "all-reduce":
             assert c.operand_bytes <= METRIC_BYTES, c
         elif c.kind == "all-gather":  # hpZ's refresh (of the stacked layers: per layer)
-            assert c.axis == "node" and c.dtype in ("s8", "f32"), c
+            assert c.axis == "node" and c.dtype == "u8", c
             assert c.count == 1 or "hpz_secondary" in c.op_name, c
         else:
-            assert c.kind == "all-to-all" and c.dtype in ("u8", "f32"), c
+            assert c.kind == "all-to-all" and c.dtype == "u8", c
 
 
 @pytest.mark.slow

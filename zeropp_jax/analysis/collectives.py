@@ -44,7 +44,7 @@ from zeropp_jax.analysis.hlo import (
     shape_leaves,
 )
 from zeropp_jax.analysis.replica_groups import parse_replica_groups
-from zeropp_jax.wire.collectives import CODES_SCOPE, SCALES_SCOPE
+from zeropp_jax.wire.collectives import PACKED_SCOPE
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -107,9 +107,10 @@ class Collective:
         inter_node_bytes_by_node: per step, for each node.
         intra_node_bytes_by_device: per step, for each device.
         op_name: the JAX op path from the instruction's metadata (``""`` when
-            absent), e.g. ``jit(step)/shard_map/cross_node_embed/quantized_scales/all_to_all``;
-            :mod:`zeropp_jax.wire.collectives` names the codes and scales of a
-            quantized payload (``quantized_codes`` / ``quantized_scales``).
+            absent), e.g. ``jit(step)/shard_map/cross_node_embed/packed_bytes/all_to_all``;
+            :mod:`zeropp_jax.wire.collectives` names a collective that carries
+            several arrays (a quantized payload's codes and scales) as bytes
+            (``packed_bytes``).
     """
 
     kind: str
@@ -307,13 +308,12 @@ def parse_collectives(hlo_text: str, *, mesh_shape: tuple[int, int]) -> list[Col
 
 
 def payload_role(c: Collective) -> str:
-    """What a collective carries: ``"codes"`` or ``"scales"`` of a quantized
-    payload (named by :mod:`zeropp_jax.wire.collectives`), ``"metric"`` (a few
-    scalars), ``"float"`` (full-precision parameters or gradients) or ``"other"``."""
-    if f"/{SCALES_SCOPE}/" in c.op_name:
-        return "scales"
-    if f"/{CODES_SCOPE}/" in c.op_name:
-        return "codes"
+    """What a collective carries: ``"packed"`` (several arrays as bytes, e.g. a
+    quantized payload's codes and scales: named by
+    :mod:`zeropp_jax.wire.collectives`), ``"metric"`` (a few scalars),
+    ``"float"`` (full-precision parameters or gradients) or ``"other"``."""
+    if f"/{PACKED_SCOPE}/" in c.op_name:
+        return "packed"
     if c.kind == "all-reduce" and max(c.operand_bytes, c.result_bytes) <= METRIC_BYTES:
         return "metric"
     if c.dtype in FLOAT_DTYPES:

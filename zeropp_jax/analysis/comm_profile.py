@@ -19,8 +19,8 @@ Byte accounting (per collective, per step, :func:`link_bytes`):
 * Full-precision payloads are counted at ``Workload.float_bytes`` per element
   (2: bf16 on the wire). The profile is compiled on CPU, where XLA carries
   float collectives as f32 whatever the compute dtype; quantized codes and
-  their scales (named ``quantized_codes`` / ``quantized_scales`` in the
-  compiled program by :mod:`zeropp_jax.wire.collectives`) keep their own widths.
+  their scales move packed into bytes (named ``packed_bytes`` in the compiled
+  program by :mod:`zeropp_jax.wire.collectives`) and keep their own widths.
 * Scaling from the profile's ``(n0, l0)`` mesh and ``P0`` parameters to the
   target: inter-node bytes ``* (P / P0) * ((N-1)/N) / ((n0-1)/n0)``,
   intra-node bytes ``* (P / P0) * ((L-1)/L) / ((l0-1)/l0)``. Every ZeRO
@@ -59,7 +59,7 @@ def _check_profile_mesh(mesh_shape: tuple[int, int]) -> None:
 class CollectiveCost:
     """One collective of a profile: per-step link bytes on the profile's mesh.
 
-    ``role`` is ``"codes"``, ``"scales"`` (of a quantized payload),
+    ``role`` is ``"packed"`` (a quantized payload's codes and scales as bytes),
     ``"float"`` (full precision: rescaled to ``Workload.float_bytes``),
     ``"metric"`` (a few scalars, not scaled with the model) or ``"other"``;
     ``element_bytes`` the compiled element width; ``per_layer``: it runs
@@ -174,7 +174,6 @@ def profile_config(
     batch_size: int = 16,
     compress: bool | None = None,
     label: str = "",
-    scales_as_compiled: bool = False,
 ) -> CommProfile:
     """Compiles the example GPT's train step for ``config`` and profiles it.
 
@@ -191,10 +190,6 @@ def profile_config(
         compressed steps and one full-precision step: every collective of
         both, weighted by how often it runs).
       label: name for tables.
-      scales_as_compiled: count quantization scales at the width this
-        backend compiled them (what an emulated CPU cluster really sends:
-        XLA:CPU carries bf16 as f32) instead of ``config.scale_dtype`` (what
-        a GPU run sends).
     """
     import functools
 
@@ -217,8 +212,7 @@ def profile_config(
 
     def profile(variant):
         compiled = trainer.compile_from_shapes(shapes, batch, compress=variant)
-        report = comm_report(compiled, mesh_shape=(trainer.nodes, trainer.local),
-                             scale_dtype=None if scales_as_compiled else config.scale_dtype)
+        report = comm_report(compiled, mesh_shape=(trainer.nodes, trainer.local))
         # Scale by the padded size: the compiled collectives move the padding
         # too, which vanishes (relative to the model) at the target's size.
         return profile_report(report, params=trainer.layout.padded_numel, label=label)

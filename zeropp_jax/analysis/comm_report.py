@@ -29,9 +29,10 @@ device's transfer, as an algorithm connecting every device to every other
 same for collectives over ``node`` (one device per node).
 
 Full-precision payloads can be counted at the dtypes the run uses
-(``float_dtypes``), and quantization scales at the run's ``scale_dtype``:
-XLA:CPU compiles bf16 collectives as f32, which would double a bf16 run's
-bytes.
+(``float_dtypes``): XLA:CPU compiles bf16 collectives as f32, which would
+double a bf16 run's bytes. Quantized payloads (codes and scales packed into
+bytes, :mod:`zeropp_jax.wire.collectives`) are counted as compiled: a byte
+is never widened.
 
 Example:
     >>> compiled = jax.jit(step).lower(params, batch).compile()
@@ -183,30 +184,21 @@ class CommReport:
             compiled. A full-precision collective compiled wider (XLA:CPU
             carries bf16 collectives as f32) is counted at this width:
             all-gathers and permutes at the first, reductions and
-            all-to-alls at the second. Quantized codes and metric scalars
-            keep their compiled widths.
-        scale_dtype: HLO element type of the quantization scales on the
-            wire (the run's ``ZeroConfig.scale_dtype``, e.g. ``"bf16"``), or
-            None to count them as compiled. Scales compiled wider are counted
-            at this width.
+            all-to-alls at the second. Packed quantized payloads and metric
+            scalars keep their compiled widths.
     """
 
     collectives: list[Collective]
     mesh_shape: tuple[int, int]
     memory: MemoryStats | None = None
     float_dtypes: tuple[str, str] | None = None
-    scale_dtype: str | None = None
 
     def wire_dtype(self, c: Collective) -> str:
         """The element type ``c`` is counted at (its compiled one unless narrowed)."""
-        role = payload_role(c)
-        if role == "float" and self.float_dtypes is not None:
-            gathered, reduced = self.float_dtypes
-            want = gathered if c.kind in ("all-gather", "collective-permute") else reduced
-        elif role == "scales" and self.scale_dtype is not None:
-            want = self.scale_dtype
-        else:
+        if payload_role(c) != "float" or self.float_dtypes is None:
             return c.dtype
+        gathered, reduced = self.float_dtypes
+        want = gathered if c.kind in ("all-gather", "collective-permute") else reduced
         return want if dtype_bytes(want) < dtype_bytes(c.dtype) else c.dtype
 
     def width_ratio(self, c: Collective) -> float:
@@ -291,7 +283,6 @@ class CommReport:
             "flat_inter_node_bytes": self.flat_inter_node_bytes,
             "intra_node_bytes": self.intra_node_bytes,
             "float_dtypes": list(self.float_dtypes) if self.float_dtypes else None,
-            "scale_dtype": self.scale_dtype,
             "exact": self.exact,
             "summary": _jsonable(self.summary()),
             "collectives": _jsonable(self.collectives),
@@ -326,8 +317,6 @@ class CommReport:
             counted = []
             if self.float_dtypes is not None:
                 counted.append("gathers {}, reductions {}".format(*self.float_dtypes))
-            if self.scale_dtype is not None:
-                counted.append(f"scales {self.scale_dtype}")
             lines.append(f"* compiled as a wider float by this backend (XLA:CPU carries bf16 "
                          f"collectives as f32); counted at the run's dtypes: "
                          f"{', '.join(counted)}")
@@ -350,7 +339,6 @@ def comm_report(
     *,
     mesh_shape: tuple[int, int],
     float_dtypes: tuple[Any, Any] | None = None,
-    scale_dtype: Any = None,
 ) -> CommReport:
     """Builds a ``CommReport`` from a compiled program or its HLO text.
 
@@ -362,9 +350,6 @@ def comm_report(
             ``(jnp.bfloat16, jnp.bfloat16)``): full-precision gathers and
             reductions compiled wider are counted at these widths (see
             :class:`CommReport`). None: every collective as compiled.
-        scale_dtype: the run's quantization scale dtype (``float32`` or
-            ``bfloat16``): scales compiled wider are counted at this width.
-            None: as compiled.
 
     Returns:
         The report.
@@ -388,7 +373,4 @@ def comm_report(
     if float_dtypes is not None:
         gathered, reduced = float_dtypes
         float_dtypes = (hlo_dtype(gathered), hlo_dtype(reduced))
-    if scale_dtype is not None:
-        scale_dtype = hlo_dtype(scale_dtype)
-    return CommReport(parse_collectives(text, mesh_shape=mesh), mesh, memory, float_dtypes,
-                      scale_dtype)
+    return CommReport(parse_collectives(text, mesh_shape=mesh), mesh, memory, float_dtypes)

@@ -44,9 +44,9 @@ def float_dtypes(trainer) -> tuple[Any, Any]:
 def report_dtypes(trainer) -> dict[str, Any]:
     """Keyword arguments of :func:`~zeropp_jax.analysis.comm_report.comm_report`
     that count a trainer's payloads at the widths its run puts on the wire:
-    full precision at :func:`float_dtypes`, quantization scales at
-    ``config.scale_dtype`` (XLA:CPU compiles bf16 collectives as f32)."""
-    return {"float_dtypes": float_dtypes(trainer), "scale_dtype": trainer.config.scale_dtype}
+    full precision at :func:`float_dtypes` (XLA:CPU compiles bf16 collectives
+    as f32; packed quantized payloads are bytes, counted as compiled)."""
+    return {"float_dtypes": float_dtypes(trainer)}
 
 
 def step_reports(trainer, params_shapes: Any, batch: Any) -> dict[str, CommReport]:

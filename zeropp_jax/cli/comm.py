@@ -99,8 +99,7 @@ def report(args: argparse.Namespace) -> tuple[dict, str]:
                           **headline.report_dtypes(trainer))
         out["variants"][name] = {"report": rep.to_json(), "table": rep.format_table()}
     first = next(iter(out["variants"].values()))["report"]
-    for key in ("inter_node_bytes", "flat_inter_node_bytes", "intra_node_bytes", "float_dtypes",
-                "scale_dtype"):
+    for key in ("inter_node_bytes", "flat_inter_node_bytes", "intra_node_bytes", "float_dtypes"):
         out[key] = first[key]
     out["memory"] = first.get("memory")
     refresh = trainer.config.qgz_refresh_every
@@ -135,8 +134,6 @@ def format_result(result: dict) -> str:
     if result["float_dtypes"]:
         lines.append("full-precision payloads counted at the run's dtypes: gathers {}, "
                      "reductions {}".format(*result["float_dtypes"]))
-    if result["scale_dtype"] not in (None, "f32"):
-        lines.append(f"quantization scales counted at {result['scale_dtype']}")
     sched = result["schedule"]
     if sched["full_precision_steps"]:
         lines.append(

@@ -305,9 +305,7 @@ def _local_update(
     Returns:
       ``(params, m, v, receiver_carry, sender_carry, v_count, metrics)``.
       Full-precision steps all-reduce gradients over ``node``; compressed
-      steps move quantized momentum codes over ``node`` (an all-to-all and
-      an all-gather, or one all-gather with ``geo.gathered_share``).
-      Everything else stays inside the node.
+      steps move momentum codes over ``node`` (:func:`_exchange_momenta`).
     """
     cfg = geo.config
     replicated = cfg.node_replicated
@@ -339,21 +337,17 @@ def _local_update(
     new = {key: {} for key in ("params", "m", "v", "receiver", "sender")}
     count_now = count + 1
     new_v_count = v_count if compress else count_now  # the step of v's last update
+    if compress:
+        denoms = {name: preconditioner(v[name][0], v_count, adam) for name in m}
+        shared, new["sender"], new["receiver"] = _exchange_momenta(
+            geo, adam.b1, {n: m[n][0] / d for n, d in denoms.items()},
+            {n: clip * grads[n] / d for n, d in denoms.items()}, sender_carry, receiver_carry)
     for u in geo.layout.units:
         name = u.name
         m_slice, v_slice = m[name][0], v[name][0]
         clipped = clip * grads[name]
         if compress:
-            denom = preconditioner(v_slice, v_count, adam)
-            u_slice, sent, received = _exchange_momentum(
-                geo, adam.b1, name, m_slice / denom, clipped / denom,
-                sender_carry.get(name), receiver_carry.get(name),
-            )
-            m_slice = jnp.where(slice_masks[name], u_slice, 0.0) * denom
-            if sent is not None:
-                new["sender"][name] = sent[None]
-            if received is not None:
-                new["receiver"][name] = received
+            m_slice = jnp.where(slice_masks[name], shared[name], 0.0) * denoms[name]
         else:
             # Exact, and the same on every node: all reduced the same
             # gradient. v is an average over time: a refresh after k
@@ -388,11 +382,11 @@ def _local_update(
             new_v_count, metrics)
 
 
-def _exchange_momentum(
-    geo: StepGeometry, b1: float, name: str, u_slice: jax.Array, g_slice: jax.Array,
-    sender_carry: jax.Array | None, receiver_carry: jax.Array | None,
-) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """A compressed step's momentum exchange for one unit (inside shard_map).
+def _exchange_momenta(
+    geo: StepGeometry, b1: float, u_slices: dict, g_slices: dict,
+    sender_carry: dict, receiver_carry: dict,
+) -> tuple[dict, dict, dict]:
+    """A compressed step's momentum exchange, every unit's (inside shard_map).
 
     Works in the preconditioned space ``u = m / (sqrt(v_hat) + eps)`` (``v``
     is frozen, so the momentum recursion is the same there): the 1-bit
@@ -402,29 +396,35 @@ def _exchange_momentum(
 
     Args:
       b1: Adam's momentum decay.
-      name: the unit's name (for the profile's scope).
-      u_slice, g_slice: float32 ``([L,] U / local)``: this slice's ``m``
-        and clipped node-mean gradient, both divided by the preconditioner.
-      sender_carry: float32 ``(1, [L,] U / local)`` or ``None``.
-      receiver_carry: float32 ``([L,] U / D)`` or ``None``.
+      u_slices, g_slices: name -> float32 ``([L,] U / local)``: this slice's
+        ``m`` and clipped node-mean gradient, divided by the preconditioner.
+      sender_carry, receiver_carry: name -> float32 ``(1, [L,] U / local)``,
+        ``([L,] U / D)`` (a name without a carry is missing).
 
     Returns:
-      ``(u, sender_carry, receiver_carry)``: the new ``u`` of this slice,
-      the same on every node (float32 ``([L,] U / local)``), and the new
-      carries (``None`` where there is none). Moves codes (of
-      ``ZeroConfig.qgz_code``) over ``node``: an all-to-all and an all-gather,
-      or with ``geo.gathered_share`` one all-gather.
+      ``(u, sender_carry, receiver_carry)``: name -> the new ``u`` of this
+      slice, the same on every node (float32 ``([L,] U / local)``), and the
+      new carries (dicts like the arguments). Moves codes (of
+      ``ZeroConfig.qgz_code``) over ``node``: with ``geo.gathered_share``
+      one all-gather for all units; else per unit an all-to-all and an
+      all-gather.
     """
     cfg = geo.config
-    local_u = next_momentum(u_slice, g_slice, b1)
-    carry = None if sender_carry is None else sender_carry[0]
+    local_u = {name: next_momentum(u, g_slices[name], b1) for name, u in u_slices.items()}
     wire = dict(bits=cfg.qgz_bits, block=cfg.qgz_block, scale_dtype=cfg.scale_dtype,
                 kernels=geo.kernels, code=cfg.qgz_code)
-    with jax.named_scope(f"cross_node_{name}"):
-        if geo.gathered_share:
-            shared, carry = cross_node_gather_mean(local_u, carry, **wire)
-            return shared, carry, None
-        summed, carry, _ = cross_node_reduce(local_u, carry, reduce_dtype=geo.plan.reduce_dtype,
-                                             compress=True, **wire)
-        shared, received = cross_node_share(summed / geo.nodes, receiver_carry, **wire)
-    return shared, carry, received
+    if geo.gathered_share:
+        with jax.named_scope("cross_node_momentum"):
+            shared, sent = cross_node_gather_mean(
+                local_u, {name: c[0] for name, c in sender_carry.items()}, **wire)
+        return shared, {name: c[None] for name, c in sent.items()}, {}
+    shared, sent, received = {}, {}, {}
+    for name, x in local_u.items():
+        with jax.named_scope(f"cross_node_{name}"):
+            summed, sent[name], _ = cross_node_reduce(
+                x, sender_carry[name][0] if name in sender_carry else None,
+                reduce_dtype=geo.plan.reduce_dtype, compress=True, **wire)
+            shared[name], received[name] = cross_node_share(
+                summed / geo.nodes, receiver_carry.get(name), **wire)
+    return (shared, {n: c[None] for n, c in sent.items() if c is not None},
+            {n: c for n, c in received.items() if c is not None})

@@ -8,12 +8,16 @@ names; the combined index over several axes is row-major in the order given
 Collectives over a group of size 1 return their input unchanged, so a
 ``1x1`` mesh compiles to plain single-device code.
 
-Payloads may be plain arrays or :class:`~zeropp_jax.wire.quantization.Quantized`
-pairs; a quantized payload moves as two collectives (codes and scales), each
-in its own narrow dtype, which the communication report shows.  They run
-under the named scopes :data:`CODES_SCOPE` and :data:`SCALES_SCOPE`, so the
-compiled program says which collective carries what (the cost model scales
-scales and codes differently from full-precision payloads).
+Payloads may be plain arrays or pytrees of arrays, such as
+:class:`~zeropp_jax.wire.quantization.Quantized` pairs or every unit's codes
+of a step. A payload of more than one array moves as ONE collective: its
+arrays' bytes are packed into one ``uint8`` buffer per device and unpacked
+on arrival (:func:`pack_bytes`, :func:`unpack_bytes`), so codes and scales
+keep their exact widths on the wire (no backend widens a byte) and a step
+pays one collective's latency, not one per array (on the emulated two-node
+cluster a cross-node collective costs about a millisecond before its first
+byte: ``benchmarks/RESULTS.md``). Packed collectives run under the named
+scope :data:`PACKED_SCOPE`, so the compiled program says what they carry.
 """
 
 from __future__ import annotations
@@ -25,25 +29,68 @@ import jax
 import jax.numpy as jnp
 
 from zeropp_jax.wire import kernels as kernels_lib
-from zeropp_jax.wire.quantization import Quantized
 
 Axes = Sequence[str]
 
-# Named scopes of the two collectives of a quantized payload (they appear in
-# the compiled HLO's op_name metadata).
-CODES_SCOPE = "quantized_codes"
-SCALES_SCOPE = "quantized_scales"
+# Named scope of a collective that carries several arrays packed into bytes
+# (it appears in the compiled HLO's op_name metadata).
+PACKED_SCOPE = "packed_bytes"
 
 
-def _each_array(fn, payload: Any) -> Any:
-    """``fn`` on every array of ``payload``; a ``Quantized`` pair's two under named scopes."""
-    if isinstance(payload, Quantized):
-        with jax.named_scope(CODES_SCOPE):
-            values = fn(payload.values)
-        with jax.named_scope(SCALES_SCOPE):
-            scales = fn(payload.scales)
-        return Quantized(values, scales)
-    return jax.tree.map(fn, payload)
+def _as_bytes(x: jax.Array) -> jax.Array:
+    """``x`` ``(..., n)`` as ``uint8`` ``(..., n * itemsize)`` (a bitcast, no arithmetic)."""
+    if x.dtype == jnp.uint8:
+        return x
+    b = jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return b if b.ndim == x.ndim else jnp.reshape(b, x.shape[:-1] + (-1,))
+
+
+def _from_bytes(b: jax.Array, dtype: Any) -> jax.Array:
+    """Inverse of :func:`_as_bytes`: ``uint8`` ``(..., n * itemsize)`` -> ``dtype`` ``(..., n)``."""
+    size = jnp.dtype(dtype).itemsize
+    if size == 1:
+        return b if dtype == jnp.uint8 else jax.lax.bitcast_convert_type(b, dtype)
+    return jax.lax.bitcast_convert_type(jnp.reshape(b, b.shape[:-1] + (-1, size)), dtype)
+
+
+def pack_bytes(payload: Any) -> jax.Array:
+    """Every array of ``payload`` as bytes, chunk by chunk, in one ``uint8`` buffer.
+
+    Args:
+      payload: a pytree of arrays ``(..., k, m)`` (each its own dtype,
+        leading axes and ``m``; the same ``k``).
+
+    Returns:
+      ``uint8`` ``(k, total)``: row ``j`` holds chunk ``j`` of every array,
+      leaf after leaf. Local: touches no mesh axis.
+    """
+    rows = [jnp.reshape(jnp.moveaxis(_as_bytes(x), -2, 0), (x.shape[-2], -1))
+            for x in jax.tree.leaves(payload)]
+    return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
+
+
+def unpack_bytes(buffer: jax.Array, like: Any) -> Any:
+    """The arrays of :func:`pack_bytes` back, from a buffer of any number of rows.
+
+    Args:
+      buffer: ``uint8`` ``(r, total)``, each row packed as one chunk of the
+        arrays of ``like`` (which rows came from where is the caller's).
+      like: the packed payload (arrays or ``jax.ShapeDtypeStruct`` objects,
+        leaves ``(..., k, m)``).
+
+    Returns:
+      ``like``'s structure, leaves ``(..., r, m)`` in their own dtypes.
+      Local: touches no mesh axis.
+    """
+    leaves, treedef = jax.tree.flatten(like)
+    out, offset = [], 0
+    for x in leaves:
+        width = math.prod(x.shape[:-2]) * x.shape[-1] * jnp.dtype(x.dtype).itemsize
+        rows = jax.lax.slice_in_dim(buffer, offset, offset + width, axis=1)
+        offset += width
+        rows = jnp.reshape(rows, (buffer.shape[0],) + tuple(x.shape[:-2]) + (-1,))
+        out.append(_from_bytes(jnp.moveaxis(rows, 0, -2), x.dtype))
+    return jax.tree.unflatten(treedef, out)
 
 
 def axes_size(axes: Axes) -> int:
@@ -73,8 +120,8 @@ def all_gather(payload: Any, axes: Axes, *, two_level: bool = False) -> Any:
     """Concatenates every device's payload along the last axis.
 
     Args:
-      payload: array ``(..., n)`` or a pytree of such arrays (a ``Quantized``
-        pair gathers codes and scales separately).
+      payload: array ``(..., n)`` or a pytree of such arrays (each its own
+        dtype and shape; several move packed, as one collective per level).
       axes: mesh axes to gather over.
       two_level: gather over one axis at a time, the last (innermost) first:
         over ``("local", "node")`` a gather over ``node`` (one device per
@@ -89,10 +136,17 @@ def all_gather(payload: Any, axes: Axes, *, two_level: bool = False) -> Any:
     axes = tuple(axes)
     if axes_size(axes) == 1:
         return payload
+    packed = len(jax.tree.leaves(payload)) > 1
     for group in reversed(_levels(axes, two_level)):
-        payload = _each_array(
-            lambda x, g=group: jax.lax.all_gather(x, g, axis=x.ndim - 1, tiled=True), payload
-        )
+        if not packed:
+            payload = jax.tree.map(
+                lambda x, g=group: jax.lax.all_gather(x, g, axis=x.ndim - 1, tiled=True), payload)
+            continue
+        one_row = jax.tree.map(lambda x: x[..., None, :], payload)
+        with jax.named_scope(PACKED_SCOPE):
+            rows = jax.lax.all_gather(pack_bytes(one_row), group, axis=0, tiled=True)
+            rows = unpack_bytes(rows, one_row)  # leaves (..., devices, n)
+        payload = jax.tree.map(lambda x: jnp.reshape(x, x.shape[:-2] + (-1,)), rows)
     return payload
 
 
@@ -157,12 +211,15 @@ def all_to_all_chunks(payload: Any, axis: str) -> Any:
     """
     if jax.lax.axis_size(axis) == 1:
         return payload
-    return _each_array(
-        lambda x: jax.lax.all_to_all(
-            x, axis, split_axis=x.ndim - 2, concat_axis=x.ndim - 2, tiled=True
-        ),
-        payload,
-    )
+
+    def exchange(x):
+        return jax.lax.all_to_all(x, axis, split_axis=x.ndim - 2, concat_axis=x.ndim - 2,
+                                  tiled=True)
+
+    if len(jax.tree.leaves(payload)) == 1:
+        return jax.tree.map(exchange, payload)
+    with jax.named_scope(PACKED_SCOPE):
+        return unpack_bytes(exchange(pack_bytes(payload)), payload)
 
 
 def encode_for_gather(

@@ -164,21 +164,45 @@ def _encode(
     return q, x - residual, residual
 
 
-def _encode_and_gather(
+def _sent_codes(
     x: jax.Array, carry: jax.Array | None, *, bits: int, block: int, scale_dtype: Any,
     kernels: kernels_lib.Kernels, code: str,
-) -> tuple[Any, jax.Array]:
-    """Every node's codes of its ``x + carry`` (``(..., r)``), gathered over ``node``.
+) -> tuple[Any, jax.Array | None]:
+    """The codes this node sends of ``x + carry`` (``(..., r)``) to be gathered by every node.
 
-    Returns ``(gathered, residual)``: the codes with one row per sender,
-    ``(..., nodes, ·)``, and this node's float32 ``(..., r)`` residual
-    (:func:`_encode`). Moves the codes over ``node``.
+    Returns ``(q, residual)``: the ``Quantized`` codes and, for the
+    ``"sign"`` code, this node's float32 ``(..., r)`` residual; ``None``
+    for ``"hadamard"``, whose residual comes from this node's own decoded
+    row (:func:`_own_residual`), so the sender rotates once, not twice.
+    Local: touches no mesh axis.
     """
-    q, _, residual = _encode(
-        x, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code)
+    if code != "hadamard":
+        q, _, residual = _encode(
+            x, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code)
+        return q, residual
+    total = x if carry is None else x + carry
+    rotated = rotation.rotate(total, block, pattern=jax.lax.axis_index(NODE),
+                              patterns=jax.lax.axis_size(NODE))
+    q, _, _ = _quantize_with_carry(rotated, None, bits=bits, block=block,
+                                   scale_dtype=scale_dtype, kernels=kernels)
+    return q, None
+
+
+def _own_residual(x: jax.Array, carry: jax.Array | None, rows: jax.Array,
+                  residual: jax.Array | None) -> jax.Array:
+    """``residual`` if the sender knew it, else ``x + carry`` less this node's row of ``rows``."""
+    if residual is not None:
+        return residual
+    total = x if carry is None else x + carry
+    own = jax.lax.dynamic_index_in_dim(rows, jax.lax.axis_index(NODE), axis=rows.ndim - 2,
+                                       keepdims=False)
+    return total - own
+
+
+def _gathered_codes(q: Any) -> Any:
+    """Every node's codes ``q`` (a pytree), one row per sender ``(..., nodes, ·)``: one collective over ``node``."""
     nodes = jax.lax.axis_size(NODE)
-    gathered = jax.tree.map(lambda a: _node_rows(a, nodes), collectives.all_gather(q, (NODE,)))
-    return gathered, residual
+    return jax.tree.map(lambda a: _node_rows(a, nodes), collectives.all_gather(q, (NODE,)))
 
 
 def _gathered_rows(
@@ -189,24 +213,12 @@ def _gathered_rows(
 
     Returns ``(rows, residual)``: float32 ``(..., nodes, r)``, row ``i`` what
     node ``i`` sent (the same bits on every node), and this node's float32
-    ``(..., r)`` residual ``x + carry - rows[me]``. With the ``"hadamard"``
-    code the residual comes from this node's own decoded row, so the sender
-    rotates once, not twice (:func:`_encode` unrotates its residual). Moves
-    the codes over ``node``.
+    ``(..., r)`` residual ``x + carry - rows[me]``. Moves the codes over ``node``.
     """
-    if code != "hadamard":
-        gathered, residual = _encode_and_gather(
-            x, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code)
-        return _decoded_rows(gathered, bits=bits, block=block, kernels=kernels, code=code), residual
-    total = x if carry is None else x + carry
-    me, nodes = jax.lax.axis_index(NODE), jax.lax.axis_size(NODE)
-    q, _, _ = _quantize_with_carry(
-        rotation.rotate(total, block, pattern=me, patterns=nodes), None,
-        bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels)
-    gathered = jax.tree.map(lambda a: _node_rows(a, nodes), collectives.all_gather(q, (NODE,)))
-    rows = _decoded_rows(gathered, bits=bits, block=block, kernels=kernels, code=code)
-    own = jax.lax.dynamic_index_in_dim(rows, me, axis=rows.ndim - 2, keepdims=False)
-    return rows, total - own
+    q, residual = _sent_codes(x, carry, bits=bits, block=block, scale_dtype=scale_dtype,
+                              kernels=kernels, code=code)
+    rows = _decoded_rows(_gathered_codes(q), bits=bits, block=block, kernels=kernels, code=code)
+    return rows, _own_residual(x, carry, rows, residual)
 
 
 def _decoded_rows(q: Any, *, bits: int, block: int, kernels: kernels_lib.Kernels,
@@ -294,42 +306,54 @@ def cross_node_share(
 
 
 def cross_node_gather_mean(
-    x: jax.Array,
-    carry: jax.Array | None,
+    xs: dict,
+    carries: dict,
     *,
     bits: int,
     block: int,
     scale_dtype: Any,
     kernels: kernels_lib.Kernels = kernels_lib.XLA,
     code: str = "sign",
-) -> tuple[jax.Array, jax.Array | None]:
+) -> tuple[dict, dict]:
     """The mean over nodes of every node's compressed ``x``, on every node (inside shard_map).
 
     One hop instead of :func:`cross_node_reduce` then :func:`cross_node_share`:
-    ``x + carry`` is quantized block-wise, the codes of every node are
+    each ``x + carry`` is quantized block-wise, the codes of every node are
     all-gathered over ``node``, and each node decodes and sums them in node
     order, so all nodes hold the same mean, and nothing is quantized twice.
     Each node takes in ``nodes - 1`` nodes' codes for the whole of ``x``;
     the two hops take in ``2 (nodes - 1) / nodes`` of that: the same bytes
     for two nodes, more beyond (1-bit Adam's ``ZeroConfig.qgz_share``).
+    The codes and scales of all of ``xs`` move as one collective (one
+    packed buffer, :func:`zeropp_jax.wire.collectives.all_gather`).
 
     Args:
-      x: float32 ``(..., r)``, this device's value (``r`` divisible by
-        ``block``).
-      carry: float32 ``(..., r)`` error-feedback carry, or ``None``.
+      xs: name -> float32 ``(..., r)``, this device's values (each ``r``
+        divisible by ``block``), e.g. one per unit.
+      carries: name -> float32 ``(..., r)`` error-feedback carry; a name
+        that is missing has none.
       bits, block, scale_dtype, kernels: as :func:`cross_node_share`.
       code: ``"sign"`` or ``"hadamard"``.
 
     Returns:
-      ``(mean, new_carry)``: float32 ``(..., r)``, identical on all nodes,
-      and ``x + carry - sent`` (``None`` if ``carry`` was ``None``). Touches
-      ``node`` only.
+      ``(means, new_carries)``: name -> float32 ``(..., r)``, identical on
+      all nodes; and name -> ``x + carry - sent`` for the names of
+      ``carries``. Touches ``node`` only.
     """
-    wire = dict(bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code)
-    if code == "hadamard":  # the rows are decoded one by one anyway
-        rows, residual = _gathered_rows(x, carry, **wire)
-        total = ordered_chunk_sum(rows)
-    else:  # one fused pass
-        gathered, residual = _encode_and_gather(x, carry, **wire)
-        total = _decoded_sum(gathered, bits=bits, block=block, kernels=kernels, code=code)
-    return total / jax.lax.axis_size(NODE), (None if carry is None else residual)
+    wire = dict(bits=bits, block=block, kernels=kernels, code=code)
+    sent = {name: _sent_codes(x, carries.get(name), scale_dtype=scale_dtype, **wire)
+            for name, x in xs.items()}
+    gathered = _gathered_codes({name: q for name, (q, _) in sent.items()})
+    means, new_carries = {}, {}
+    for name, x in xs.items():
+        carry, residual = carries.get(name), sent[name][1]
+        if code == "hadamard":  # the rows are decoded one by one anyway
+            rows = _decoded_rows(gathered[name], **wire)
+            total = ordered_chunk_sum(rows)
+            residual = _own_residual(x, carry, rows, residual)
+        else:  # one fused pass
+            total = _decoded_sum(gathered[name], **wire)
+        means[name] = total / jax.lax.axis_size(NODE)
+        if carry is not None:
+            new_carries[name] = residual
+    return means, new_carries
