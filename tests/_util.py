@@ -223,7 +223,7 @@ def gpt_step(n_layers, preset="zero3", per_layer=True, compress=None, **override
     else:
         loss = functools.partial(gpt.loss_fn, cfg=cfg)
     batch = jax.ShapeDtypeStruct((8 * overrides.get("grad_accum", 1), 17), jnp.int32)
-    config = zp.ZeroConfig.from_preset(preset, compute_dtype="float32", **overrides)
+    config = zp.ZeroConfig.from_preset(preset, **{"compute_dtype": "float32", **overrides})
     return compile_step(
         loss, shapes, config=config, per_layer=per_layer,
         stacked=("blocks",) if per_layer else (), batch=batch, compress=compress,

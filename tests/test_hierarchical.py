@@ -8,6 +8,8 @@ whose groups span both axes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,3 +82,81 @@ def test_two_level_zero3_has_no_collective_spanning_both_axes():
     # a node's gathers take in what the flat algorithm's would, from one device per node
     node_gathers = [c for c in moving if c.kind == "all-gather" and c.axis == "node"]
     assert all(c.group_size == 2 and c.num_groups == 4 for c in node_gathers)
+
+
+def _compiled_report(fn, x):
+    from zeropp_jax.analysis.comm_report import comm_report
+
+    mesh = mesh_of(2, 4)
+    x = jax.device_put(x, jax.sharding.NamedSharding(mesh, P(None, SHARD_AXES)))
+    step = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(None, SHARD_AXES),
+                                 out_specs=P(None, SHARD_AXES)))
+    return comm_report(step.lower(x).compile(), mesh_shape=(2, 4))
+
+
+def test_two_byte_floats_cross_at_two_bytes_with_a_ring_s_bytes():
+    """bf16 gathers move as u16 bits; with ``sum_bits`` bf16 reductions as an
+    exchange of bits and a local sum: the values of the float32 collectives
+    (gathers exactly, sums to bf16 rounding) at half their bytes, which
+    XLA:CPU's own bf16 collectives (widened to f32) would not send."""
+    from zeropp_jax.analysis.collectives import payload_role
+
+    # small integers: every partial sum is exact in bf16, so any order of
+    # summation gives the float32 collectives' values exactly
+    x = jax.random.randint(jax.random.key(1), (3, 8 * 16), -4, 5).astype(jnp.float32)
+    half = x.astype(jnp.bfloat16)
+
+    def scatter(dtype, sum_bits):
+        return lambda s: collectives.reduce_scatter(
+            jnp.tile(s.astype(dtype), (1, 8)) * (1.0 + collectives.axes_index(SHARD_AXES)),
+            SHARD_AXES, two_level=True, sum_bits=sum_bits)
+
+    def reduce(dtype, sum_bits):  # every node's sum, on every device
+        return lambda s: collectives.all_reduce(
+            s.astype(dtype) * (1.0 + jax.lax.axis_index("node")), ("node",), sum_bits=sum_bits)
+
+    def gather(dtype, sum_bits):
+        del sum_bits
+        return lambda s: collectives.all_gather(s.astype(dtype), SHARD_AXES, two_level=True)
+
+    for make in (gather, scatter, reduce):
+        got = _run(make(jnp.bfloat16, True), x)
+        want = _run(make(jnp.float32, False), x)
+        assert got.dtype == jnp.bfloat16 and np.abs(want).max() >= (4 if make is gather else 8)
+        np.testing.assert_array_equal(got.astype(np.float32), want)
+        as_bits = _compiled_report(make(jnp.bfloat16, True), half)
+        native = _compiled_report(make(jnp.float32, False), x)
+        assert {c.dtype for c in as_bits.collectives} == {"u16"}, make
+        assert all(payload_role(c) == "float" for c in as_bits.collectives)
+        # a ring's bytes at 2 bytes an element: half the float32 collectives'
+        assert 2 * as_bits.inter_node_bytes == native.inter_node_bytes > 0, make
+        assert 2 * as_bits.intra_node_bytes == native.intra_node_bytes, make
+
+
+def test_a_bf16_two_level_zero3_step_puts_nothing_wider_than_bf16_on_the_wire():
+    """On CPU a bf16 run's gathers and gradient reductions cross at 2 bytes,
+    so the comm report has nothing to narrow and the emulated cluster's link
+    carries what a GPU's would."""
+    _, _, report = gpt_step(1, hierarchical_collectives=True, compute_dtype="bfloat16")
+    floats = [c for c in report.collectives if c.dtype in ("f32", "bf16")]
+    assert all(c.operand_bytes <= 16 for c in floats), floats  # metric scalars only
+    wide = report.collectives
+    assert {c.dtype for c in wide if c.operand_bytes > 16} == {"u16"}
+    narrowed = dataclasses.replace(report, float_dtypes=("bf16", "bf16"))
+    assert narrowed.inter_node_bytes == report.inter_node_bytes > 0
+    f32 = gpt_step(1, hierarchical_collectives=True)[2]
+
+    def payload_bytes(r):  # the metric scalars stay float32
+        return sum(r.counted_bytes(c)[0] for c in r.collectives if c.operand_bytes > 16)
+
+    assert 2 * payload_bytes(report) == payload_bytes(f32) > 0
+
+
+@pytest.mark.parametrize("preset", ["zeropp", "zeropp-max"])
+def test_a_bf16_refresh_step_all_reduces_gradients_at_two_bytes(preset):
+    """1-bit Adam's full-precision steps all-reduce the gradient over ``node``
+    in the reduce dtype (bf16 here): as bits and a local sum on CPU."""
+    _, _, report = gpt_step(1, preset=preset, compress=False, compute_dtype="bfloat16")
+    node = [c for c in report.collectives if c.axis == "node" and c.operand_bytes > 16]
+    assert node and {c.dtype for c in node} <= {"u16", "u8"}, node
+    assert {c.kind for c in node if c.dtype == "u16"} == {"all-to-all", "all-gather"}

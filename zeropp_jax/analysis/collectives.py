@@ -44,7 +44,7 @@ from zeropp_jax.analysis.hlo import (
     shape_leaves,
 )
 from zeropp_jax.analysis.replica_groups import parse_replica_groups
-from zeropp_jax.wire.collectives import PACKED_SCOPE
+from zeropp_jax.wire.collectives import FLOAT_BITS_SCOPE, PACKED_SCOPE
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -311,9 +311,12 @@ def payload_role(c: Collective) -> str:
     """What a collective carries: ``"packed"`` (several arrays as bytes, e.g. a
     quantized payload's codes and scales: named by
     :mod:`zeropp_jax.wire.collectives`), ``"metric"`` (a few scalars),
-    ``"float"`` (full-precision parameters or gradients) or ``"other"``."""
+    ``"float"`` (full-precision parameters or gradients, also a 2-byte float
+    moved as its ``u16`` bits) or ``"other"``."""
     if f"/{PACKED_SCOPE}/" in c.op_name:
         return "packed"
+    if f"/{FLOAT_BITS_SCOPE}/" in c.op_name:
+        return "float"
     if c.kind == "all-reduce" and max(c.operand_bytes, c.result_bytes) <= METRIC_BYTES:
         return "metric"
     if c.dtype in FLOAT_DTYPES:

@@ -30,7 +30,9 @@ same for collectives over ``node`` (one device per node).
 
 Full-precision payloads can be counted at the dtypes the run uses
 (``float_dtypes``): XLA:CPU compiles bf16 collectives as f32, which would
-double a bf16 run's bytes. Quantized payloads (codes and scales packed into
+double a bf16 run's bytes (the library's own collectives move 2-byte floats
+as ``u16`` bits, and on CPU reduce them over one axis as bits: only what
+still compiles wider is narrowed). Quantized payloads (codes and scales packed into
 bytes, :mod:`zeropp_jax.wire.collectives`) are counted as compiled: a byte
 is never widened.
 

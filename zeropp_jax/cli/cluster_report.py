@@ -170,6 +170,7 @@ def _cluster(gbits: float, compute_s: float, workload):
 def _profile(flags: Sequence[str]):
     """``(CommProfile, Workload)`` of the zeropp-train run with ``flags``."""
     import jax
+    import jax.numpy as jnp
 
     import zeropp_jax as zp
     from zeropp_jax import data
@@ -186,10 +187,12 @@ def _profile(flags: Sequence[str]):
     profile = cm.profile_config(config, mesh=mesh, model=model, batch_size=args.batch_size,
                                 compress=True if config.qgz != "off" else None,
                                 label=args.preset)
-    # XLA:CPU carries float collectives as float32 whatever the compute dtype
-    # (quantized payloads are packed bytes: exact on every backend).
-    workload = cm.Workload(params=profile.params,
-                           tokens_per_gpu=args.batch_size * args.seq_len / 8, float_bytes=4)
+    # Full-precision payloads cross at the compute dtype (2-byte floats as
+    # their bits, also on CPU; "auto" is float32 on CPU); quantized payloads
+    # are packed bytes, exact on every backend.
+    float_bytes = jnp.dtype(config.resolved_compute_dtype("cpu")).itemsize
+    workload = cm.Workload(params=profile.params, float_bytes=float_bytes,
+                           tokens_per_gpu=args.batch_size * args.seq_len / 8)
     return profile, workload
 
 

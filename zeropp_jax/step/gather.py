@@ -48,6 +48,8 @@ class GatherPlan:
       scale_dtype: dtype of qwZ scales on the wire.
       compute_dtype: dtype of the gathered parameters.
       reduce_dtype: dtype of the gradient reduce-scatter on the wire.
+      sum_bits: reductions of a 2-byte float wire run as bits plus a local
+        sum (on CPU: :func:`~zeropp_jax.wire.collectives.reduce_scatter`).
       kernels: the quantization kernels (XLA reference or Pallas).
       two_level: run both collectives one mesh axis at a time, so only
         one device per node talks to each other node
@@ -76,6 +78,7 @@ class GatherPlan:
     compute_dtype: Any
     reduce_dtype: Any
     kernels: Kernels
+    sum_bits: bool = False
     two_level: bool = False
     prefetch: bool = True
     secondary_bits: int | None = None
@@ -141,8 +144,7 @@ class Formed:
         return (self.payload,), None
 
     @classmethod
-    def tree_unflatten(cls, aux, children):
-        del aux
+    def tree_unflatten(cls, _, children):
         return cls(*children)
 
 
@@ -189,9 +191,8 @@ def gather_payload(plan: GatherPlan, source: Any, order: jax.Array | None = None
       qwZ's ``Quantized`` codes and scales), not yet decoded.
     """
     if collectives.axes_size(plan.gather_axes) > 1:
-        # The dependency rides on the (narrow, shard-sized) payload: one pass
-        # over the bytes about to be sent. A group of one sends nothing, and
-        # its "gathered" layer is the resident payload itself: nothing to order.
+        # The dependency rides on the (shard-sized) payload; a group of one
+        # sends nothing and its "gathered" layer is the resident payload.
         source = tie_after(source, order)
     return collectives.all_gather(source, plan.gather_axes, two_level=plan.two_level)
 
@@ -220,10 +221,9 @@ def gather_flat(plan: GatherPlan, source: Any, order: jax.Array | None = None) -
 
 def reduce_gradient(plan: GatherPlan, cotangent: jax.Array) -> jax.Array:
     """The gradient of a layer's sink: its ``(U,)`` cotangent reduce-scattered, float32."""
-    grad = collectives.reduce_scatter(
-        cotangent, plan.reduce_axes, plan.reduce_dtype, two_level=plan.two_level
-    )
-    return grad.astype(jnp.float32)
+    return collectives.reduce_scatter(cotangent, plan.reduce_axes, plan.reduce_dtype,
+                                      two_level=plan.two_level,
+                                      sum_bits=plan.sum_bits).astype(jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -136,6 +136,8 @@ class StepGeometry:
             compute_dtype=self.compute_dtype,
             reduce_dtype=cfg.reduce_dtype or self.compute_dtype,
             kernels=self.kernels,
+            # XLA:CPU widens 2-byte float reductions to float32 on the wire
+            sum_bits=self.mesh.devices.flat[0].platform == "cpu",
             two_level=cfg.hierarchical_collectives,
             prefetch=cfg.prefetch,
             keep_activations=cfg.keep_activations,

@@ -110,7 +110,7 @@ def _reduced_gradients(
                 g, c, _ = cross_node_reduce(
                     g, c, bits=cfg.qgz_bits, block=cfg.qgz_block, scale_dtype=cfg.scale_dtype,
                     reduce_dtype=geo.plan.reduce_dtype, compress=compress,
-                    kernels=geo.kernels, code=cfg.qgz_code, key=key,
+                    kernels=geo.kernels, code=cfg.qgz_code, key=key, sum_bits=geo.plan.sum_bits,
                 )
             if c is not None:
                 new_carry[u.name] = c[None]

@@ -297,8 +297,7 @@ def _local_update(
         (the same on every node).
       sender_carry: name -> float32 ``(1, [L,] U / local)`` or empty.
       batch: pytree of ``(B / D, ...)`` arrays.
-      count, v_count: int32 scalars (steps taken; the step count at
-        ``v``'s last update).
+      count, v_count: int32 scalars (steps taken; the step of ``v``'s last update).
       step: int32 scalar, the optimizer step (names the loss's keys).
       key: the trainer's key for the loss, or ``None``.
 
@@ -326,7 +325,8 @@ def _local_update(
         scale = 1.0 / (geo.n_devices * cfg.grad_accum)
         with jax.named_scope("cross_node_all_reduce"):
             grads = {
-                name: collectives.all_reduce(a, (NODE,), geo.plan.reduce_dtype) * scale
+                name: collectives.all_reduce(a, (NODE,), geo.plan.reduce_dtype,
+                                             sum_bits=geo.plan.sum_bits) * scale
                 for name, a in acc.items()
             }
     grads = {name: jnp.where(slice_masks[name], g, 0.0) for name, g in grads.items()}
@@ -374,9 +374,9 @@ def _local_update(
         )
         mask = geo.shard_mask(u, params[name].shape[-1])
         new["params"][name] = jnp.where(mask, stepped, params[name])
-    # Compressed steps report the root mean square over nodes of each node's
-    # gradient norm (the global gradient is never formed there).
-    sq_metric = jax.lax.pmean(sq_norm, NODE) if compress else sq_norm
+    # Compressed: the root mean square over nodes of each node's gradient norm
+    # (the global gradient is never formed there); else the global norm.
+    sq_metric = jax.lax.pmean(sq_norm, NODE)
     metrics = geo.metrics(losses, sq_metric, compress)
     return (new["params"], new["m"], new["v"], new["receiver"], new["sender"],
             new_v_count, metrics)

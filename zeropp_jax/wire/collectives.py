@@ -18,12 +18,20 @@ pays one collective's latency, not one per array (on the emulated two-node
 cluster a cross-node collective costs about a millisecond before its first
 byte: ``benchmarks/RESULTS.md``). Packed collectives run under the named
 scope :data:`PACKED_SCOPE`, so the compiled program says what they carry.
+
+XLA:CPU compiles a collective of 2-byte floats as float32, twice the bytes a
+GPU's NCCL sends. So a 2-byte float array moves as its bits (``uint16``,
+under :data:`FLOAT_BITS_SCOPE`) on every backend, and with ``sum_bits`` (set
+on CPU, :attr:`~zeropp_jax.step.geometry.StepGeometry.plan`) a reduction of
+2-byte floats over one mesh axis runs as an exchange of bits and a local
+float32 sum (:func:`_exchange_sum`): the bytes per device of a ring, so the
+emulated cluster's link carries what a bf16 run on GPUs sends.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +43,8 @@ Axes = Sequence[str]
 # Named scope of a collective that carries several arrays packed into bytes
 # (it appears in the compiled HLO's op_name metadata).
 PACKED_SCOPE = "packed_bytes"
+# Named scope of a collective that carries a 2-byte float array as its bits.
+FLOAT_BITS_SCOPE = "float_bits"
 
 
 def _as_bytes(x: jax.Array) -> jax.Array:
@@ -66,7 +76,7 @@ def pack_bytes(payload: Any) -> jax.Array:
     """
     rows = [jnp.reshape(jnp.moveaxis(_as_bytes(x), -2, 0), (x.shape[-2], -1))
             for x in jax.tree.leaves(payload)]
-    return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
+    return jnp.concatenate(rows, axis=1)
 
 
 def unpack_bytes(buffer: jax.Array, like: Any) -> Any:
@@ -136,22 +146,42 @@ def all_gather(payload: Any, axes: Axes, *, two_level: bool = False) -> Any:
     axes = tuple(axes)
     if axes_size(axes) == 1:
         return payload
-    packed = len(jax.tree.leaves(payload)) > 1
     for group in reversed(_levels(axes, two_level)):
-        if not packed:
-            payload = jax.tree.map(
-                lambda x, g=group: jax.lax.all_gather(x, g, axis=x.ndim - 1, tiled=True), payload)
-            continue
-        one_row = jax.tree.map(lambda x: x[..., None, :], payload)
-        with jax.named_scope(PACKED_SCOPE):
-            rows = jax.lax.all_gather(pack_bytes(one_row), group, axis=0, tiled=True)
-            rows = unpack_bytes(rows, one_row)  # leaves (..., devices, n)
+        rows = _on_chunks(
+            lambda x, g=group: jax.lax.all_gather(x, g, axis=x.ndim - 2, tiled=True),
+            jax.tree.map(lambda x: x[..., None, :], payload))  # leaves (..., devices, n)
         payload = jax.tree.map(lambda x: jnp.reshape(x, x.shape[:-2] + (-1,)), rows)
     return payload
 
 
+def _is_half(dtype: Any) -> bool:
+    """A 2-byte float (bf16, f16): compiled as float32 by XLA:CPU's collectives."""
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
+
+
+def _on_chunks(collective: Callable[[jax.Array], jax.Array], payload: Any) -> Any:
+    """Runs ``collective`` (along the second-to-last axis, which it may
+    lengthen) on ``payload`` as ONE collective.
+
+    Several arrays move packed into bytes (:func:`pack_bytes`, under
+    :data:`PACKED_SCOPE`), a 2-byte float as its ``uint16`` bits (under
+    :data:`FLOAT_BITS_SCOPE`), any other single array as it is.
+    """
+    leaves = jax.tree.leaves(payload)
+    if len(leaves) > 1:
+        with jax.named_scope(PACKED_SCOPE):
+            return unpack_bytes(collective(pack_bytes(payload)), payload)
+    if not _is_half(leaves[0].dtype):
+        return jax.tree.map(collective, payload)
+    with jax.named_scope(FLOAT_BITS_SCOPE):
+        return jax.tree.map(
+            lambda x: jax.lax.bitcast_convert_type(
+                collective(jax.lax.bitcast_convert_type(x, jnp.uint16)), x.dtype),
+            payload)
+
+
 def reduce_scatter(x: jax.Array, axes: Axes, dtype: Any = None, *,
-                   two_level: bool = False) -> jax.Array:
+                   two_level: bool = False, sum_bits: bool = False) -> jax.Array:
     """Sums ``x`` over ``axes`` and keeps this device's chunk of the last axis.
 
     Args:
@@ -165,6 +195,8 @@ def reduce_scatter(x: jax.Array, axes: Axes, dtype: Any = None, *,
         sub-chunk ``n``, i.e. chunk ``l * nodes + n`` of ``x``, as in one
         step; only the second step crosses nodes, with ``1 / local`` of the
         data. Sums are the same up to float rounding (another order).
+      sum_bits: a 2-byte float wire over one mesh axis (a level) moves as
+        bits and is summed locally in float32 (:func:`_exchange_sum`).
 
     Returns:
       ``(..., n // axes_size(axes))``.
@@ -174,11 +206,29 @@ def reduce_scatter(x: jax.Array, axes: Axes, dtype: Any = None, *,
         return x
     out = x if dtype is None else x.astype(dtype)
     for group in _levels(axes, two_level):
-        out = jax.lax.psum_scatter(out, group, scatter_dimension=x.ndim - 1, tiled=True)
+        if sum_bits and len(group) == 1 and _is_half(out.dtype):
+            out = _exchange_sum(out, group[0])
+        else:
+            out = jax.lax.psum_scatter(out, group, scatter_dimension=x.ndim - 1, tiled=True)
     return out.astype(x.dtype)
 
 
-def all_reduce(x: jax.Array, axes: Axes, dtype: Any = None) -> jax.Array:
+def _exchange_sum(x: jax.Array, axis: str) -> jax.Array:
+    """:func:`reduce_scatter` of ``x`` ``(..., n)`` over one mesh axis as an
+    all-to-all of its chunks' bits, summed here in float32 and rounded once.
+
+    Each device sends and receives ``(size - 1) / size`` of ``x``, as in a
+    ring reduce-scatter, at ``x``'s width on every backend.
+    """
+    size = jax.lax.axis_size(axis)
+    chunks = jnp.reshape(x, x.shape[:-1] + (size, -1))
+    received = _on_chunks(  # row j: device j's partial sum of this device's chunk
+        lambda c: jax.lax.all_to_all(c, axis, c.ndim - 2, c.ndim - 2, tiled=True), chunks)
+    return jnp.sum(received.astype(jnp.float32), axis=-2).astype(x.dtype)
+
+
+def all_reduce(x: jax.Array, axes: Axes, dtype: Any = None, *,
+               sum_bits: bool = False) -> jax.Array:
     """Sums ``x`` over ``axes``; every device gets the whole sum.
 
     Args:
@@ -186,9 +236,14 @@ def all_reduce(x: jax.Array, axes: Axes, dtype: Any = None) -> jax.Array:
       axes: mesh axes to reduce over.
       dtype: dtype on the wire (``None``: ``x.dtype``); the result is cast
         back to ``x.dtype``.
+      sum_bits: a 2-byte float wire over one mesh axis runs as
+        :func:`_exchange_sum` and an all-gather of the sums' bits (a ring
+        all-reduce's bytes).
 
     Returns:
-      The sum, invariant over ``axes`` (also for a group of one device).
+      The sum, the same on every device; typed invariant over ``axes`` for
+      shard_map's check (also for a group of one device), except on the
+      ``sum_bits`` path (an all-gather: typed varying).
     """
     axes = tuple(axes)
     if axes_size(axes) == 1:
@@ -196,7 +251,12 @@ def all_reduce(x: jax.Array, axes: Axes, dtype: Any = None) -> jax.Array:
         # (shard_map's replication check), and XLA drops a group of one
         return jax.lax.psum(x, axes)
     wire = x if dtype is None else x.astype(dtype)
-    return jax.lax.psum(wire, axes).astype(x.dtype)
+    if not (sum_bits and len(axes) == 1 and _is_half(wire.dtype)):
+        return jax.lax.psum(wire, axes).astype(x.dtype)
+    size = axes_size(axes)
+    flat = jnp.pad(jnp.ravel(wire), (0, -wire.size % size))
+    summed = all_gather(_exchange_sum(flat, axes[0]), axes)[:wire.size]
+    return jnp.reshape(summed, x.shape).astype(x.dtype)
 
 
 def all_to_all_chunks(payload: Any, axis: str) -> Any:
@@ -211,15 +271,8 @@ def all_to_all_chunks(payload: Any, axis: str) -> Any:
     """
     if jax.lax.axis_size(axis) == 1:
         return payload
-
-    def exchange(x):
-        return jax.lax.all_to_all(x, axis, split_axis=x.ndim - 2, concat_axis=x.ndim - 2,
-                                  tiled=True)
-
-    if len(jax.tree.leaves(payload)) == 1:
-        return jax.tree.map(exchange, payload)
-    with jax.named_scope(PACKED_SCOPE):
-        return unpack_bytes(exchange(pack_bytes(payload)), payload)
+    return _on_chunks(
+        lambda x: jax.lax.all_to_all(x, axis, x.ndim - 2, x.ndim - 2, tiled=True), payload)
 
 
 def encode_for_gather(

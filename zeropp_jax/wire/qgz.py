@@ -67,6 +67,7 @@ def cross_node_reduce(
     kernels: kernels_lib.Kernels = kernels_lib.XLA,
     code: str = "sign",
     key: jax.Array | None = None,
+    sum_bits: bool = False,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
     """Sums node-partial gradients over ``node`` (runs inside shard_map).
 
@@ -90,6 +91,8 @@ def cross_node_reduce(
         needs ``key`` and ``carry=None``).
       key: uint32 scalar naming this step, unit and ``local`` index, the same
         on the devices that exchange chunks (only for ``code="dither"``).
+      sum_bits: as :func:`zeropp_jax.wire.collectives.reduce_scatter`'s
+        (the full-precision reduction of a 2-byte ``reduce_dtype``).
 
     Returns:
       ``(reduced, new_carry, transmitted)``: the float32 ``(..., r / nodes)``
@@ -101,7 +104,7 @@ def cross_node_reduce(
     """
     x = g if carry is None else g + carry
     if not compress:
-        reduced = collectives.reduce_scatter(x, (NODE,), reduce_dtype)
+        reduced = collectives.reduce_scatter(x, (NODE,), reduce_dtype, sum_bits=sum_bits)
         new_carry = None if carry is None else jnp.zeros_like(carry)
         return reduced, new_carry, x
     nodes = jax.lax.axis_size(NODE)
