@@ -275,3 +275,23 @@ def test_the_bench_runs_zeropp_as_published():
     config = common.build_config(train.build_parser().parse_args(flags))
     assert config == dataclasses.replace(config, **cm.PUBLISHED_ZEROPP)
     assert config.qgz == "int4" and config.qgz_target == "gradient"
+
+
+@pytest.mark.slow
+def test_the_model_counts_a_bf16_run_at_the_bytes_its_link_carries():
+    """A ``--dtype bfloat16`` run sends its full-precision payloads at 2 bytes
+    (as bits, also on CPU), so the model's bytes for zero3-2level halve while
+    zeropp's, quantized, stay (a float32 width here doubled the baseline)."""
+    small = ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq-len", "16",
+             "--batch-size", "8"]
+    counted = {}
+    for dtype in ("float32", "bfloat16"):
+        for preset in ("zero3-2level", "zeropp"):
+            profile, workload = cluster_report._profile(
+                cluster_bench.train_command_flags(preset, [*small, "--dtype", dtype], 1))
+            assert workload.float_bytes == (4 if dtype == "float32" else 2)
+            counted[dtype, preset] = profile.bytes_at(
+                cluster_report._cluster(1.0, 1.0, workload), workload)[0]
+    assert counted["float32", "zero3-2level"] == pytest.approx(
+        2 * counted["bfloat16", "zero3-2level"], rel=0.02)  # metric scalars stay float32
+    assert counted["float32", "zeropp"] == pytest.approx(counted["bfloat16", "zeropp"], rel=0.02)
