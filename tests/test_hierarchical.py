@@ -160,3 +160,17 @@ def test_a_bf16_refresh_step_all_reduces_gradients_at_two_bytes(preset):
     node = [c for c in report.collectives if c.axis == "node" and c.operand_bytes > 16]
     assert node and {c.dtype for c in node} <= {"u16", "u8"}, node
     assert {c.kind for c in node if c.dtype == "u16"} == {"all-to-all", "all-gather"}
+
+
+def test_full_precision_1bit_adam_steps_sum_gradients_over_nodes_per_layer():
+    """With one micro-batch a warm-up or refresh step all-reduces each layer's
+    gradient over ``node`` in the backward (where compute can hide it); with
+    several, the accumulated gradient once per step."""
+    def node_sums(rep):
+        return [c for c in rep.collectives
+                if c.kind == "all-reduce" and c.axis == "node" and c.operand_bytes > 16]
+
+    per_layer = node_sums(gpt_step(3, preset="zeropp", compress=False)[2])
+    assert per_layer and any(c.count > 1 for c in per_layer), per_layer  # in the layer loop
+    once = node_sums(gpt_step(3, preset="zeropp", compress=False, grad_accum=2)[2])
+    assert once and all(c.count == 1 for c in once), once

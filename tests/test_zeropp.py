@@ -65,9 +65,12 @@ def test_qwz_int4_gathers_packed_bytes():
 
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_hpz_per_layer_gathers_stay_inside_the_node(prefetch):
-    """Only the refresh of the secondary partition crosses nodes: once per step
-    for the whole model, or, under prefetch, layer by layer in the forward
-    for the stacked layers (one layer ahead), the same bytes."""
+    """Of the parameters only the refresh of the secondary partition crosses
+    nodes: once per step for the whole model, or, under prefetch, layer by
+    layer in the forward for the stacked layers (one layer ahead), the same
+    bytes. With one micro-batch each layer's gradient is reduced over
+    ``local``, then over ``node`` in the backward; with several, over
+    ``local`` per layer and micro-batch, and over ``node`` once per step."""
     rep = report("hpz", prefetch=prefetch)
     refresh = [c for c in rep.collectives if c.kind == "all-gather" and crosses_node(c)]
     assert refresh, "hpZ must refresh its secondary copy across nodes once per step"
@@ -75,8 +78,16 @@ def test_hpz_per_layer_gathers_stay_inside_the_node(prefetch):
         if c in refresh:
             assert c.axis == "node" and "hpz_secondary" in c.op_name, c
             assert c.count == 1 or (prefetch and "/while/body/" in c.op_name), c
-        elif per_layer(c):
+        elif per_layer(c) and c.kind == "all-gather":
             assert c.axis == "local", c
+        elif per_layer(c):  # the gradient's two levels, each over one axis
+            assert c.kind == "reduce-scatter" and c.axis in ("local", "node"), c
+    assert any(per_layer(c) and c.kind == "reduce-scatter" and c.axis == "node"
+               for c in rep.collectives)
+    accumulated = report("hpz", prefetch=prefetch, grad_accum=2)
+    node_reductions = [c for c in accumulated.collectives
+                       if c.kind == "reduce-scatter" and crosses_node(c)]
+    assert node_reductions and all(c.count == 1 for c in node_reductions), node_reductions
     bytes_of = lambda r: sum(c.result_bytes * c.count for c in r.collectives  # noqa: E731
                              if c.kind == "all-gather" and crosses_node(c))
     assert bytes_of(rep) == bytes_of(report("hpz", prefetch=not prefetch))

@@ -11,6 +11,8 @@ only parameter traffic across nodes.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Callable
 
 import jax
@@ -70,7 +72,7 @@ def micro_batch_key(key: jax.Array, step: jax.Array, first_row: jax.Array) -> ja
 
 def accumulate(
     geo: StepGeometry, loss_fn: Callable[..., jax.Array], params: dict, batch: Any,
-    *, step: jax.Array | None = None, key: jax.Array | None = None,
+    *, step: jax.Array | None = None, key: jax.Array | None = None, sum_axes: tuple = (),
 ) -> tuple[dict, jax.Array]:
     """Gradients of all ``grad_accum`` micro-batches, summed (inside shard_map).
 
@@ -82,6 +84,8 @@ def accumulate(
       step: int32 scalar, the optimizer step (needed with ``key``).
       key: ``None``, or the trainer's key: then ``loss_fn(params,
         micro_batch, k)`` gets :func:`micro_batch_key`'s ``k``.
+      sum_axes: mesh axes every layer's reduced gradient is also
+        all-reduced over, in the backward (``GatherPlan.sum_axes``).
 
     Returns:
       ``(acc, losses)``: name -> float32 summed gradient, the node-partial
@@ -112,7 +116,9 @@ def accumulate(
     sinks0 = {u.name: zero_sink(u) for u in units}
 
     def loss_of_sinks(sinks, micro_batch, micro_key):
-        handles = {u.name: Unit(sources[u.name], sinks[u.name], u, geo.plan_of(u)) for u in units}
+        handles = {u.name: Unit(sources[u.name], sinks[u.name], u,
+                                dataclasses.replace(geo.plan_of(u), sum_axes=tuple(sum_axes)))
+                   for u in units}
         if geo.layout.paths:  # a wrap policy: the remainder is gathered once, whole
             handles[REMAINDER] = gather(handles[REMAINDER])
         tree = join_units(handles, geo.layout)

@@ -50,6 +50,8 @@ class GatherPlan:
       reduce_dtype: dtype of the gradient reduce-scatter on the wire.
       sum_bits: reductions of a 2-byte float wire run as bits plus a local
         sum (on CPU: :func:`~zeropp_jax.wire.collectives.reduce_scatter`).
+      sum_axes: mesh axes the reduced gradient is then all-reduced over,
+        per layer (1-bit Adam's full-precision steps: ``("node",)``).
       kernels: the quantization kernels (XLA reference or Pallas).
       two_level: run both collectives one mesh axis at a time, so only
         one device per node talks to each other node
@@ -64,10 +66,9 @@ class GatherPlan:
         secondary (:func:`secondary_payload`), decoded there when ``bits``
         is 0. :func:`~zeropp_jax.step.prefetch.scan_layers` does that once
         per layer, in the forward, and keeps the secondaries for the backward.
-      keep_activations: a layer's forward saves its activations for the
-        backward, which gathers the parameters again but recomputes only
-        what was not saved (:mod:`~zeropp_jax.step.linearize`); else the
-        backward recomputes the layer's whole forward.
+      keep_activations: a layer's forward saves its activations; its
+        backward gathers the parameters again but recomputes only what was
+        not saved (:mod:`~zeropp_jax.step.linearize`), else all of it.
     """
 
     gather_axes: tuple[str, ...]
@@ -79,6 +80,7 @@ class GatherPlan:
     reduce_dtype: Any
     kernels: Kernels
     sum_bits: bool = False
+    sum_axes: tuple[str, ...] = ()
     two_level: bool = False
     prefetch: bool = True
     secondary_bits: int | None = None
@@ -102,8 +104,7 @@ class Unit:
       order: ``None``, or a float32 scalar zero computed from the layer's
         inputs (set by :func:`layer`): the payload this device sends is
         made to depend on it, so the gather cannot start before them.
-    Aux data: the unit's :class:`UnitLayout` and :class:`GatherPlan`.
-    """
+    Aux data: the unit's :class:`UnitLayout` and :class:`GatherPlan`."""
 
     def __init__(self, source: Any, sink: jax.Array, layout: UnitLayout, plan: GatherPlan,
                  order: jax.Array | None = None):
@@ -159,9 +160,8 @@ def secondary_payload(plan: GatherPlan, source: Any, order: jax.Array | None = N
 
     Returns:
       ``source`` itself when ``plan.secondary_bits`` is ``None`` (a
-      :class:`Formed` source: its payload); else its
-      all-gather over ``node``, ``(U / local,)``, decoded to the compute
-      dtype when ``plan.bits`` is 0. Mesh axes: ``node``.
+      :class:`Formed` source: its payload); else its all-gather over ``node``,
+      ``(U / local,)``, decoded when ``plan.bits`` is 0. Mesh axes: ``node``.
     """
     if isinstance(source, Formed):
         return source.payload
@@ -191,9 +191,7 @@ def gather_payload(plan: GatherPlan, source: Any, order: jax.Array | None = None
       qwZ's ``Quantized`` codes and scales), not yet decoded.
     """
     if collectives.axes_size(plan.gather_axes) > 1:
-        # The dependency rides on the (shard-sized) payload; a group of one
-        # sends nothing and its "gathered" layer is the resident payload.
-        source = tie_after(source, order)
+        source = tie_after(source, order)  # a group of one sends nothing
     return collectives.all_gather(source, plan.gather_axes, two_level=plan.two_level)
 
 
@@ -220,10 +218,14 @@ def gather_flat(plan: GatherPlan, source: Any, order: jax.Array | None = None) -
 
 
 def reduce_gradient(plan: GatherPlan, cotangent: jax.Array) -> jax.Array:
-    """The gradient of a layer's sink: its ``(U,)`` cotangent reduce-scattered, float32."""
-    return collectives.reduce_scatter(cotangent, plan.reduce_axes, plan.reduce_dtype,
-                                      two_level=plan.two_level,
-                                      sum_bits=plan.sum_bits).astype(jnp.float32)
+    """The gradient of a layer's sink: its ``(U,)`` cotangent reduce-scattered
+    (and all-reduced over ``plan.sum_axes``), float32."""
+    grad = collectives.reduce_scatter(cotangent, plan.reduce_axes, plan.reduce_dtype,
+                                      two_level=plan.two_level, sum_bits=plan.sum_bits)
+    if plan.sum_axes:
+        grad = collectives.all_reduce(grad, plan.sum_axes, plan.reduce_dtype,
+                                      sum_bits=plan.sum_bits, varying=True)
+    return grad.astype(jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -293,16 +295,14 @@ def layer(fn: Callable) -> Callable:
       ``jax.checkpoint`` relies on optimization barriers for this, which
       some XLA backends (CPU) drop before common-subexpression elimination.
 
-    The dependency is an added ``0 * probe`` (guarded against non-finite
-    probes): opaque to every compiler pass, one element-wise add over the
-    payload each device sends. With ``GatherPlan.keep_activations`` the
+    The dependency is :func:`zero_after`'s ``0 * probe``, one element-wise
+    add over the payload each device sends. With ``GatherPlan.keep_activations`` the
     forward keeps the layer's activations (:mod:`~zeropp_jax.step.linearize`)
     and the backward recomputes the gathers and what was not kept only.
 
     A unit that forms its hpZ secondary per layer (``GatherPlan.secondary_bits``)
-    gathers it over ``node`` once, in the forward, and the layer keeps it
-    (``1/local`` of the layer) for the recomputation, which gathers inside
-    the node only.
+    gathers it over ``node`` once, in the forward, and keeps it (``1/local``
+    of the layer) for the recomputation, which gathers inside the node only.
     """
 
     @functools.wraps(fn)

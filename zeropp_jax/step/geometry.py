@@ -138,7 +138,8 @@ class StepGeometry:
             kernels=self.kernels,
             # XLA:CPU widens 2-byte float reductions to float32 on the wire
             sum_bits=self.mesh.devices.flat[0].platform == "cpu",
-            two_level=cfg.hierarchical_collectives,
+            # hpZ's gathers run over `local` only: its gradients' in two levels
+            two_level=cfg.hierarchical_collectives or cfg.hpz,
             prefetch=cfg.prefetch,
             keep_activations=cfg.keep_activations,
         )

@@ -310,8 +310,10 @@ def _local_update(
     replicated = cfg.node_replicated
     if replicated:
         params = {name: p[0] for name, p in params.items()}
-    acc, losses = accumulate(geo, loss_fn, params, batch, step=step, key=key)
     compress = compress and geo.qgz_active
+    # one micro-batch at full precision: each layer's gradient summed over nodes in the backward
+    summed = () if compress or cfg.grad_accum > 1 else (NODE,)
+    acc, losses = accumulate(geo, loss_fn, params, batch, step=step, key=key, sum_axes=summed)
     local_index = jax.lax.axis_index(LOCAL)
     slice_masks = {
         u.name: padding_mask(u, local_index, u.padded // geo.local) for u in geo.layout.units
@@ -324,11 +326,9 @@ def _local_update(
     else:
         scale = 1.0 / (geo.n_devices * cfg.grad_accum)
         with jax.named_scope("cross_node_all_reduce"):
-            grads = {
-                name: collectives.all_reduce(a, (NODE,), geo.plan.reduce_dtype,
-                                             sum_bits=geo.plan.sum_bits) * scale
-                for name, a in acc.items()
-            }
+            grads = {name: scale * (a if summed else collectives.all_reduce(
+                a, (NODE,), geo.plan.reduce_dtype, sum_bits=geo.plan.sum_bits))
+                for name, a in acc.items()}
     grads = {name: jnp.where(slice_masks[name], g, 0.0) for name, g in grads.items()}
     # This node's squared norm (compressed) or the global one (full precision).
     sq_norm = jax.lax.psum(sum(jnp.sum(jnp.square(g)) for g in grads.values()), LOCAL)

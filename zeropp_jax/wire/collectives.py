@@ -228,7 +228,7 @@ def _exchange_sum(x: jax.Array, axis: str) -> jax.Array:
 
 
 def all_reduce(x: jax.Array, axes: Axes, dtype: Any = None, *,
-               sum_bits: bool = False) -> jax.Array:
+               sum_bits: bool = False, varying: bool = False) -> jax.Array:
     """Sums ``x`` over ``axes``; every device gets the whole sum.
 
     Args:
@@ -239,20 +239,23 @@ def all_reduce(x: jax.Array, axes: Axes, dtype: Any = None, *,
       sum_bits: a 2-byte float wire over one mesh axis runs as
         :func:`_exchange_sum` and an all-gather of the sums' bits (a ring
         all-reduce's bytes).
+      varying: type the sum varying over ``axes`` on every path (a value
+        bound for a varying input, such as a gradient sink).
 
     Returns:
       The sum, the same on every device; typed invariant over ``axes`` for
       shard_map's check (also for a group of one device), except on the
-      ``sum_bits`` path (an all-gather: typed varying).
+      ``sum_bits`` path (an all-gather: typed varying) and with ``varying``.
     """
     axes = tuple(axes)
+    typed = (lambda s: jax.lax.pcast(s, axes, to="varying")) if varying else (lambda s: s)
     if axes_size(axes) == 1:
         # no transfer, but still a psum: the result is invariant over `axes`
         # (shard_map's replication check), and XLA drops a group of one
-        return jax.lax.psum(x, axes)
+        return typed(jax.lax.psum(x, axes))
     wire = x if dtype is None else x.astype(dtype)
     if not (sum_bits and len(axes) == 1 and _is_half(wire.dtype)):
-        return jax.lax.psum(wire, axes).astype(x.dtype)
+        return typed(jax.lax.psum(wire, axes)).astype(x.dtype)
     size = axes_size(axes)
     flat = jnp.pad(jnp.ravel(wire), (0, -wire.size % size))
     summed = all_gather(_exchange_sum(flat, axes[0]), axes)[:wire.size]
