@@ -392,11 +392,11 @@ class ZeroConfig:
         """Whether per-layer gradients are reduced over ``local`` only.
 
         Then the cross-node reduction runs once per optimizer step (in full
-        precision or compressed by qgZ) instead of per layer and micro-batch:
-        with qgZ, and with hpZ over several micro-batches (with one, per layer
-        moves the same bytes, in the backward, where compute can hide them).
+        precision or compressed by qgZ) instead of once per layer and
+        micro-batch; with hpZ alone, except in stacks under one micro-batch
+        (:func:`~zeropp_jax.step.geometry.node_level_once`).
         """
-        return self.qgz != "off" or (self.hpz and self.grad_accum > 1)
+        return self.hpz or self.qgz != "off"
 
     def alignment(self) -> int:
         """Elements each device's shard must be a multiple of."""

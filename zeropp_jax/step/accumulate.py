@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from zeropp_jax.layout import REMAINDER, join_units
 from zeropp_jax.step.gather import Unit, gather, secondary_payload
-from zeropp_jax.step.geometry import DATA_AXES, StepGeometry
+from zeropp_jax.step.geometry import DATA_AXES, StepGeometry, layer_by_layer, node_level_once
 from zeropp_jax.wire import collectives
 
 
@@ -84,8 +84,9 @@ def accumulate(
       step: int32 scalar, the optimizer step (needed with ``key``).
       key: ``None``, or the trainer's key: then ``loss_fn(params,
         micro_batch, k)`` gets :func:`micro_batch_key`'s ``k``.
-      sum_axes: mesh axes every layer's reduced gradient is also
-        all-reduced over, in the backward (``GatherPlan.sum_axes``).
+      sum_axes: mesh axes each layer's reduced gradient in a stack is also
+        all-reduced over, in the backward, where
+        :func:`~zeropp_jax.step.geometry.layer_by_layer` (``GatherPlan.sum_axes``).
 
     Returns:
       ``(acc, losses)``: name -> float32 summed gradient, the node-partial
@@ -109,16 +110,16 @@ def accumulate(
 
     def zero_sink(u):
         shard = params[u.name]
-        width = u.padded // geo.local if cfg.hierarchical_grads else shard.shape[-1]
+        width = u.padded // geo.local if node_level_once(geo, u) else shard.shape[-1]
         zeros = jnp.zeros(shard.shape[:-1] + (width,), jnp.float32)
         return jax.lax.pcast(zeros, DATA_AXES, to="varying")
 
     sinks0 = {u.name: zero_sink(u) for u in units}
 
     def loss_of_sinks(sinks, micro_batch, micro_key):
-        handles = {u.name: Unit(sources[u.name], sinks[u.name], u,
-                                dataclasses.replace(geo.plan_of(u), sum_axes=tuple(sum_axes)))
-                   for u in units}
+        handles = {u.name: Unit(sources[u.name], sinks[u.name], u, dataclasses.replace(
+            geo.plan_of(u), sum_axes=tuple(sum_axes) if layer_by_layer(geo, u) else ()))
+            for u in units}
         if geo.layout.paths:  # a wrap policy: the remainder is gathered once, whole
             handles[REMAINDER] = gather(handles[REMAINDER])
         tree = join_units(handles, geo.layout)

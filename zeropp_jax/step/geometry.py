@@ -138,8 +138,7 @@ class StepGeometry:
             kernels=self.kernels,
             # XLA:CPU widens 2-byte float reductions to float32 on the wire
             sum_bits=self.mesh.devices.flat[0].platform == "cpu",
-            # hpZ's gathers run over `local` only: its gradients' in two levels
-            two_level=cfg.hierarchical_collectives or cfg.hpz,
+            two_level=cfg.hierarchical_collectives,
             prefetch=cfg.prefetch,
             keep_activations=cfg.keep_activations,
         )
@@ -147,24 +146,23 @@ class StepGeometry:
     def forms_secondary_per_layer(self, unit: UnitLayout) -> bool:
         """hpZ's secondary partition of ``unit`` is formed layer by layer in the forward.
 
-        For stacked units (``L >= 2``) under prefetch with one micro-batch:
+        Where :func:`layer_by_layer`, under prefetch:
         :func:`~zeropp_jax.step.prefetch.scan_layers` gathers each layer's
         secondary over ``node`` one layer ahead, behind the previous layer's
         compute, and keeps it for the backward, instead of the whole unit's
-        at the start of the step, which nothing can hide (a stack run by
-        ``lax.scan(zp.layer(...))`` or ``nn.scan`` forms it in each layer's
-        forward and keeps it for the recomputation). The same bytes
-        cross nodes once per step either way. With several micro-batches
-        each forward would gather it again, so it is formed once up front.
+        up front, which nothing can hide (``lax.scan(zp.layer(...))`` or
+        ``nn.scan`` form it in each layer's forward). The same bytes.
         """
         cfg = self.config
-        return (cfg.hpz and not cfg.node_replicated and cfg.prefetch
-                and cfg.grad_accum == 1 and (unit.stack or 0) >= 2)
+        return cfg.hpz and not cfg.node_replicated and cfg.prefetch and layer_by_layer(self, unit)
 
     def plan_of(self, unit: UnitLayout) -> GatherPlan:
-        """How ``unit`` is gathered: :attr:`plan`, forming its secondary per
-        layer where :meth:`forms_secondary_per_layer`."""
-        return self.secondary_plan if self.forms_secondary_per_layer(unit) else self.plan
+        """:attr:`plan`, forming the secondary per layer where :meth:`forms_secondary_per_layer`,
+        reducing over all devices in two levels where not :func:`node_level_once`."""
+        plan = self.secondary_plan if self.forms_secondary_per_layer(unit) else self.plan
+        if self.config.hierarchical_grads and not node_level_once(self, unit):
+            plan = dataclasses.replace(plan, reduce_axes=SHARD_AXES, two_level=True)
+        return plan
 
     @functools.cached_property
     def secondary_plan(self) -> GatherPlan:
@@ -264,7 +262,9 @@ class StepGeometry:
             source_bytes = source * jnp.dtype(self.compute_dtype).itemsize
         else:
             source_bytes = 0  # the float32 master shard is sent as it is
-        accumulator = 4 * (per_local if cfg.hierarchical_grads else padded // self.n_devices)
+        accumulator = 4 * sum(  # node-partial where the node level runs once per step
+            u.padded * (u.stack or 1) // (self.local if node_level_once(self, u)
+                                          else self.n_devices) for u in self.layout.units)
         return {
             "master_params": 4 * (per_local if cfg.node_replicated else padded // self.n_devices),
             "gather_source": source_bytes,
@@ -291,3 +291,25 @@ class StepGeometry:
             "grad_rms": jnp.sqrt(sq_norm / self.layout.numel),
             "compressed": jnp.asarray(int(compress and self.qgz_active), jnp.int32),
         }
+
+
+def node_level_once(geo: StepGeometry, unit: UnitLayout) -> bool:
+    """``unit``'s gradient is reduced over ``local`` per layer and crosses
+    nodes once per optimizer step, after the backward (qgZ's compression,
+    hpZ's saving under gradient accumulation).
+
+    hpZ alone reduces a stack (``L >= 2``) under one micro-batch over both
+    axes per layer, in two levels, in the backward, where compute can hide
+    it: the same bytes. An unstacked unit's gradient is complete only at the
+    backward's end, and one used twice (a tied embedding) would cross nodes
+    twice, so it crosses once.
+    """
+    cfg = geo.config
+    return cfg.hierarchical_grads and (cfg.qgz != "off" or not layer_by_layer(geo, unit))
+
+
+def layer_by_layer(geo: StepGeometry, unit: UnitLayout) -> bool:
+    """One micro-batch and a stack of ``L >= 2`` layers: ``unit``'s
+    cross-node gradient traffic can run per layer in the backward (hpZ's
+    reduce-scatter; 1-bit Adam's full-precision all-reduce)."""
+    return geo.config.grad_accum == 1 and (unit.stack or 0) >= 2

@@ -27,7 +27,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.step.accumulate import accumulate
-from zeropp_jax.step.geometry import DATA_AXES, StepGeometry
+from zeropp_jax.step.geometry import DATA_AXES, StepGeometry, node_level_once
 from zeropp_jax.step.state import TrainState, ZeroOptState, initial_qgz_state
 from zeropp_jax.wire import dither
 from zeropp_jax.wire.qgz import QgzState, cross_node_reduce
@@ -101,7 +101,7 @@ def _reduced_gradients(
     grads, new_carry = {}, {}
     for unit_index, u in enumerate(geo.layout.units):
         g = acc[u.name]
-        if cfg.hierarchical_grads:
+        if node_level_once(geo, u):
             c = carry[u.name][0] if u.name in carry else None
             key = (  # only the dithered code draws noise
                 dither.stream_key(cfg.qgz_seed, step, unit_index, local_index) if dithered else None

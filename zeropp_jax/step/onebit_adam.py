@@ -72,7 +72,7 @@ from jax.sharding import PartitionSpec as P
 from zeropp_jax.layout import padding_mask
 from zeropp_jax.mesh import LOCAL, NODE
 from zeropp_jax.step.accumulate import accumulate
-from zeropp_jax.step.geometry import StepGeometry
+from zeropp_jax.step.geometry import StepGeometry, layer_by_layer
 from zeropp_jax.step.state import TrainState, ZeroOptState, initial_qgz_state
 from zeropp_jax.wire import collectives
 from zeropp_jax.wire.qgz import (
@@ -311,24 +311,24 @@ def _local_update(
     if replicated:
         params = {name: p[0] for name, p in params.items()}
     compress = compress and geo.qgz_active
-    # one micro-batch at full precision: each layer's gradient summed over nodes in the backward
-    summed = () if compress or cfg.grad_accum > 1 else (NODE,)
+    # full precision: a stack's gradient summed over nodes per layer where layer_by_layer
+    summed = () if compress else (NODE,)
     acc, losses = accumulate(geo, loss_fn, params, batch, step=step, key=key, sum_axes=summed)
     local_index = jax.lax.axis_index(LOCAL)
-    slice_masks = {
-        u.name: padding_mask(u, local_index, u.padded // geo.local) for u in geo.layout.units
-    }
+    slice_masks = {u.name: padding_mask(u, local_index, u.padded // geo.local)
+                   for u in geo.layout.units}
     # Full precision: the mean gradient over all devices, on every node.
     # Compressed: this node's mean gradient (the nodes' average is the mean).
     if compress:
         scale = geo.nodes / (geo.n_devices * cfg.grad_accum)
         grads = {name: a * scale for name, a in acc.items()}
     else:
-        scale = 1.0 / (geo.n_devices * cfg.grad_accum)
+        scale, wire_dtype = 1.0 / (geo.n_devices * cfg.grad_accum), geo.plan.reduce_dtype
         with jax.named_scope("cross_node_all_reduce"):
-            grads = {name: scale * (a if summed else collectives.all_reduce(
-                a, (NODE,), geo.plan.reduce_dtype, sum_bits=geo.plan.sum_bits))
-                for name, a in acc.items()}
+            grads = {u.name: scale * (acc[u.name] if layer_by_layer(geo, u) else
+                                      collectives.all_reduce(acc[u.name], (NODE,), wire_dtype,
+                                                             sum_bits=geo.plan.sum_bits))
+                     for u in geo.layout.units}
     grads = {name: jnp.where(slice_masks[name], g, 0.0) for name, g in grads.items()}
     # This node's squared norm (compressed) or the global one (full precision).
     sq_norm = jax.lax.psum(sum(jnp.sum(jnp.square(g)) for g in grads.values()), LOCAL)
