@@ -11,8 +11,6 @@ only parameter traffic across nodes.
 
 from __future__ import annotations
 
-import dataclasses
-
 from typing import Any, Callable
 
 import jax
@@ -20,7 +18,7 @@ import jax.numpy as jnp
 
 from zeropp_jax.layout import REMAINDER, join_units
 from zeropp_jax.step.gather import Unit, gather, secondary_payload
-from zeropp_jax.step.geometry import DATA_AXES, StepGeometry, layer_by_layer, node_level_once
+from zeropp_jax.step.geometry import DATA_AXES, StepGeometry, node_level_once
 from zeropp_jax.wire import collectives
 
 
@@ -84,9 +82,9 @@ def accumulate(
       step: int32 scalar, the optimizer step (needed with ``key``).
       key: ``None``, or the trainer's key: then ``loss_fn(params,
         micro_batch, k)`` gets :func:`micro_batch_key`'s ``k``.
-      sum_axes: mesh axes each layer's reduced gradient in a stack is also
-        all-reduced over, in the backward, where
-        :func:`~zeropp_jax.step.geometry.layer_by_layer` (``GatherPlan.sum_axes``).
+      sum_axes: mesh axes each layer's reduced gradient is also all-reduced
+        over, in the backward, where the unit's plan takes them
+        (:meth:`~zeropp_jax.step.geometry.StepGeometry.plan_of`).
 
     Returns:
       ``(acc, losses)``: name -> float32 summed gradient, the node-partial
@@ -117,9 +115,8 @@ def accumulate(
     sinks0 = {u.name: zero_sink(u) for u in units}
 
     def loss_of_sinks(sinks, micro_batch, micro_key):
-        handles = {u.name: Unit(sources[u.name], sinks[u.name], u, dataclasses.replace(
-            geo.plan_of(u), sum_axes=tuple(sum_axes) if layer_by_layer(geo, u) else ()))
-            for u in units}
+        handles = {u.name: Unit(sources[u.name], sinks[u.name], u, geo.plan_of(u, sum_axes))
+                   for u in units}
         if geo.layout.paths:  # a wrap policy: the remainder is gathered once, whole
             handles[REMAINDER] = gather(handles[REMAINDER])
         tree = join_units(handles, geo.layout)

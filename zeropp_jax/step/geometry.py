@@ -144,24 +144,24 @@ class StepGeometry:
         )
 
     def forms_secondary_per_layer(self, unit: UnitLayout) -> bool:
-        """hpZ's secondary partition of ``unit`` is formed layer by layer in the forward.
-
-        Where :func:`layer_by_layer`, under prefetch:
-        :func:`~zeropp_jax.step.prefetch.scan_layers` gathers each layer's
-        secondary over ``node`` one layer ahead, behind the previous layer's
-        compute, and keeps it for the backward, instead of the whole unit's
-        up front, which nothing can hide (``lax.scan(zp.layer(...))`` or
-        ``nn.scan`` form it in each layer's forward). The same bytes.
+        """hpZ's secondary of ``unit`` is formed layer by layer in the forward, where
+        :func:`layer_by_layer` under prefetch: :func:`~zeropp_jax.step.prefetch.scan_layers`
+        gathers each layer's over ``node`` one layer ahead, behind the previous layer's
+        compute, and keeps it for the backward, instead of the whole unit's up front, which
+        nothing can hide (``lax.scan(zp.layer(...))``, ``nn.scan``: in each layer's forward).
         """
         cfg = self.config
         return cfg.hpz and not cfg.node_replicated and cfg.prefetch and layer_by_layer(self, unit)
 
-    def plan_of(self, unit: UnitLayout) -> GatherPlan:
+    def plan_of(self, unit: UnitLayout, sum_axes: tuple = ()) -> GatherPlan:
         """:attr:`plan`, forming the secondary per layer where :meth:`forms_secondary_per_layer`,
-        reducing over all devices in two levels where not :func:`node_level_once`."""
+        reducing over all devices in two levels where not :func:`node_level_once`, and
+        all-reducing over ``sum_axes`` where :func:`layer_by_layer` (``GatherPlan.sum_axes``)."""
         plan = self.secondary_plan if self.forms_secondary_per_layer(unit) else self.plan
         if self.config.hierarchical_grads and not node_level_once(self, unit):
             plan = dataclasses.replace(plan, reduce_axes=SHARD_AXES, two_level=True)
+        if sum_axes and layer_by_layer(self, unit):
+            plan = dataclasses.replace(plan, sum_axes=tuple(sum_axes))
         return plan
 
     @functools.cached_property

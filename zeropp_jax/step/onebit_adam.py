@@ -72,7 +72,7 @@ from jax.sharding import PartitionSpec as P
 from zeropp_jax.layout import padding_mask
 from zeropp_jax.mesh import LOCAL, NODE
 from zeropp_jax.step.accumulate import accumulate
-from zeropp_jax.step.geometry import StepGeometry, layer_by_layer
+from zeropp_jax.step.geometry import StepGeometry
 from zeropp_jax.step.state import TrainState, ZeroOptState, initial_qgz_state
 from zeropp_jax.wire import collectives
 from zeropp_jax.wire.qgz import (
@@ -311,7 +311,7 @@ def _local_update(
     if replicated:
         params = {name: p[0] for name, p in params.items()}
     compress = compress and geo.qgz_active
-    # full precision: a stack's gradient summed over nodes per layer where layer_by_layer
+    # full precision: summed over nodes per layer where the unit's plan takes NODE
     summed = () if compress else (NODE,)
     acc, losses = accumulate(geo, loss_fn, params, batch, step=step, key=key, sum_axes=summed)
     local_index = jax.lax.axis_index(LOCAL)
@@ -325,7 +325,7 @@ def _local_update(
     else:
         scale, wire_dtype = 1.0 / (geo.n_devices * cfg.grad_accum), geo.plan.reduce_dtype
         with jax.named_scope("cross_node_all_reduce"):
-            grads = {u.name: scale * (acc[u.name] if layer_by_layer(geo, u) else
+            grads = {u.name: scale * (acc[u.name] if geo.plan_of(u, summed).sum_axes else
                                       collectives.all_reduce(acc[u.name], (NODE,), wire_dtype,
                                                              sum_bits=geo.plan.sum_bits))
                      for u in geo.layout.units}
