@@ -27,8 +27,10 @@ import subprocess
 import sys
 import tempfile
 
-BASELINE = "zero3-2level"
-NODES, LOCAL = 2, 4
+from zeropp_jax.cli.cluster_bench import LOCAL, NODES
+from zeropp_jax.cli.cluster_report import rate_name
+
+BASELINE = "zero3-2level"  # of cluster_report.BASELINES: rows keep its speedup keys
 
 
 def workload(text: str) -> tuple[int, int]:
@@ -47,6 +49,18 @@ def workload(text: str) -> tuple[int, int]:
     return batch, seq
 
 
+def widths(text: str) -> list[int]:
+    """``"128,256"`` -> ``[128, 256]``: model widths (``--d-model``), positive."""
+    try:
+        out = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        out = []
+    if not out or any(d <= 0 for d in out):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give positive model widths, comma-separated, e.g. 128,256")
+    return out
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -57,7 +71,7 @@ def parse_args(argv):
                         type=lambda s: [workload(w) for w in s.split(",") if w],
                         help="BATCHxSEQ list (default: 8x32,8x64,8x128,16x128)")
     parser.add_argument("--d-models", default=[128], metavar="D,...",
-                        type=lambda s: [int(v) for v in s.split(",") if v],
+                        type=widths,
                         help="model widths (zeropp-train --d-model), each with every workload "
                         "(default: 128, the example GPT's)")
     parser.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
@@ -72,8 +86,6 @@ def parse_args(argv):
     if taken:
         parser.error(f"drop {', '.join(taken)}: --workloads and --d-models set the batch, "
                      "sequence length and width, and --json is this script's own")
-    if any(d <= 0 for d in options.d_models):
-        parser.error(f"--d-models {options.d_models}: widths must be positive")
     return options, bench_flags
 
 
@@ -111,10 +123,6 @@ def rows(d_model: int, batch: int, seq: int, bench: dict) -> list[dict]:
     return out
 
 
-def _rate_label(rate: float) -> str:
-    return "unlimited" if rate == 0 else f"{rate:g} Mbit/s"
-
-
 def draw(table: list[dict], path: str) -> None:
     """Speedup (left) and step time (right) against tokens per device, log2 axis.
 
@@ -128,23 +136,23 @@ def draw(table: list[dict], path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
     presets = [BASELINE, *sorted({r["preset"] for r in table} - {BASELINE})]
     rates = sorted({r["rate_mbit"] for r in table}, key=lambda v: (v == 0, v))
-    widths = sorted({r["d_model"] for r in table})
+    d_models = sorted({r["d_model"] for r in table})
     colors = {rate: f"C{i}" for i, rate in enumerate(rates)}
-    marks = {d: m for d, m in zip(widths, "os^vD")}
+    marks = {d: m for d, m in zip(d_models, "os^vD")}
 
     def points(preset, d_model, rate, *keys):
         return sorted(tuple(r[k] for k in ("tokens_per_device", *keys)) for r in table
                       if (r["preset"], r["d_model"], r["rate_mbit"]) == (preset, d_model, rate))
 
     for preset in presets[1:]:
-        for d_model in widths:
+        for d_model in d_models:
             for rate in rates:
                 pts = points(preset, d_model, rate, "speedup_vs_zero3_2level",
                              "predicted_speedup_vs_zero3_2level")
                 pts = [p for p in pts if p[1] is not None]
                 if not pts:
                     continue
-                label = f"{preset}, d_model {d_model} @ {_rate_label(rate)}"
+                label = f"{preset}, d_model {d_model} @ {rate_name(rate)}"
                 left.plot([p[0] for p in pts], [p[1] for p in pts], marker=marks[d_model],
                           color=colors[rate], label=label)
                 # Unlimited is where the model takes its compute times from: no prediction.
@@ -156,13 +164,13 @@ def draw(table: list[dict], path: str) -> None:
     left.axhline(1.0, color="gray", lw=0.8)
     left.set(ylabel=f"speedup over {BASELINE}", title="speedup over the two-level zero3")
     for preset in presets:
-        for d_model in widths:
+        for d_model in d_models:
             for rate in rates:
                 pts = points(preset, d_model, rate, "step_time_s")
                 if pts:
                     right.plot([p[0] for p in pts], [p[1] for p in pts], marker=marks[d_model],
                                color=colors[rate], ls="-" if preset == BASELINE else "--",
-                               label=f"{preset}, d_model {d_model} @ {_rate_label(rate)}")
+                               label=f"{preset}, d_model {d_model} @ {rate_name(rate)}")
     right.set(ylabel="median step time (s)", title="step time (solid: baseline)", yscale="log")
     plain = matplotlib.ticker.FormatStrFormatter("%.1f")
     right.yaxis.set_major_formatter(plain)

@@ -24,7 +24,8 @@ import subprocess
 import sys
 import time
 
-NODES, LOCAL = 2, 4
+from zeropp_jax.cli.cluster_bench import LOCAL, NODES  # the emulated cluster's shape
+
 AXES = {"local": "local", "node": "node", "node+local": ("node", "local")}
 SIZES = (16, 65536)  # float32 elements per device: latency-bound, then 256 KiB
 CHAIN = 20  # all-gathers per compiled call, each depending on the one before
