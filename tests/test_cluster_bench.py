@@ -259,6 +259,59 @@ def test_repeats_are_rounds_over_the_sweep_pooled_per_point(monkeypatch, tmp_pat
         ("zero3", 50), ("hpz", 50), ("zero3", 0), ("hpz", 0)]
 
 
+def _fake_sweep_json(path, step_s, *, flags=(), steps=10, presets=("zero3", "zeropp")):
+    """A sweep's --json as the bench writes it: per preset at 50 Mbit/s, two
+    runs of two timed steps (``step_s`` and 2 x ``step_s``; zeropp's second
+    step a refresh)."""
+    records = []
+    for preset in presets:
+        kinds = [1, 0] if preset == "zeropp" else [0, 0]
+        runs = [{"step_times_s": [step_s * k, step_s * k], "compressed": kinds,
+                 "link_rx_bytes": [[100 * k, 100 * k]] * 2,
+                 "link_rx_frames": [[2, 2]] * 2} for k in (1, 2)]
+        records.append(cluster_report.record(preset, 50.0, runs, 64))
+    path.write_text(json.dumps({
+        "command": ["zeropp-cluster-bench", "--steps", str(steps), "--warmup", "3", *flags],
+        "nodes": 2, "local": 4, "steps": steps, "warmup": 3, "records": records}))
+    return path
+
+
+def test_pool_reports_earlier_sweeps_as_one_with_their_runs_as_rounds(tmp_path, capsys):
+    a = _fake_sweep_json(tmp_path / "a.json", 1.0)
+    b = _fake_sweep_json(tmp_path / "b.json", 3.0, presets=("zero3",))
+    out = tmp_path / "pooled.json"
+    assert cluster_bench.main(["--pool", str(a), str(b), "--no-predict",
+                               "--json", str(out)]) == 0
+    assert "zero3" in capsys.readouterr().out
+    pooled = json.loads(out.read_text())
+    assert pooled["pooled"] == [str(a), str(b)] and pooled["steps"] == 10
+    zero3, zeropp = pooled["records"]
+    assert zero3["run_steps"] == [2, 2, 2, 2]
+    assert zero3["step_times_s"] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 6.0, 6.0]
+    assert zero3["step_time_s"] == pytest.approx(2.5)  # the median of all four runs' steps
+    assert zeropp["run_steps"] == [2, 2] and zeropp["full_precision_step_time_s"] == 1.5
+    assert zeropp["speedup_vs_zero3"] == pytest.approx(2.5 / 1.5)
+    # a pooled file pools again, by the flags it records
+    again = tmp_path / "again.json"
+    assert cluster_bench.main(["--pool", str(out), str(b), "--no-predict",
+                               "--json", str(again)]) == 0
+    assert json.loads(again.read_text())["records"][0]["run_steps"] == [2] * 6
+
+
+def test_pool_refuses_sweeps_of_other_workloads_and_run_flags(tmp_path, capsys):
+    a = _fake_sweep_json(tmp_path / "a.json", 1.0)
+    for other in (_fake_sweep_json(tmp_path / "b.json", 1.0, flags=("--d-model", "256")),
+                  _fake_sweep_json(tmp_path / "c.json", 1.0, steps=12)):
+        assert cluster_bench.main(["--pool", str(a), str(other), "--no-predict"]) == 2
+        assert "pool sweeps of one workload" in capsys.readouterr().err
+    (tmp_path / "x.json").write_text("{}")
+    assert cluster_bench.main(["--pool", str(tmp_path / "x.json")]) == 2
+    assert "not a zeropp-cluster-bench --json file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cluster_bench.parse_args(["--pool", str(a), "--rates", "50"])
+    assert "--pool takes the flags of the sweeps it pools" in capsys.readouterr().err
+
+
 def test_the_bench_runs_zeropp_as_published():
     """zeropp-int4's flags, made from the cost model's PUBLISHED_ZEROPP (which
     zeropp-simulate --published predicts), build that very config."""

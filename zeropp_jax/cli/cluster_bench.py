@@ -52,14 +52,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Sequence
 
 from zeropp_jax.analysis import cost_model
 from zeropp_jax.cli import cluster_report, common, netns
-from zeropp_jax.cli._processes import _set_parent_death_signal, _stop, describe_status, process_env
+from zeropp_jax.cli.cluster_run import LOCAL, NODES, RunFailed, run_once
 
-NODES, LOCAL = 2, 4
 # The presets of the sweep: zeropp-train flags. The qgZ presets compress from
 # step 1 (the measured steps are the compressed ones, not the warm-up's).
 PRESETS: dict[str, tuple[str, ...]] = {
@@ -82,12 +80,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
 # sends 6-25x a compressed step); a window of 13 steps after a warm-up of 3
 # holds one.
 REFRESH_PROBE_EVERY = 8
-POLL_S = 0.02
-KILL_GRACE_S = 3.0
-
-
-class RunFailed(RuntimeError):
-    """One training run failed; the message ends with the tail of its log."""
+# What --pool may be given besides the files.
+POOL_FLAGS = ("--pool", "--json", "--figure", "--no-predict")
 
 
 class _Stop(Exception):
@@ -129,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-dir", default=None, metavar="DIR",
                         help="keep the runs' logs and metrics here (default: a temporary "
                         "directory, removed at the end)")
+    parser.add_argument("--pool", nargs="+", default=None, metavar="JSON",
+                        help="run nothing: pool the runs of earlier sweeps' --json files "
+                        "(same zeropp-train flags, --steps and --warmup) as more rounds, "
+                        "then report them as one sweep; needs no root")
     return parser
 
 
@@ -157,6 +155,12 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
     parser = build_parser()
     options, train_flags = parser.parse_known_args(argv)
+    if options.pool is not None:
+        given = sorted({a.split("=")[0] for a in argv if a.startswith("-")} - set(POOL_FLAGS))
+        if given:
+            parser.error(f"{', '.join(given)}: --pool takes the flags of the sweeps it pools "
+                         f"(with it only {', '.join(POOL_FLAGS)})")
+        return options, []
     if options.warmup >= options.steps:
         parser.error(f"--warmup {options.warmup} must be less than --steps {options.steps}")
     reserved = {"--mesh", "--steps", "--metrics-out", "--preset", "--coordinator",
@@ -195,94 +199,6 @@ def refresh_every(preset: str, train_flags: Sequence[str]) -> int:
     return common.build_config(train.build_parser().parse_args(flags)).qgz_refresh_every
 
 
-def run_once(cluster: netns.TwoNodeCluster, flags: Sequence[str], *, warmup: int, steps: int,
-             log_dir: str, run_id: str, port: int, timeout_s: float) -> dict:
-    """Runs one two-process training job on ``cluster``; returns its measurements.
-
-    Returns:
-      ``step_times_s`` and ``compressed`` (0 or 1) of the timed steps, and
-      ``link_rx_bytes``: per timed step, the bytes each node received.
-    """
-    metrics = os.path.join(log_dir, f"{run_id}.jsonl")
-    logs = [os.path.join(log_dir, f"{run_id}.node{n}.log") for n in range(NODES)]
-    procs: list[subprocess.Popen] = []
-    try:
-        for node in range(NODES):
-            env = process_env(
-                os.environ, coordinator=f"{cluster.addresses[0]}:{port}",
-                num_processes=NODES, process_id=node, devices_per_process=LOCAL,
-            )
-            cmd = [*cluster.exec_prefix(node), sys.executable, "-m", "zeropp_jax.cli.train",
-                   *flags, "--metrics-out", metrics]
-            with open(logs[node], "wb") as log:
-                procs.append(subprocess.Popen(
-                    cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True,
-                    preexec_fn=_set_parent_death_signal,
-                ))
-        return _measure(cluster, procs, metrics, logs, warmup, steps, timeout_s)
-    finally:
-        _stop(procs, KILL_GRACE_S)
-
-
-def _measure(cluster, procs, metrics, logs, warmup, steps, timeout_s) -> dict:
-    deadline = time.monotonic() + timeout_s
-    rx: dict[int, list[int]] = {}  # metrics lines seen -> counters then
-    lines: list[dict] = []
-
-    def read():
-        nonlocal lines
-        lines = _read_lines(metrics)
-        if len(lines) >= warmup and len(lines) not in rx:
-            now = _rx(cluster)
-            for seen in range(max(rx, default=warmup - 1) + 1, min(len(lines), steps) + 1):
-                rx[seen] = now
-
-    while steps not in rx or any(p.poll() is None for p in procs):
-        if steps not in rx:
-            read()
-        if steps not in rx and any(p.poll() == 0 for p in procs):
-            read()  # the last line may have come just before the exit
-        for node, p in enumerate(procs):
-            if p.poll() not in (None, 0) or (p.poll() == 0 and steps not in rx):
-                status = describe_status(p.returncode)
-                raise RunFailed(f"node {node} {status} (log {logs[node]}):\n{_tail(logs[node])}")
-        if time.monotonic() > deadline:
-            raise RunFailed(f"timed out after {timeout_s:g} s (log {logs[0]}):\n{_tail(logs[0])}")
-        time.sleep(POLL_S)
-    times = [line["time"] for line in lines[:steps]]
-    deltas = [[(e.rx_bytes - s.rx_bytes, e.rx_frames - s.rx_frames)
-               for s, e in zip(rx[k], rx[k + 1])] for k in range(warmup, steps)]
-    return {
-        "step_times_s": [b - a for a, b in zip(times[warmup - 1:], times[warmup:])],
-        "compressed": [int(line.get("compressed", 0)) for line in lines[warmup:steps]],
-        "link_rx_bytes": [[b for b, _ in step] for step in deltas],
-        "link_rx_frames": [[f for _, f in step] for step in deltas],
-    }
-
-
-def _rx(cluster) -> list[netns.LinkCounters]:
-    return [cluster.link_counters(node) for node in range(NODES)]
-
-
-def _read_lines(path: str) -> list[dict]:
-    try:
-        with open(path) as f:
-            text = f.read()
-    except FileNotFoundError:
-        return []
-    # a line being written has no newline yet
-    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
-
-
-def _tail(path: str, n: int = 20) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return "(no log)"
-
-
 def sweep(options, train_flags, log_dir: str, progress) -> list[dict]:
     """Every (rate, preset) run on one emulated cluster; returns the records.
 
@@ -291,9 +207,7 @@ def sweep(options, train_flags, log_dir: str, progress) -> list[dict]:
     falls on every preset alike instead of on one preset's runs; each
     record pools its preset's runs at its rate.
     """
-    from zeropp_jax.cli import train
-
-    args = train.build_parser().parse_args(train_command_flags("zero3", train_flags, 1))
+    args = _train_args(train_flags)
     tokens_per_step = args.batch_size * args.seq_len
     points = [(rate, preset) for rate in options.rates for preset in options.presets]
     runs: dict[tuple[float, str], list[dict]] = {point: [] for point in points}
@@ -324,6 +238,55 @@ def sweep(options, train_flags, log_dir: str, progress) -> list[dict]:
             for rate, preset in points]
 
 
+def pool(paths: Sequence[str]) -> tuple[list[str], dict, list[dict]]:
+    """Pools the runs of earlier sweeps (their ``--json`` files) per preset and rate.
+
+    Returns:
+      ``(train flags, header, records)``: the sweeps' common zeropp-train
+      flags, ``steps`` and ``warmup``; one record per (preset, rate) of any
+      sweep, pooling every sweep's runs of it (speedups and predictions not
+      yet added).
+
+    Raises:
+      ValueError: a file that is not a bench's JSON, or sweeps of different
+        train flags, ``--steps`` or ``--warmup`` (their steps are not alike).
+    """
+    runs: dict[tuple[str, float], list[dict]] = {}
+    first = None
+    for path in paths:
+        with open(path) as f:
+            sweep_json = json.load(f)
+        if not {"command", "steps", "warmup", "records"} <= set(sweep_json):
+            raise ValueError(f"{path}: not a zeropp-cluster-bench --json file")
+        # a pooled file records its flags; a sweep's, its command line
+        flags = sweep_json.get("train_flags")
+        if flags is None:
+            flags = parse_args(sweep_json["command"][1:])[1]
+        this = (flags, sweep_json["steps"], sweep_json["warmup"])
+        if first is None:
+            first = (path, *this)
+        elif this != first[1:]:
+            raise ValueError(f"{path} ran zeropp-train flags {flags}, --steps {this[1]}, "
+                             f"--warmup {this[2]}; {first[0]} ran {first[1]}, --steps "
+                             f"{first[2]}, --warmup {first[3]}: pool sweeps of one workload")
+        for rec in sweep_json["records"]:
+            runs.setdefault((rec["preset"], rec["rate_mbit"]), []).extend(
+                cluster_report.runs_of(rec))
+    _, train_flags, steps, warmup = first
+    args = _train_args(train_flags)
+    records = [cluster_report.record(preset, rate, pooled, args.batch_size * args.seq_len,
+                                     refresh_every(preset, train_flags),
+                                     flags=" ".join(PRESETS[preset]))
+               for (preset, rate), pooled in runs.items()]
+    return train_flags, {"steps": steps, "warmup": warmup, "pooled": list(paths)}, records
+
+
+def _train_args(train_flags: Sequence[str]) -> argparse.Namespace:
+    from zeropp_jax.cli import train
+
+    return train.build_parser().parse_args(train_command_flags("zero3", train_flags, 1))
+
+
 def _install_stop_handlers() -> None:
     def handler(signum, frame):
         raise _Stop(signum)
@@ -334,17 +297,19 @@ def _install_stop_handlers() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     options, train_flags = parse_args(sys.argv[1:] if argv is None else argv)
+    _predict_devices()
+    if options.pool is not None:
+        try:
+            train_flags, header, records = pool(options.pool)
+        except (OSError, ValueError) as e:
+            print(f"zeropp-cluster-bench: cannot pool: {e}", file=sys.stderr)
+            return 2
+        return _report(options, train_flags, header, records)
     reason = netns.unavailable_reason()
     if reason is not None:
         print(f"zeropp-cluster-bench: cannot build the emulated cluster: {reason}",
               file=sys.stderr)
         return 2
-    # This process compiles each preset for the predictions: 8 CPU devices
-    # (the runs' processes get their own device count from process_env).
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from tqdm import tqdm
 
     _install_stop_handlers()
@@ -366,6 +331,21 @@ def main(argv: list[str] | None = None) -> int:
         progress.close()
         if not keep_logs:
             subprocess.run(("rm", "-rf", log_dir))
+    return _report(options, train_flags,
+                   {"steps": options.steps, "warmup": options.warmup}, records)
+
+
+def _predict_devices() -> None:
+    """This process compiles each preset for the predictions: 8 CPU devices
+    (the runs' processes get their own device count from process_env)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _report(options, train_flags: Sequence[str], header: dict, records: list[dict]) -> int:
+    """Speedups, predictions, the table, ``--json`` and ``--figure`` of a sweep's records."""
     cluster_report.add_speedups(records)
     curves = {}
     if not options.no_predict:
@@ -374,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     if options.json:
         with open(options.json, "w") as f:
             json.dump({"command": sys.argv, "nodes": NODES, "local": LOCAL,
-                       "steps": options.steps, "warmup": options.warmup,
+                       "train_flags": list(train_flags), **header,
                        "records": records}, f, indent=1)
     if options.figure:
         cluster_report.draw(records, options.figure, curves)

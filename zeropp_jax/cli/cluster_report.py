@@ -269,7 +269,7 @@ def record(preset: str, rate: float, runs: Sequence[dict], tokens_per_step: int,
            refresh: int = 0, *, flags: str = "") -> dict:
     """The JSON record of one preset at one rate (speedups and predictions are added later).
 
-    ``runs`` are :func:`zeropp_jax.cli.cluster_bench.run_once`'s results
+    ``runs`` are :func:`zeropp_jax.cli.cluster_run.run_once`'s results
     (the repeats; their timed steps are pooled), ``flags`` the preset's
     zeropp-train flags.
 
@@ -319,6 +319,21 @@ def record(preset: str, rate: float, runs: Sequence[dict], tokens_per_step: int,
         "link_payload_bytes_per_node_per_step": (
             None if frames is None else link - netns.FRAME_HEADER_BYTES * frames),
     }
+
+
+def runs_of(rec: dict) -> list[dict]:
+    """The runs a :func:`record` pooled, split again by its ``run_steps`` (the
+    keys :func:`record` reads), so that the runs of several sweeps can be pooled."""
+    runs, start = [], 0
+    frames = rec.get("link_rx_frames_by_step")
+    for n in rec["run_steps"]:
+        part = slice(start, start + n)
+        runs.append({"step_times_s": rec["step_times_s"][part],
+                     "compressed": rec["compressed"][part],
+                     "link_rx_bytes": rec["link_rx_bytes_by_step"][part],
+                     "link_rx_frames": frames[part] if frames else None})
+        start += n
+    return runs
 
 
 def rate_name(rate: float) -> str:
