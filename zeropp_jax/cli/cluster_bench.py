@@ -207,8 +207,6 @@ def sweep(options, train_flags, log_dir: str, progress) -> list[dict]:
     falls on every preset alike instead of on one preset's runs; each
     record pools its preset's runs at its rate.
     """
-    args = _train_args(train_flags)
-    tokens_per_step = args.batch_size * args.seq_len
     points = [(rate, preset) for rate in options.rates for preset in options.presets]
     runs: dict[tuple[float, str], list[dict]] = {point: [] for point in points}
     with netns.TwoNodeCluster() as cluster:
@@ -232,10 +230,7 @@ def sweep(options, train_flags, log_dir: str, progress) -> list[dict]:
                          for i in cluster_report.main_steps(run["compressed"])]
                 progress.write(f"  {name:>24} ({repeat + 1}/{options.repeats}): "
                                f"{statistics.median(times):.3f} s/step (median of {len(times)})")
-    return [cluster_report.record(preset, rate, runs[rate, preset], tokens_per_step,
-                                  refresh_every(preset, train_flags),
-                                  flags=" ".join(PRESETS[preset]))
-            for rate, preset in points]
+    return _records(runs, train_flags)
 
 
 def pool(paths: Sequence[str]) -> tuple[list[str], dict, list[dict]]:
@@ -251,7 +246,7 @@ def pool(paths: Sequence[str]) -> tuple[list[str], dict, list[dict]]:
       ValueError: a file that is not a bench's JSON, or sweeps of different
         train flags, ``--steps`` or ``--warmup`` (their steps are not alike).
     """
-    runs: dict[tuple[str, float], list[dict]] = {}
+    runs: dict[tuple[float, str], list[dict]] = {}
     first = None
     for path in paths:
         with open(path) as f:
@@ -270,21 +265,22 @@ def pool(paths: Sequence[str]) -> tuple[list[str], dict, list[dict]]:
                              f"--warmup {this[2]}; {first[0]} ran {first[1]}, --steps "
                              f"{first[2]}, --warmup {first[3]}: pool sweeps of one workload")
         for rec in sweep_json["records"]:
-            runs.setdefault((rec["preset"], rec["rate_mbit"]), []).extend(
+            runs.setdefault((rec["rate_mbit"], rec["preset"]), []).extend(
                 cluster_report.runs_of(rec))
     _, train_flags, steps, warmup = first
-    args = _train_args(train_flags)
-    records = [cluster_report.record(preset, rate, pooled, args.batch_size * args.seq_len,
-                                     refresh_every(preset, train_flags),
-                                     flags=" ".join(PRESETS[preset]))
-               for (preset, rate), pooled in runs.items()]
-    return train_flags, {"steps": steps, "warmup": warmup, "pooled": list(paths)}, records
+    header = {"steps": steps, "warmup": warmup, "pooled": list(paths)}
+    return train_flags, header, _records(runs, train_flags)
 
 
-def _train_args(train_flags: Sequence[str]) -> argparse.Namespace:
+def _records(runs: dict[tuple[float, str], list[dict]], train_flags: Sequence[str]) -> list[dict]:
+    """One record per ``(rate, preset)`` of ``runs``, in its order, pooling that point's runs."""
     from zeropp_jax.cli import train
 
-    return train.build_parser().parse_args(train_command_flags("zero3", train_flags, 1))
+    args = train.build_parser().parse_args(train_command_flags("zero3", train_flags, 1))
+    return [cluster_report.record(preset, rate, pooled, args.batch_size * args.seq_len,
+                                  refresh_every(preset, train_flags),
+                                  flags=" ".join(PRESETS[preset]))
+            for (rate, preset), pooled in runs.items()]
 
 
 def _install_stop_handlers() -> None:
