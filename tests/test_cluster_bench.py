@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from zeropp_jax.analysis import cost_model as cm
-from zeropp_jax.cli import cluster_bench, cluster_report, netns
+from zeropp_jax.cli import cluster_bench, cluster_model, cluster_report, link_probe, netns
 
 from _util import TINY_ARGS, run_cli
 
@@ -41,6 +41,8 @@ def test_smoke_two_presets_on_the_emulated_cluster(tmp_path):
         ("zero3", 0), ("zero3-2level", 0)]
     for r in records:
         assert r["step_time_s"] > 0 and len(r["step_times_s"]) == 2
+        # the link probe at the rate: the unshaped veth carries at least 50 Mbit/s
+        assert len(r["link_probes"]) == 1 and r["link_probe_gbits_per_s"] > 0.05
     flat, two_level = records
     assert flat["speedup_vs_zero3"] == 1.0
     # one device per node crosses instead of every device to every remote one
@@ -118,14 +120,14 @@ def test_per_layer_link_time_overlaps_compute_by_the_calibrated_fraction(monkeyp
     workload = cm.Workload(params=1000, tokens_per_gpu=8, float_bytes=4)
     profiles = {"zero3-2level": _profile(1e6, per_layer=True), "hpz": _profile(1e6),
                 "qwz-2level": _profile(5e5, per_layer=True)}
-    monkeypatch.setattr(cluster_report, "_profile",
+    monkeypatch.setattr(cluster_model, "_profile",
                         lambda flags: (profiles[flags[-1]], workload))
     measured = {("zero3-2level", 0): 1.0, ("zero3-2level", 8): 1.5, ("zero3-2level", 16): 1.25,
                 ("hpz", 0): 1.0, ("hpz", 8): 2.0, ("qwz-2level", 0): 1.0, ("qwz-2level", 8): 1.3}
     records = [{"preset": p, "rate_mbit": r, "step_time_s": t, "tokens_per_s": 8 / t,
                 "link_bytes_per_node_per_step": 1e5} for (p, r), t in measured.items()]
     cluster_report.add_speedups(records)
-    cluster_report.add_predictions(records, lambda preset, flags, steps: [preset], [])
+    cluster_model.add_predictions(records, lambda preset, flags, steps: [preset], [])
     by = {(r["preset"], r["rate_mbit"]): r for r in records}
     assert by["hpz", 8]["model_overlap_fraction"] == pytest.approx(0.5)
     assert by["zero3-2level", 8]["predicted_step_time_s"] == pytest.approx(1.5)
@@ -134,11 +136,12 @@ def test_per_layer_link_time_overlaps_compute_by_the_calibrated_fraction(monkeyp
     assert by["hpz", 8]["predicted_step_time_s"] == pytest.approx(
         1.0 + (1e6 - netns.burst_bytes(8)) / 1e6)
     assert by["qwz-2level", 8]["predicted_step_time_s"] == pytest.approx(1.0 + 0.5 - 0.25)
-    assert "50% hidden" in cluster_report.format_table(records)
+    assert "50% hidden" in cluster_model.describe(records)
     # runs that disagree: f lies between what each alone says (0.5 and 0.2 here)
     records[2]["step_time_s"] = 1.4
     profiles_of = {p: (profiles[p], workload) for p in profiles}
-    f = cluster_report.calibrate_overlap(records, profiles_of, {"zero3-2level": 1.0})
+    f = cluster_model.calibrate_overlap(records, profiles_of, {"zero3-2level": 1.0},
+                                        cluster_model.link_gbits(records))
     assert 0.2 < f < 0.5
 
 
@@ -147,13 +150,13 @@ def test_predictions_add_link_time_at_the_rate_to_the_unlimited_step(monkeypatch
     token bucket for once-per-step traffic; speedups over zero3."""
     workload = cm.Workload(params=1000, tokens_per_gpu=8, float_bytes=4)
     profiles = {"zero3": _profile(1e6), "zeropp": _profile(1e5)}
-    monkeypatch.setattr(cluster_report, "_profile",
+    monkeypatch.setattr(cluster_model, "_profile",
                         lambda flags: (profiles[flags[-1]], workload))
     measured = {("zero3", 0): 1.0, ("zeropp", 0): 1.1, ("zero3", 8): 2.0, ("zeropp", 8): 1.2}
     records = [{"preset": p, "rate_mbit": r, "step_time_s": t, "tokens_per_s": 8 / t,
                 "link_bytes_per_node_per_step": 1e5} for (p, r), t in measured.items()]
     cluster_report.add_speedups(records)
-    curves = cluster_report.add_predictions(
+    curves = cluster_model.add_predictions(
         records, lambda preset, flags, steps: [preset], [])
     by = {(r["preset"], r["rate_mbit"]): r for r in records}
     # 8 Mbit/s = 1e6 bytes/s: zero3 1.0 s + its bytes beyond the bucket,
@@ -169,6 +172,51 @@ def test_predictions_add_link_time_at_the_rate_to_the_unlimited_step(monkeypatch
     assert curves["zero3"](1e-3) > 1000  # far below the bucket's rate, the bytes' time
     table = cluster_report.format_table(records)
     assert "8 Mbit/s" in table and "unlimited" in table
+
+
+def test_the_model_uses_the_probed_link_rates(monkeypatch):
+    """A probed rate carries its probe's payload rate, an unprobed finite one
+    the probed fraction of its tc rate; a probed unlimited link is not free:
+    its link time comes off the unlimited run to leave the compute."""
+    workload = cm.Workload(params=1000, tokens_per_gpu=8, float_bytes=4)
+    profiles = {"zero3-2level": _profile(2e6, per_layer=True), "zeropp-max": _profile(1e6)}
+    monkeypatch.setattr(cluster_model, "_profile",
+                        lambda flags: (profiles[flags[-1]], workload))
+    # payload Gbit/s: half of 8 Mbit/s, and 2e6 bytes/s unlimited
+    probed = {8: 0.004, 0: 0.016}
+    measured = {("zero3-2level", 0): 3.0, ("zero3-2level", 8): 6.0, ("zero3-2level", 16): 4.5,
+                ("zeropp-max", 0): 1.5, ("zeropp-max", 8): 2.0}
+    records = [{"preset": p, "rate_mbit": r, "step_time_s": t, "tokens_per_s": 8 / t,
+                "link_bytes_per_node_per_step": 1e5, "link_probe_gbits_per_s": probed.get(r)}
+               for (p, r), t in measured.items()]
+    cluster_report.add_speedups(records)
+    cluster_model.add_predictions(records, lambda preset, flags, steps: [preset], [])
+    by = {(r["preset"], r["rate_mbit"]): r for r in records}
+    # zero3-2level: 1 s of link unlimited, 4 s at 8 Mbit/s (probed), 2 s at
+    # 16 (half its rate, as at 8); compute 3 - 1 = 2 s; serial (f = 0 fits
+    # 8 Mbit/s exactly and 16 better than any f > 0)
+    assert by["zero3-2level", 8]["model_overlap_fraction"] == pytest.approx(0, abs=1e-6)
+    assert by["zero3-2level", 0]["predicted_step_time_s"] == pytest.approx(3.0)
+    assert by["zero3-2level", 8]["predicted_step_time_s"] == pytest.approx(6.0)
+    assert by["zero3-2level", 16]["predicted_step_time_s"] == pytest.approx(4.0)
+    assert by["zero3-2level", 16]["model_link_gbits_per_s"] == pytest.approx(0.008)
+    # zeropp-max: 0.5 s of once-per-step link unlimited, so 1 s of compute;
+    # at 8 Mbit/s the bytes beyond the token bucket at the probed rate
+    zeropp_s = 1.0 + (1e6 - netns.burst_bytes(8)) / 5e5
+    assert by["zeropp-max", 8]["predicted_step_time_s"] == pytest.approx(zeropp_s)
+    assert by["zeropp-max", 8]["predicted_speedup_vs_zero3_2level"] == pytest.approx(
+        6.0 / zeropp_s)
+    text = cluster_model.describe(records)
+    assert "8 Mbit/s: 4 Mbit/s (probed)" in text and "16 Mbit/s: 8 Mbit/s," in text
+    assert "unlimited: 16 Mbit/s (probed)" in text
+
+
+def test_the_link_probe_measures_a_payload_rate():
+    """In one process of 8 devices the probe's gathers run through memory:
+    a positive rate, the large gather's bytes as asked (whole chunks)."""
+    result = link_probe.measure(1 << 20, 2, 4)
+    assert result["bytes_per_node"] == 4 * ((1 << 20) // 4)
+    assert result["payload_gbits_per_s"] > 0 and result["fixed_ms"] > 0
 
 
 def test_record_separates_compressed_and_refresh_steps():
@@ -241,18 +289,27 @@ def test_repeats_are_rounds_over_the_sweep_pooled_per_point(monkeypatch, tmp_pat
         return {"step_times_s": [step, step], "compressed": [0, 0],
                 "link_rx_bytes": [[100, 100], [100, 100]], "link_rx_frames": [[2, 2], [2, 2]]}
 
+    def fake_probe(cluster, rate, *, log_dir, run_id, port, timeout_s):
+        ports.append(port)
+        return {"rate_mbit": rate, "payload_gbits_per_s": 0.04 + 0.001 * len(ports)}
+
     monkeypatch.setattr(cluster_bench.netns, "TwoNodeCluster", FakeCluster)
     monkeypatch.setattr(cluster_bench, "run_once", fake_run)
+    monkeypatch.setattr(cluster_bench, "probe_link", fake_probe)
     options, flags = cluster_bench.parse_args(
         ["--rates", "50,0", "--presets", "zero3,hpz", "--repeats", "3"])
     progress = Progress()
     records = cluster_bench.sweep(options, flags, str(tmp_path), progress)
     assert len(records) == 4 and progress.done == 12
-    assert len(set(ports)) == 12  # every run its own coordinator port
+    assert len(set(ports)) == 18  # every run and probe its own coordinator port
     first = records[0]
-    # zero3 @ 50 Mbit/s ran first in each round of four runs
-    assert first["step_times_s"] == pytest.approx([0.1, 0.1, 0.5, 0.5, 0.9, 0.9])
-    assert first["step_time_s"] == pytest.approx(0.5)  # the median of the pooled steps
+    # each round probes 50 Mbit/s, runs zero3 and hpz there, then the same unlimited
+    assert first["step_times_s"] == pytest.approx([0.2, 0.2, 0.8, 0.8, 1.4, 1.4])
+    assert first["step_time_s"] == pytest.approx(0.8)  # the median of the pooled steps
+    assert [p["payload_gbits_per_s"] for p in first["link_probes"]] == pytest.approx(
+        [0.041, 0.047, 0.053])
+    assert first["link_probe_gbits_per_s"] == pytest.approx(0.047)
+    assert records[1]["link_probes"] == first["link_probes"]
     assert first["run_steps"] == [2, 2, 2]
     assert first["link_frames_per_node_per_step"] == pytest.approx(2)
     assert [(r["preset"], r["rate_mbit"]) for r in records] == [
@@ -269,7 +326,8 @@ def _fake_sweep_json(path, step_s, *, flags=(), steps=10, presets=("zero3", "zer
         runs = [{"step_times_s": [step_s * k, step_s * k], "compressed": kinds,
                  "link_rx_bytes": [[100 * k, 100 * k]] * 2,
                  "link_rx_frames": [[2, 2]] * 2} for k in (1, 2)]
-        records.append(cluster_report.record(preset, 50.0, runs, 64))
+        records.append(cluster_report.record(
+            preset, 50.0, runs, 64, probes=[{"rate_mbit": 50.0, "payload_gbits_per_s": 0.045}]))
     path.write_text(json.dumps({
         "command": ["zeropp-cluster-bench", "--steps", str(steps), "--warmup", "3", *flags],
         "nodes": 2, "local": 4, "steps": steps, "warmup": 3, "records": records}))
@@ -291,6 +349,8 @@ def test_pool_reports_earlier_sweeps_as_one_with_their_runs_as_rounds(tmp_path, 
     assert zero3["step_time_s"] == pytest.approx(2.5)  # the median of all four runs' steps
     assert zeropp["run_steps"] == [2, 2] and zeropp["full_precision_step_time_s"] == 1.5
     assert zeropp["speedup_vs_zero3"] == pytest.approx(2.5 / 1.5)
+    assert len(zero3["link_probes"]) == 2  # one per sweep, not one per record
+    assert zeropp["link_probes"] == zero3["link_probes"]
     # a pooled file pools again, by the flags it records
     again = tmp_path / "again.json"
     assert cluster_bench.main(["--pool", str(out), str(b), "--no-predict",
@@ -340,11 +400,11 @@ def test_the_model_counts_a_bf16_run_at_the_bytes_its_link_carries():
     counted = {}
     for dtype in ("float32", "bfloat16"):
         for preset in ("zero3-2level", "zeropp"):
-            profile, workload = cluster_report._profile(
+            profile, workload = cluster_model._profile(
                 cluster_bench.train_command_flags(preset, [*small, "--dtype", dtype], 1))
             assert workload.float_bytes == (4 if dtype == "float32" else 2)
             counted[dtype, preset] = profile.bytes_at(
-                cluster_report._cluster(1.0, 1.0, workload), workload)[0]
+                cluster_model._cluster(1.0, workload), workload)[0]
     assert counted["float32", "zero3-2level"] == pytest.approx(
         2 * counted["bfloat16", "zero3-2level"], rel=0.02)  # metric scalars stay float32
     assert counted["float32", "zeropp"] == pytest.approx(counted["bfloat16", "zeropp"], rel=0.02)

@@ -23,15 +23,20 @@ address). For each run it measures, over the steps after ``--warmup``:
   fits per-step figures to the cumulative counts, where that race is one
   bounded term per run).
 
+At each rate of each round, before the presets, a link probe
+(:mod:`zeropp_jax.cli.link_probe`) measures the payload rate the link
+carries for the collectives a two-level step sends.
+
 Then, at each rate, every preset's speedup over ``zero3`` (flat collectives:
 gloo connects every device to every other, so each remote device's share
 crosses the link) and over ``zero3-2level`` (``--hierarchical``: one device
 per node crosses), and the cost model's predicted speedup
-(:mod:`zeropp_jax.analysis.cost_model`): the emulated cluster is 2 nodes x 4
-devices whose compute time is the preset's step at unlimited rate and whose
-inter-node bandwidth is the tc rate; bytes are the model's two-level count of
-the compiled step. Prints a table, writes ``--json`` (one record per preset
-and rate) and draws ``--figure`` (:mod:`zeropp_jax.cli.cluster_report`).
+(:mod:`zeropp_jax.cli.cluster_model`): the emulated cluster is 2 nodes x 4
+devices whose compute time comes from the preset's step at unlimited rate
+and whose inter-node bandwidth is the probed payload rate; bytes are the
+model's two-level count of the compiled step. Prints a table, writes
+``--json`` (one record per preset and rate) and draws ``--figure``
+(:mod:`zeropp_jax.cli.cluster_report`).
 
 Example (as root)::
 
@@ -55,8 +60,8 @@ import tempfile
 from typing import Sequence
 
 from zeropp_jax.analysis import cost_model
-from zeropp_jax.cli import cluster_report, common, netns
-from zeropp_jax.cli.cluster_run import LOCAL, NODES, RunFailed, run_once
+from zeropp_jax.cli import cluster_model, cluster_report, common, netns
+from zeropp_jax.cli.cluster_run import LOCAL, NODES, RunFailed, probe_link, run_once
 
 # The presets of the sweep: zeropp-train flags. The qgZ presets compress from
 # step 1 (the measured steps are the compressed ones, not the warm-up's).
@@ -209,11 +214,20 @@ def sweep(options, train_flags, log_dir: str, progress) -> list[dict]:
     """
     points = [(rate, preset) for rate in options.rates for preset in options.presets]
     runs: dict[tuple[float, str], list[dict]] = {point: [] for point in points}
+    probes: dict[float, list[dict]] = {rate: [] for rate in options.rates}
     with netns.TwoNodeCluster() as cluster:
         for repeat in range(options.repeats):
             for index, (rate, preset) in enumerate(points):
+                port = 20000 + 2 * (repeat * len(points) + index)
                 if index == 0 or points[index - 1][0] != rate:
                     cluster.set_rate(rate)
+                    progress.set_description(f"link probe @ {cluster_report.rate_name(rate)}")
+                    probe = probe_link(cluster, rate, log_dir=log_dir,
+                                       run_id=f"probe_{rate:g}mbit_{repeat}", port=port + 1,
+                                       timeout_s=options.timeout)
+                    probes[rate].append(probe)
+                    progress.write(f"  link probe @ {cluster_report.rate_name(rate)}: "
+                                   f"{_fmt_gbits(probe['payload_gbits_per_s'])} payload")
                 name = f"{preset} @ {cluster_report.rate_name(rate)}"
                 progress.set_description(f"{name} ({repeat + 1}/{options.repeats})")
                 run = run_once(
@@ -221,7 +235,7 @@ def sweep(options, train_flags, log_dir: str, progress) -> list[dict]:
                                                  probe_refresh=True),
                     warmup=options.warmup, steps=options.steps, log_dir=log_dir,
                     run_id=f"{preset}_{rate:g}mbit_{repeat}",
-                    port=20000 + repeat * len(points) + index,
+                    port=port,
                     timeout_s=options.timeout,
                 )
                 runs[rate, preset].append(run)
@@ -230,7 +244,11 @@ def sweep(options, train_flags, log_dir: str, progress) -> list[dict]:
                          for i in cluster_report.main_steps(run["compressed"])]
                 progress.write(f"  {name:>24} ({repeat + 1}/{options.repeats}): "
                                f"{statistics.median(times):.3f} s/step (median of {len(times)})")
-    return _records(runs, train_flags)
+    return _records(runs, train_flags, probes)
+
+
+def _fmt_gbits(gbits: float | None) -> str:
+    return "no rate (the large gather was not slower)" if not gbits else f"{gbits * 1e3:,.1f} Mbit/s"
 
 
 def pool(paths: Sequence[str]) -> tuple[list[str], dict, list[dict]]:
@@ -247,6 +265,7 @@ def pool(paths: Sequence[str]) -> tuple[list[str], dict, list[dict]]:
         train flags, ``--steps`` or ``--warmup`` (their steps are not alike).
     """
     runs: dict[tuple[float, str], list[dict]] = {}
+    probes: dict[float, list[dict]] = {}
     first = None
     for path in paths:
         with open(path) as f:
@@ -264,22 +283,29 @@ def pool(paths: Sequence[str]) -> tuple[list[str], dict, list[dict]]:
             raise ValueError(f"{path} ran zeropp-train flags {flags}, --steps {this[1]}, "
                              f"--warmup {this[2]}; {first[0]} ran {first[1]}, --steps "
                              f"{first[2]}, --warmup {first[3]}: pool sweeps of one workload")
+        probed = set()
         for rec in sweep_json["records"]:
             runs.setdefault((rec["rate_mbit"], rec["preset"]), []).extend(
                 cluster_report.runs_of(rec))
+            if rec["rate_mbit"] not in probed:  # every record of a rate holds its probes
+                probed.add(rec["rate_mbit"])
+                probes.setdefault(rec["rate_mbit"], []).extend(rec.get("link_probes") or [])
     _, train_flags, steps, warmup = first
     header = {"steps": steps, "warmup": warmup, "pooled": list(paths)}
-    return train_flags, header, _records(runs, train_flags)
+    return train_flags, header, _records(runs, train_flags, probes)
 
 
-def _records(runs: dict[tuple[float, str], list[dict]], train_flags: Sequence[str]) -> list[dict]:
-    """One record per ``(rate, preset)`` of ``runs``, in its order, pooling that point's runs."""
+def _records(runs: dict[tuple[float, str], list[dict]], train_flags: Sequence[str],
+             probes: dict[float, list[dict]]) -> list[dict]:
+    """One record per ``(rate, preset)`` of ``runs``, in its order, pooling that point's
+    runs and holding the link probes at its rate."""
     from zeropp_jax.cli import train
 
     args = train.build_parser().parse_args(train_command_flags("zero3", train_flags, 1))
     return [cluster_report.record(preset, rate, pooled, args.batch_size * args.seq_len,
                                   refresh_every(preset, train_flags),
-                                  flags=" ".join(PRESETS[preset]))
+                                  flags=" ".join(PRESETS[preset]),
+                                  probes=probes.get(rate, ()))
             for (rate, preset), pooled in runs.items()]
 
 
@@ -345,8 +371,10 @@ def _report(options, train_flags: Sequence[str], header: dict, records: list[dic
     cluster_report.add_speedups(records)
     curves = {}
     if not options.no_predict:
-        curves = cluster_report.add_predictions(records, train_command_flags, train_flags)
+        curves = cluster_model.add_predictions(records, train_command_flags, train_flags)
     print(cluster_report.format_table(records))
+    if curves:
+        print(cluster_model.describe(records))
     if options.json:
         with open(options.json, "w") as f:
             json.dump({"command": sys.argv, "nodes": NODES, "local": LOCAL,

@@ -1,24 +1,11 @@
-"""Speedups, the cost model's predictions, the table and the figure of ``zeropp-cluster-bench``.
+"""Records, speedups, the table and the figure of ``zeropp-cluster-bench``.
 
 Records are the bench's dicts (one per preset and link rate, ``rate_mbit``
-0 = unlimited). :func:`add_speedups` adds each record's speedup over the
-baselines measured at the same rate; :func:`add_predictions` the cost model's
-(:mod:`zeropp_jax.analysis.cost_model`) predicted step time and speedups on
-the emulated cluster: 2 nodes x 4 devices, inter-node bandwidth the link
-rate, intra-node links free, compute time the preset's measured step at
-unlimited rate (which so also holds that run's own, short, link time).
-
-Step time at a rate: ``compute + once + layer - f * min(compute, layer)``,
-with ``once`` the link time of the collectives that run once per step and
-``layer`` that of the per-layer ones (inside the layer loops), which a
-prefetching runtime can partly hide behind the layers' compute. ``f`` is one
-number for the cluster, fitted to ``zero3-2level``'s runs at finite rates
-(all of whose cross-node traffic is per-layer; least squares on the relative
-errors of its step times), and 0 without such a run (the serial model).
-The emulated link is a token bucket
-(``tc tbf``, :func:`zeropp_jax.cli.netns.burst_bytes`): the once-per-step
-traffic comes after the compute, when the bucket is full again, and its
-first ``burst`` bytes cost no link time (a real link has no such bucket).
+0 = unlimited): :func:`record` makes one from a point's runs (and the link
+probes at its rate), :func:`add_speedups` adds its speedups over the
+baselines measured at the same rate. The cost model's predictions are
+:mod:`zeropp_jax.cli.cluster_model`'s; :func:`draw` draws them beside the
+measured points.
 """
 
 from __future__ import annotations
@@ -29,14 +16,10 @@ from typing import Callable, Sequence
 from zeropp_jax.cli import netns
 
 BASELINES = ("zero3", "zero3-2level")
-# The run the overlap of per-layer traffic is calibrated on.
-CALIBRATION_PRESET = "zero3-2level"
 # Bench presets with all-device collectives: over gloo they cross the link as
 # its all-device algorithm sends them (several times the two-level count the
 # model uses), so the figure draws no model line for them or against them.
 FLAT_PRESETS = ("zero3", "qwz")
-# What "unlimited" is for the model: far above any rate of the sweep.
-UNLIMITED_GBITS = 1e6
 
 
 def _by_key(records: Sequence[dict]) -> dict:
@@ -56,144 +39,6 @@ def add_speedups(records: list[dict]) -> None:
             r[f"speedup_vs_{name}"] = ratio(other.get("step_time_s"), r["step_time_s"])
             r[f"cycle_speedup_vs_{name}"] = ratio(other.get("cycle_step_time_s"),
                                                   r.get("cycle_step_time_s"))
-
-
-def add_predictions(records: list[dict], flags_of: Callable,
-                    train_flags: Sequence[str]) -> dict[str, Callable]:
-    """Adds the cost model's ``predicted_step_time_s``, ``predicted_speedup`` (over
-    zero3), ``predicted_speedup_vs_zero3_2level`` and
-    ``model_link_bytes_per_node_per_step`` (its two-level count) to every
-    record (``None`` where the preset has no unlimited-rate run).
-
-    Compiles each preset's step once in this process (8 CPU devices).
-
-    Args:
-      records: the bench's records.
-      flags_of: ``flags_of(preset, train_flags, steps)``: the run's zeropp-train flags.
-      train_flags: the flags passed through to zeropp-train.
-
-    Returns:
-      preset -> ``step_s(rate_mbit)``, the predicted step time at any rate.
-    """
-    unlimited = {r["preset"]: r["step_time_s"] for r in records if r["rate_mbit"] == 0}
-    profiles, link_bytes = {}, {}
-    for preset in dict.fromkeys(r["preset"] for r in records):
-        if preset in unlimited:
-            profiles[preset] = _profile(flags_of(preset, train_flags, 1))
-            profile, workload = profiles[preset]
-            link_bytes[preset] = profile.bytes_at(_cluster(1.0, 1.0, workload), workload)[0]
-    overlap = calibrate_overlap(records, profiles, unlimited)
-    curves = {preset: _curve(profile, workload, unlimited[preset], overlap)
-              for preset, (profile, workload) in profiles.items()}
-    for r in records:
-        known = r["preset"] in curves
-        r["model_overlap_fraction"] = overlap
-        r["model_link_bytes_per_node_per_step"] = link_bytes[r["preset"]] if known else None
-        r["predicted_step_time_s"] = curves[r["preset"]](r["rate_mbit"]) if known else None
-    index = _by_key(records)
-    for r in records:
-        for base, key in (("zero3", "predicted_speedup"),
-                          ("zero3-2level", "predicted_speedup_vs_zero3_2level")):
-            other = index.get((base, r["rate_mbit"]), {}).get("predicted_step_time_s")
-            mine = r["predicted_step_time_s"]
-            r[key] = other / mine if other and mine else None
-    return curves
-
-
-def calibrate_overlap(records: Sequence[dict], profiles: dict, unlimited: dict) -> float:
-    """The fraction ``f`` of per-layer link time hidden behind compute (module doc).
-
-    Fitted to every :data:`CALIBRATION_PRESET` record at a finite rate: the
-    ``f`` that minimises the squared relative errors of its predicted step
-    times, ``sum(((compute + once + layer - f * hideable) / measured - 1)**2)``
-    with ``hideable = min(compute, layer)``, clipped to ``[0, 1]``; 0 without
-    such a record, its profile or its unlimited run. One rate alone is
-    predicted exactly; with several, no one run's noise sets ``f``.
-    """
-    runs = [r for r in records if r["preset"] == CALIBRATION_PRESET and r["rate_mbit"] > 0]
-    if not runs or CALIBRATION_PRESET not in profiles or CALIBRATION_PRESET not in unlimited:
-        return 0.0
-    profile, workload = profiles[CALIBRATION_PRESET]
-    compute = unlimited[CALIBRATION_PRESET]
-    # relative error of run i: excess_i - f * weight_i
-    excess, weight = [], []
-    for run in runs:
-        layer, once = _link_seconds(profile, workload, run["rate_mbit"])
-        excess.append((compute + once + layer) / run["step_time_s"] - 1)
-        weight.append(min(compute, layer) / run["step_time_s"])
-    norm = sum(w * w for w in weight)
-    if norm <= 0:
-        return 0.0
-    return min(1.0, max(0.0, sum(e * w for e, w in zip(excess, weight)) / norm))
-
-
-def _link_seconds(profile, workload, rate_mbit: float) -> tuple[float, float]:
-    """``(per-layer, once-per-step)`` inter-node link seconds at ``rate_mbit`` (0: none).
-
-    The once-per-step traffic follows the step's compute, during which the
-    link's token bucket refills: its first :func:`netns.burst_bytes` pass at
-    the link's own speed.
-    """
-    from zeropp_jax.analysis import cost_model as cm
-
-    if not rate_mbit:
-        return 0.0, 0.0
-    cluster = _cluster(rate_mbit / 1e3, 1.0, workload)
-    per_second = cluster.inter_node_gbits_per_s * cm.GBIT
-    layer, once = (profile.bytes_at(cluster, workload, per_layer=layer)[0]
-                   for layer in (True, False))
-    return layer / per_second, max(0.0, once - netns.burst_bytes(rate_mbit)) / per_second
-
-
-def _curve(profile, workload, compute_s: float, overlap: float = 0.0) -> Callable[[float], float]:
-    """``step_s(rate_mbit)``: the model's step time on the emulated cluster (module doc)."""
-
-    def step_s(rate_mbit: float) -> float:
-        layer, once = _link_seconds(profile, workload, rate_mbit)
-        return compute_s + once + layer - overlap * min(compute_s, layer)
-
-    return step_s
-
-
-def _cluster(gbits: float, compute_s: float, workload):
-    """2 x 4 devices, free intra-node links, ``gbits`` per node, ``compute_s`` of compute."""
-    from zeropp_jax.analysis import cost_model as cm
-
-    return cm.Cluster(
-        nodes=2, gpus_per_node=4, intra_node_gbytes_per_s=UNLIMITED_GBITS,
-        inter_node_gbits_per_s=gbits,
-        # the peak that makes the model's compute time the measured one
-        peak_tflops=workload.flops_per_gpu / (compute_s * cm.TERA), efficiency=1.0,
-    )
-
-
-def _profile(flags: Sequence[str]):
-    """``(CommProfile, Workload)`` of the zeropp-train run with ``flags``."""
-    import jax
-    import jax.numpy as jnp
-
-    import zeropp_jax as zp
-    from zeropp_jax import data
-    from zeropp_jax.analysis import cost_model as cm
-    from zeropp_jax.cli import common, train
-
-    args = train.build_parser().parse_args(list(flags))
-    config = common.build_config(args)
-    _, vocab = data.load_tokens(args.data)
-    model = common.build_model(args, vocab)
-    mesh = zp.make_mesh(2, 4, devices=jax.devices()[:8])
-    # The median step of a qgZ run is a compressed one (the bench starts
-    # compressing at step 1; a refresh step every N is an outlier of the median).
-    profile = cm.profile_config(config, mesh=mesh, model=model, batch_size=args.batch_size,
-                                compress=True if config.qgz != "off" else None,
-                                label=args.preset)
-    # Full-precision payloads cross at the compute dtype (2-byte floats as
-    # their bits, also on CPU; "auto" is float32 on CPU); quantized payloads
-    # are packed bytes, exact on every backend.
-    float_bytes = jnp.dtype(config.resolved_compute_dtype("cpu")).itemsize
-    workload = cm.Workload(params=profile.params, float_bytes=float_bytes,
-                           tokens_per_gpu=args.batch_size * args.seq_len / 8)
-    return profile, workload
 
 
 def _fmt(x, spec: str) -> str:
@@ -266,12 +111,13 @@ def main_steps(compressed: Sequence[int]) -> list[int]:
 
 
 def record(preset: str, rate: float, runs: Sequence[dict], tokens_per_step: int,
-           refresh: int = 0, *, flags: str = "") -> dict:
+           refresh: int = 0, *, flags: str = "", probes: Sequence[dict] = ()) -> dict:
     """The JSON record of one preset at one rate (speedups and predictions are added later).
 
     ``runs`` are :func:`zeropp_jax.cli.cluster_run.run_once`'s results
     (the repeats; their timed steps are pooled), ``flags`` the preset's
-    zeropp-train flags.
+    zeropp-train flags, ``probes`` :func:`zeropp_jax.cli.cluster_run.probe_link`'s
+    results at ``rate`` (``link_probe_gbits_per_s`` is their median).
 
     ``step_time_s`` is the median of the compressed steps where the runs
     have any (else of every timed step); ``cycle_step_time_s`` the mean over
@@ -291,6 +137,7 @@ def record(preset: str, rate: float, runs: Sequence[dict], tokens_per_step: int,
     if refresh:
         cycle = None if full_s is None else ((refresh - 1) * median + full_s) / refresh
     link, full_link = bytes_by_kind([(run["link_rx_bytes"], run["compressed"]) for run in runs])
+    rates = [p["payload_gbits_per_s"] for p in probes if p.get("payload_gbits_per_s")]
     frames = None
     if all(run.get("link_rx_frames") for run in runs):
         frames = bytes_by_kind([(run["link_rx_frames"], run["compressed"]) for run in runs])[0]
@@ -318,6 +165,8 @@ def record(preset: str, rate: float, runs: Sequence[dict], tokens_per_step: int,
         # collectives' payload plus gloo's own message headers
         "link_payload_bytes_per_node_per_step": (
             None if frames is None else link - netns.FRAME_HEADER_BYTES * frames),
+        "link_probes": list(probes),
+        "link_probe_gbits_per_s": statistics.median(rates) if rates else None,
     }
 
 
@@ -362,13 +211,7 @@ def format_table(records: Sequence[dict]) -> str:
             _fmt(mb(r.get("model_link_bytes_per_node_per_step")), ".3f"),
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    table = "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
-    overlap = next((r["model_overlap_fraction"] for r in records
-                    if r.get("model_overlap_fraction") is not None), None)
-    if overlap is not None:
-        table += (f"\nmodel: per-layer link time {overlap:.0%} hidden behind compute "
-                  f"(calibrated on {CALIBRATION_PRESET}; 0% without it)")
-    return table
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
 
 
 def draw(records: Sequence[dict], path: str, curves: dict[str, Callable] | None = None) -> None:

@@ -1,11 +1,12 @@
-"""One measured run of ``zeropp-cluster-bench``: a two-process training job on the emulated cluster.
+"""Measured runs of ``zeropp-cluster-bench`` on the emulated cluster: a two-process training job, or the link probe.
 
 :func:`run_once` starts ``zeropp-train`` as one process per network
 namespace of a :class:`zeropp_jax.cli.netns.TwoNodeCluster` (``NODES`` nodes
 x ``LOCAL`` CPU devices, ``jax.distributed`` coordinator on node 0's veth
 address, gloo collectives over the veth), and while it trains reads each
 step's time from the metrics file and both namespaces' veth counters
-whenever a metrics line appears. :mod:`zeropp_jax.cli.cluster_bench` runs it
+whenever a metrics line appears. :func:`probe_link` runs the link probe
+(:mod:`zeropp_jax.cli.link_probe`) the same way. :mod:`zeropp_jax.cli.cluster_bench` runs it
 for every preset and rate and :mod:`zeropp_jax.cli.cluster_report` turns the
 runs into records.
 """
@@ -27,6 +28,12 @@ NODES, LOCAL = 2, 4
 POLL_S = 0.02
 # How long a stopped run's processes get to exit before they are killed.
 KILL_GRACE_S = 3.0
+# The link probe's large gather: this many seconds of traffic at the capped
+# rate (long against a collective's fixed cost and the token bucket's
+# burst), at least PROBE_MIN_BYTES; uncapped, PROBE_BYTES_UNLIMITED.
+PROBE_SECONDS = 0.25
+PROBE_MIN_BYTES = 1 << 20
+PROBE_BYTES_UNLIMITED = 64 << 20
 
 
 class RunFailed(RuntimeError):
@@ -45,22 +52,67 @@ def run_once(cluster: netns.TwoNodeCluster, flags: Sequence[str], *, warmup: int
     logs = [os.path.join(log_dir, f"{run_id}.node{n}.log") for n in range(NODES)]
     procs: list[subprocess.Popen] = []
     try:
-        for node in range(NODES):
-            env = process_env(
-                os.environ, coordinator=f"{cluster.addresses[0]}:{port}",
-                num_processes=NODES, process_id=node, devices_per_process=LOCAL,
-            )
-            cmd = [*cluster.exec_prefix(node), sys.executable, "-m", "zeropp_jax.cli.train",
-                   *flags, "--metrics-out", metrics]
-            with open(logs[node], "wb") as log:
-                procs.append(subprocess.Popen(
-                    cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True,
-                    preexec_fn=_set_parent_death_signal,
-                ))
+        _start(cluster, procs, ["zeropp_jax.cli.train", *flags, "--metrics-out", metrics],
+               logs, port)
         return _measure(cluster, procs, metrics, logs, warmup, steps, timeout_s)
     finally:
         _stop(procs, KILL_GRACE_S)
+
+
+def probe_link(cluster: netns.TwoNodeCluster, rate_mbit: float, *, log_dir: str, run_id: str,
+               port: int, timeout_s: float) -> dict:
+    """The payload rate the link carries at its present cap (:mod:`zeropp_jax.cli.link_probe`).
+
+    The large probe gather moves :data:`PROBE_SECONDS` of traffic at
+    ``rate_mbit`` (0: :data:`PROBE_BYTES_UNLIMITED`), at least
+    :data:`PROBE_MIN_BYTES`, into each node.
+
+    Returns:
+      ``rate_mbit``, ``payload_gbits_per_s`` (per node and direction; ``None``
+      when the large gather was not slower than the small one), ``fixed_ms``
+      and ``bytes_per_node``.
+    """
+    size = PROBE_BYTES_UNLIMITED if not rate_mbit else max(
+        PROBE_MIN_BYTES, int(rate_mbit * 1e6 / 8 * PROBE_SECONDS))
+    logs = [os.path.join(log_dir, f"{run_id}.node{n}.log") for n in range(NODES)]
+    procs: list[subprocess.Popen] = []
+    try:
+        _start(cluster, procs, ["zeropp_jax.cli.link_probe", "--bytes-per-node", str(size),
+                                "--nodes", str(NODES), "--local", str(LOCAL)], logs, port)
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                raise RunFailed(f"link probe timed out after {timeout_s:g} s "
+                                f"(log {logs[0]}):\n{_tail(logs[0])}")
+            time.sleep(POLL_S)
+    finally:
+        _stop(procs, KILL_GRACE_S)
+    for node, p in enumerate(procs):
+        if p.returncode:
+            raise RunFailed(f"link probe: node {node} {describe_status(p.returncode)} "
+                            f"(log {logs[node]}):\n{_tail(logs[node])}")
+    with open(logs[0]) as f:
+        line = next((l for l in f.read().splitlines() if l.startswith("{")), None)
+    if line is None:
+        raise RunFailed(f"link probe printed no result (log {logs[0]}):\n{_tail(logs[0])}")
+    return {"rate_mbit": rate_mbit, **json.loads(line)}
+
+
+def _start(cluster, procs: list, module_args: Sequence[str], logs: Sequence[str],
+           port: int) -> None:
+    """Starts ``python -m MODULE ARGS`` on every node of ``cluster`` (appended to ``procs``)."""
+    for node in range(NODES):
+        env = process_env(
+            os.environ, coordinator=f"{cluster.addresses[0]}:{port}",
+            num_processes=NODES, process_id=node, devices_per_process=LOCAL,
+        )
+        cmd = [*cluster.exec_prefix(node), sys.executable, "-m", *module_args]
+        with open(logs[node], "wb") as log:
+            procs.append(subprocess.Popen(
+                cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_set_parent_death_signal,
+            ))
 
 
 def _measure(cluster, procs, metrics, logs, warmup, steps, timeout_s) -> dict:
