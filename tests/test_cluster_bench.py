@@ -105,18 +105,20 @@ def test_flags_the_bench_sets_itself_are_refused():
         cluster_bench.parse_args(["--presets", "zero4"])
 
 
-def _profile(inter_bytes, per_layer=False):
+def _profile(inter_bytes, per_layer=False, calls=1):
     cost = cm.CollectiveCost(
         kind="all-gather", axis="node", role="float", dtype="f32", element_bytes=4.0,
         inter_bytes_per_node=inter_bytes, intra_bytes_per_device=0.0, op_name="",
-        per_layer=per_layer)
+        per_layer=per_layer, calls=calls)
     return cm.CommProfile(label="", mesh_shape=(2, 4), params=1000, collectives=(cost,))
 
 
 def test_per_layer_link_time_overlaps_compute_by_the_calibrated_fraction(monkeypatch):
     """zero3-2level (per-layer traffic) at 8 Mbit/s: 1.0 s compute + 1.0 s link
     measured 1.5 s, so half the hideable second was hidden; a per-step
-    collective hides nothing, a per-layer one half of min(compute, link)."""
+    collective hides nothing, a per-layer one half of min(compute, link)
+    (no token bucket here: its own test follows)."""
+    monkeypatch.setattr(cluster_model.netns, "burst_bytes", lambda mbit: 0)
     workload = cm.Workload(params=1000, tokens_per_gpu=8, float_bytes=4)
     profiles = {"zero3-2level": _profile(1e6, per_layer=True), "hpz": _profile(1e6),
                 "qwz-2level": _profile(5e5, per_layer=True)}
@@ -132,9 +134,7 @@ def test_per_layer_link_time_overlaps_compute_by_the_calibrated_fraction(monkeyp
     assert by["hpz", 8]["model_overlap_fraction"] == pytest.approx(0.5)
     assert by["zero3-2level", 8]["predicted_step_time_s"] == pytest.approx(1.5)
     assert by["zero3-2level", 16]["predicted_step_time_s"] == pytest.approx(1.0 + 0.5 - 0.25)
-    # once-per-step traffic: its first burst of bytes passes at line speed
-    assert by["hpz", 8]["predicted_step_time_s"] == pytest.approx(
-        1.0 + (1e6 - netns.burst_bytes(8)) / 1e6)
+    assert by["hpz", 8]["predicted_step_time_s"] == pytest.approx(2.0)
     assert by["qwz-2level", 8]["predicted_step_time_s"] == pytest.approx(1.0 + 0.5 - 0.25)
     assert "50% hidden" in cluster_model.describe(records)
     # runs that disagree: f lies between what each alone says (0.5 and 0.2 here)
@@ -146,8 +146,8 @@ def test_per_layer_link_time_overlaps_compute_by_the_calibrated_fraction(monkeyp
 
 
 def test_predictions_add_link_time_at_the_rate_to_the_unlimited_step(monkeypatch):
-    """Step time at rate r = unlimited step + model bytes / r, less the link's
-    token bucket for once-per-step traffic; speedups over zero3."""
+    """Step time at rate r = unlimited step + model bytes / r, less what the
+    link's token bucket holds for the call; speedups over zero3."""
     workload = cm.Workload(params=1000, tokens_per_gpu=8, float_bytes=4)
     profiles = {"zero3": _profile(1e6), "zeropp": _profile(1e5)}
     monkeypatch.setattr(cluster_model, "_profile",
@@ -174,10 +174,28 @@ def test_predictions_add_link_time_at_the_rate_to_the_unlimited_step(monkeypatch
     assert "8 Mbit/s" in table and "unlimited" in table
 
 
+def test_a_call_that_finds_the_link_idle_sends_a_bucket_at_line_speed():
+    """tbf's bucket refills while the link idles: four per-layer calls of
+    0.2 MB at 8 Mbit/s (1 MB/s, a 256 KiB bucket) behind 1 s of compute cost
+    no link time; behind 0.1 s the link is busy throughout and they cost
+    their bytes' time; on the unshaped link, without a bucket, likewise."""
+    workload = cm.Workload(params=1000, tokens_per_gpu=8, float_bytes=4)
+    calls = _profile(8e5, per_layer=True, calls=4)
+    assert cluster_model._link_seconds(calls, workload, 8, 0.008, 1.0) == (0.0, 0.0)
+    assert cluster_model._link_seconds(calls, workload, 8, 0.008, 0.1) == pytest.approx((0.8, 0))
+    assert cluster_model._link_seconds(calls, workload, 0, 0.008, 1.0) == pytest.approx((0.8, 0))
+    # one call of 1 MB behind 1 s: the bucket's worth passes, the rest costs
+    once = _profile(1e6)
+    assert cluster_model._link_seconds(once, workload, 8, 0.008, 1.0) == pytest.approx(
+        (0, (1e6 - netns.burst_bytes(8)) / 1e6))
+
+
 def test_the_model_uses_the_probed_link_rates(monkeypatch):
     """A probed rate carries its probe's payload rate, an unprobed finite one
     the probed fraction of its tc rate; a probed unlimited link is not free:
-    its link time comes off the unlimited run to leave the compute."""
+    its link time comes off the unlimited run to leave the compute (no
+    token bucket here)."""
+    monkeypatch.setattr(cluster_model.netns, "burst_bytes", lambda mbit: 0)
     workload = cm.Workload(params=1000, tokens_per_gpu=8, float_bytes=4)
     profiles = {"zero3-2level": _profile(2e6, per_layer=True), "zeropp-max": _profile(1e6)}
     monkeypatch.setattr(cluster_model, "_profile",
@@ -201,14 +219,20 @@ def test_the_model_uses_the_probed_link_rates(monkeypatch):
     assert by["zero3-2level", 16]["predicted_step_time_s"] == pytest.approx(4.0)
     assert by["zero3-2level", 16]["model_link_gbits_per_s"] == pytest.approx(0.008)
     # zeropp-max: 0.5 s of once-per-step link unlimited, so 1 s of compute;
-    # at 8 Mbit/s the bytes beyond the token bucket at the probed rate
-    zeropp_s = 1.0 + (1e6 - netns.burst_bytes(8)) / 5e5
+    # at 8 Mbit/s its bytes at the probed rate
+    zeropp_s = 1.0 + 1e6 / 5e5
     assert by["zeropp-max", 8]["predicted_step_time_s"] == pytest.approx(zeropp_s)
     assert by["zeropp-max", 8]["predicted_speedup_vs_zero3_2level"] == pytest.approx(
         6.0 / zeropp_s)
     text = cluster_model.describe(records)
     assert "8 Mbit/s: 4 Mbit/s (probed)" in text and "16 Mbit/s: 8 Mbit/s," in text
     assert "unlimited: 16 Mbit/s (probed)" in text
+    # between probed rates the fraction carried is interpolated in log rate
+    gbits = cluster_model.link_gbits([{"rate_mbit": 10, "link_probe_gbits_per_s": 0.009},
+                                      {"rate_mbit": 1000, "link_probe_gbits_per_s": 0.8}])
+    assert gbits(100) == pytest.approx(0.1 * 0.85) and gbits(1000) == 0.8
+    assert gbits(5) == pytest.approx(0.0045) and gbits(2000) == pytest.approx(1.6)
+    assert gbits(0) == cluster_model.UNLIMITED_GBITS
 
 
 def test_the_link_probe_measures_a_payload_rate():

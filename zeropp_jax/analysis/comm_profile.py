@@ -64,7 +64,8 @@ class CollectiveCost:
     ``"metric"`` (a few scalars, not scaled with the model) or ``"other"``;
     ``element_bytes`` the compiled element width; ``per_layer``: it runs
     more than once per step (inside the layer loops: traffic that a
-    prefetching runtime can overlap with the layers' compute).
+    prefetching runtime can overlap with the layers' compute); ``calls``:
+    how many times it runs per step (its bytes are all of them together).
     """
 
     kind: str
@@ -76,6 +77,7 @@ class CollectiveCost:
     intra_bytes_per_device: float
     op_name: str
     per_layer: bool = False
+    calls: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +108,16 @@ class CommProfile:
         ``per_layer``: ``None`` counts every collective, ``True`` only the
         per-layer ones, ``False`` only those that run once per step.
         """
+        inter = intra = 0.0
+        for c, c_inter, c_intra in self.scaled(cluster, workload):
+            if per_layer is None or c.per_layer == per_layer:
+                inter, intra = inter + c_inter, intra + c_intra
+        return inter, intra
+
+    def scaled(self, cluster: Cluster, workload: Workload
+               ) -> list[tuple[CollectiveCost, float, float]]:
+        """Per collective, ``(collective, inter-node bytes per node, intra-node bytes
+        per GPU)`` per step (all its calls) at scale (module doc)."""
         n0, l0 = self.mesh_shape
         size = workload.params / self.params
         f = lambda n: (n - 1) / n  # noqa: E731 - fraction of a gather held elsewhere
@@ -115,18 +127,15 @@ class CommProfile:
             raise ValueError(
                 "the profile was compiled with one device per node, so it has no intra-node "
                 "collectives to scale; compile it with local >= 2")
-        inter = intra = 0.0
+        out = []
         for c in self.collectives:
-            if per_layer is not None and c.per_layer != per_layer:
-                continue
             if c.role == "metric":
-                inter += c.inter_bytes_per_node
-                intra += c.intra_bytes_per_device
+                out.append((c, c.inter_bytes_per_node, c.intra_bytes_per_device))
                 continue
             width = workload.float_bytes / c.element_bytes if c.role == "float" else 1.0
-            inter += c.inter_bytes_per_node * width * inter_scale
-            intra += c.intra_bytes_per_device * width * intra_scale
-        return inter, intra
+            out.append((c, c.inter_bytes_per_node * width * inter_scale,
+                        c.intra_bytes_per_device * width * intra_scale))
+        return out
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -161,6 +170,7 @@ def profile_report(report: CommReport, *, params: int, label: str = "") -> CommP
             dtype=c.dtype if role == "float" else report.wire_dtype(c),
             element_bytes=float(max(widths)) * narrow, inter_bytes_per_node=inter * narrow,
             intra_bytes_per_device=intra * narrow, op_name=c.op_name, per_layer=c.count > 1,
+            calls=c.count,
         ))
     return CommProfile(label=label, mesh_shape=tuple(report.mesh_shape), params=int(params),
                        collectives=tuple(costs))

@@ -6,8 +6,8 @@ bytes are the model's two-level count of its compiled step
 payload rate the bench's link probe measured there
 (:mod:`zeropp_jax.cli.link_probe`: frame headers and gloo's own messages
 cost a part of the ``tc`` rate, and the unlimited veth is finite). Without a
-probe a finite rate carries the median fraction the probed ones did (all of
-it when none was probed), and the unlimited link is free.
+probe a finite rate carries the fraction the probed ones did (:func:`link_gbits`;
+all of it when none was probed), and the unlimited link is free.
 
 Step time at a rate: ``compute + once + layer - f * min(compute, layer)``,
 with ``once`` the link time of the collectives that run once per step and
@@ -15,12 +15,18 @@ with ``once`` the link time of the collectives that run once per step and
 prefetching runtime can partly hide behind the layers' compute. ``compute``
 is the preset's own: the time that makes the formula give its measured step
 at unlimited rate. ``f`` is one number for the cluster, fitted to
-``zero3-2level``'s runs at finite rates (all of whose cross-node traffic is
-per-layer; least squares on the relative errors of its step times), and 0
-without such a run (the serial model). The emulated link is a token bucket
-(``tc tbf``, :func:`zeropp_jax.cli.netns.burst_bytes`): the once-per-step
-traffic comes after the compute, when the bucket is full again, and its
-first ``burst`` bytes cost no link time (a real link has no such bucket).
+``zero3-2level``'s runs at finite rates (the preset with the most per-layer
+traffic; least squares on the relative errors of its step times), and 0
+without such a run (the serial model).
+
+The emulated link is a token bucket (``tc tbf``,
+:func:`zeropp_jax.cli.netns.burst_bytes`; a real link has none): it fills
+at the rate while the link idles, and a call that finds it full sends up to
+``burst`` bytes at the link's own speed. ``once`` and ``layer`` count only
+the bytes beyond what each call finds in the bucket (:func:`_link_seconds`):
+on a link idle for most of the step (the two-level zero3 at 1000 Mbit/s:
+calls of 0.8 MB, a 1.25 MB bucket) most traffic costs no link time; on a
+link busy throughout, the bucket stays empty.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ UNLIMITED_GBITS = 1e6
 # point down to this width.
 OVERLAP_GRID = 100
 OVERLAP_TOLERANCE = 1e-9
+# Iterations of the token bucket's fixed point (each step moves down; a few suffice).
+BUCKET_ITERATIONS = 100
 
 
 def add_predictions(records: list[dict], flags_of: Callable,
@@ -88,19 +96,26 @@ def link_gbits(records: Sequence[dict]) -> Callable[[float], float]:
     """``gbits(rate_mbit)``: the payload Gbit/s per node the model's link carries.
 
     At a probed rate (a record's ``link_probe_gbits_per_s``), the probe's;
-    at another finite rate, the rate times the median fraction the probed
-    finite rates carried (1 without any); unprobed unlimited,
-    :data:`UNLIMITED_GBITS`.
+    at another finite rate, the rate times the fraction the probed finite
+    rates carried, interpolated in log rate between them (the nearest's
+    beyond them; 1 without any); unprobed unlimited, :data:`UNLIMITED_GBITS`.
     """
+    import numpy as np
+
     probed = {r["rate_mbit"]: r["link_probe_gbits_per_s"] for r in records
               if r.get("link_probe_gbits_per_s")}
-    fractions = [g * 1e3 / rate for rate, g in probed.items() if rate]
-    fraction = statistics.median(fractions) if fractions else 1.0
+    finite = sorted(rate for rate in probed if rate)
+    fractions = [probed[rate] * 1e3 / rate for rate in finite]
 
     def gbits(rate_mbit: float) -> float:
         if rate_mbit in probed:
             return probed[rate_mbit]
-        return rate_mbit / 1e3 * fraction if rate_mbit else UNLIMITED_GBITS
+        if not rate_mbit:
+            return UNLIMITED_GBITS
+        if not finite:
+            return rate_mbit / 1e3
+        fraction = np.interp(np.log(rate_mbit), np.log(finite), fractions)
+        return rate_mbit / 1e3 * float(fraction)
 
     return gbits
 
@@ -150,21 +165,37 @@ def describe(records: Sequence[dict]) -> str:
             + (f"\nmodel: payload per node and direction {link}" if link else ""))
 
 
-def _link_seconds(profile, workload, rate_mbit: float, gbits: float) -> tuple[float, float]:
+def _link_seconds(profile, workload, rate_mbit: float, gbits: float,
+                  compute_s: float) -> tuple[float, float]:
     """``(per-layer, once-per-step)`` inter-node link seconds at ``gbits`` of payload.
 
-    The once-per-step traffic follows the step's compute, during which a
-    capped link's token bucket refills: its first :func:`netns.burst_bytes`
-    pass at the link's own speed.
+    A capped link is a token bucket (module doc): a call that finds the link
+    idle long enough sends its first bytes, up to the bucket, at the link's
+    own speed. The link idles for whatever of ``compute_s`` its busy time
+    leaves, taken as spread evenly between the step's calls, so each call
+    finds ``min(burst, rate * idle / calls)`` in the bucket: all of it on a
+    link idle for most of the step, nothing on one busy throughout. The busy
+    time depends on that in turn; the largest fixed point is found by
+    iterating down from a full bucket.
     """
     from zeropp_jax.analysis import cost_model as cm
 
-    cluster = _cluster(gbits, workload)
     per_second = gbits * cm.GBIT
-    layer, once = (profile.bytes_at(cluster, workload, per_layer=layer)[0]
-                   for layer in (True, False))
+    calls = [(c, inter / c.calls) for c, inter, _ in profile.scaled(_cluster(gbits, workload),
+                                                                   workload) if inter > 0]
     burst = netns.burst_bytes(rate_mbit) if rate_mbit else 0
-    return layer / per_second, max(0.0, once - burst) / per_second
+    count = sum(c.calls for c, _ in calls) or 1
+    free = float(burst)
+    for _ in range(BUCKET_ITERATIONS):
+        sent = {layer: sum(c.calls * max(0.0, per_call - free)
+                           for c, per_call in calls if c.per_layer == layer)
+                for layer in (True, False)}
+        busy = (sent[True] + sent[False]) / per_second
+        refill = min(float(burst), per_second * max(0.0, compute_s - busy) / count)
+        if abs(refill - free) < 1.0:  # bytes
+            break
+        free = refill
+    return sent[True] / per_second, sent[False] / per_second
 
 
 def _compute_s(measured_s: float, layer: float, once: float, overlap: float) -> float:
@@ -180,10 +211,11 @@ def _compute_s(measured_s: float, layer: float, once: float, overlap: float) -> 
 def _curve(profile, workload, unlimited_s: float, overlap: float,
            gbits: Callable[[float], float]) -> Callable[[float], float]:
     """``step_s(rate_mbit)``: the model's step time on the emulated cluster (module doc)."""
-    compute = _compute_s(unlimited_s, *_link_seconds(profile, workload, 0, gbits(0)), overlap)
+    compute = _compute_s(unlimited_s, *_link_seconds(profile, workload, 0, gbits(0), 0.0),
+                         overlap)
 
     def step_s(rate_mbit: float) -> float:
-        layer, once = _link_seconds(profile, workload, rate_mbit, gbits(rate_mbit))
+        layer, once = _link_seconds(profile, workload, rate_mbit, gbits(rate_mbit), compute)
         return compute + once + layer - overlap * min(compute, layer)
 
     return step_s
