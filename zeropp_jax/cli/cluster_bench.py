@@ -85,6 +85,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
 # sends 6-25x a compressed step); a window of 13 steps after a warm-up of 3
 # holds one.
 REFRESH_PROBE_EVERY = 8
+# The first jax.distributed coordinator port of a sweep (each run and probe its own).
+FIRST_PORT = 20000
 # What --pool may be given besides the files.
 POOL_FLAGS = ("--pool", "--json", "--figure", "--no-predict")
 
@@ -218,7 +220,8 @@ def sweep(options, train_flags, log_dir: str, progress) -> list[dict]:
     with netns.TwoNodeCluster() as cluster:
         for repeat in range(options.repeats):
             for index, (rate, preset) in enumerate(points):
-                port = 20000 + 2 * (repeat * len(points) + index)
+                # a coordinator port per run, and the next one for the probe before it
+                port = FIRST_PORT + 2 * (repeat * len(points) + index)
                 if index == 0 or points[index - 1][0] != rate:
                     cluster.set_rate(rate)
                     progress.set_description(f"link probe @ {cluster_report.rate_name(rate)}")

@@ -21,9 +21,10 @@ without such a run (the serial model).
 
 The emulated link is a token bucket (``tc tbf``,
 :func:`zeropp_jax.cli.netns.burst_bytes`; a real link has none): it fills
-at the rate while the link idles, and a call that finds it full sends up to
-``burst`` bytes at the link's own speed. ``once`` and ``layer`` count only
-the bytes beyond what each call finds in the bucket (:func:`_link_seconds`):
+at the rate while the link idles (``compute - f * min(compute, layer)`` of
+the step), and a call that finds it full sends up to ``burst`` bytes at the
+link's own speed. ``once`` and ``layer`` count only the bytes beyond what
+each call finds in the bucket (:func:`_link_seconds`):
 on a link idle for most of the step (the two-level zero3 at 1000 Mbit/s:
 calls of 0.8 MB, a 1.25 MB bucket) most traffic costs no link time; on a
 link busy throughout, the bucket stays empty.
@@ -44,16 +45,17 @@ UNLIMITED_GBITS = 1e6
 # point down to this width.
 OVERLAP_GRID = 100
 OVERLAP_TOLERANCE = 1e-9
-# Iterations of the token bucket's fixed point (each step moves down; a few suffice).
-BUCKET_ITERATIONS = 100
+# How closely the bisection finds what a call finds in the token bucket.
+BUCKET_TOLERANCE_BYTES = 1.0
 
 
 def add_predictions(records: list[dict], flags_of: Callable,
                     train_flags: Sequence[str]) -> dict[str, Callable]:
     """Adds the cost model's ``predicted_step_time_s``, ``predicted_speedup`` (over
-    zero3), ``predicted_speedup_vs_zero3_2level``, ``model_link_gbits_per_s``
-    and ``model_link_bytes_per_node_per_step`` (its two-level count) to every
-    record (``None`` where the preset has no unlimited-rate run).
+    zero3), ``predicted_speedup_vs_zero3_2level``, ``model_compute_s`` and
+    ``model_link_bytes_per_node_per_step`` (its two-level count) to every
+    record (``None`` where the preset has no unlimited-rate run), and the
+    ``model_overlap_fraction`` and ``model_link_gbits_per_s`` it used.
 
     Compiles each preset's step once in this process (8 CPU devices).
 
@@ -74,12 +76,15 @@ def add_predictions(records: list[dict], flags_of: Callable,
             profile, workload = profiles[preset]
             link_bytes[preset] = profile.bytes_at(_cluster(1.0, workload), workload)[0]
     overlap = calibrate_overlap(records, profiles, unlimited, gbits)
-    curves = {preset: _curve(profile, workload, unlimited[preset], overlap, gbits)
+    computes = {preset: _compute_s(profile, workload, unlimited[preset], overlap, gbits(0))
+                for preset, (profile, workload) in profiles.items()}
+    curves = {preset: _curve(profile, workload, computes[preset], overlap, gbits)
               for preset, (profile, workload) in profiles.items()}
     for r in records:
         known = r["preset"] in curves
         r["model_overlap_fraction"] = overlap
         r["model_link_gbits_per_s"] = gbits(r["rate_mbit"])
+        r["model_compute_s"] = computes.get(r["preset"])
         r["model_link_bytes_per_node_per_step"] = link_bytes[r["preset"]] if known else None
         r["predicted_step_time_s"] = curves[r["preset"]](r["rate_mbit"]) if known else None
     index = {(r["preset"], r["rate_mbit"]): r for r in records}
@@ -127,8 +132,8 @@ def calibrate_overlap(records: Sequence[dict], profiles: dict, unlimited: dict,
     Fitted to every :data:`CALIBRATION_PRESET` record at a finite rate: the
     ``f`` in ``[0, 1]`` that minimises the squared relative errors of its
     predicted step times (whose compute time depends on ``f`` too); 0
-    without such a record, its profile or its unlimited run. One rate alone
-    is predicted exactly; with several, no one run's noise sets ``f``.
+    without such a record, its profile or its unlimited run. With several
+    rates no one run's noise sets ``f``.
     """
     runs = [r for r in records if r["preset"] == CALIBRATION_PRESET and r["rate_mbit"] > 0]
     if not runs or CALIBRATION_PRESET not in profiles or CALIBRATION_PRESET not in unlimited:
@@ -136,7 +141,8 @@ def calibrate_overlap(records: Sequence[dict], profiles: dict, unlimited: dict,
     profile, workload = profiles[CALIBRATION_PRESET]
 
     def loss(f: float) -> float:
-        step_s = _curve(profile, workload, unlimited[CALIBRATION_PRESET], f, gbits)
+        compute = _compute_s(profile, workload, unlimited[CALIBRATION_PRESET], f, gbits(0))
+        step_s = _curve(profile, workload, compute, f, gbits)
         return sum((step_s(r["rate_mbit"]) / r["step_time_s"] - 1) ** 2 for r in runs)
 
     best = min(range(OVERLAP_GRID + 1), key=lambda i: loss(i / OVERLAP_GRID)) / OVERLAP_GRID
@@ -160,63 +166,74 @@ def describe(records: Sequence[dict]) -> str:
         f"{' (probed)' if r.get('link_probe_gbits_per_s') else ''}"
         for rate, r in sorted(rates.items(), key=lambda kv: kv[0] or float("inf"))
         if r["model_link_gbits_per_s"] < UNLIMITED_GBITS)
+    none = sorted({r["preset"] for r in with_model if r.get("model_compute_s") == 0})
     return (f"model: per-layer link time {with_model[0]['model_overlap_fraction']:.0%} hidden "
             f"behind compute (calibrated on {CALIBRATION_PRESET}; 0% without it)"
-            + (f"\nmodel: payload per node and direction {link}" if link else ""))
+            + (f"\nmodel: payload per node and direction {link}" if link else "")
+            + (f"\nmodel: no compute time left for {', '.join(none)}: the unlimited step is "
+               "shorter than its modelled link time there" if none else ""))
 
 
-def _link_seconds(profile, workload, rate_mbit: float, gbits: float,
-                  compute_s: float) -> tuple[float, float]:
+def _link_seconds(profile, workload, rate_mbit: float, gbits: float, compute_s: float,
+                  overlap: float) -> tuple[float, float]:
     """``(per-layer, once-per-step)`` inter-node link seconds at ``gbits`` of payload.
 
-    A capped link is a token bucket (module doc): a call that finds the link
-    idle long enough sends its first bytes, up to the bucket, at the link's
-    own speed. The link idles for whatever of ``compute_s`` its busy time
-    leaves, taken as spread evenly between the step's calls, so each call
-    finds ``min(burst, rate * idle / calls)`` in the bucket: all of it on a
-    link idle for most of the step, nothing on one busy throughout. The busy
-    time depends on that in turn; the largest fixed point is found by
-    iterating down from a full bucket.
+    A capped link is a token bucket (module doc): a call that finds it full
+    sends up to ``burst`` bytes at the link's own speed. In a step of
+    ``compute + once + layer - f * min(compute, layer)`` the link is busy for
+    ``once + layer`` and idle for ``compute - f * min(compute, layer)``; taken
+    as spread evenly between the step's calls, each call finds
+    ``x = min(burst, rate * idle / calls)`` in the bucket: all of it on a link
+    idle for most of the step, nothing on one busy throughout. The idle time
+    depends on ``x`` in turn. ``x`` is the largest bucket that refills to at
+    least itself, found by bisection: what a call finds less ``x`` never grows
+    with ``x`` (each byte more in the bucket frees at most ``f`` of a byte's
+    time per call), so those ``x`` are an interval from 0.
     """
     from zeropp_jax.analysis import cost_model as cm
 
     per_second = gbits * cm.GBIT
     calls = [(c, inter / c.calls) for c, inter, _ in profile.scaled(_cluster(gbits, workload),
                                                                    workload) if inter > 0]
-    burst = netns.burst_bytes(rate_mbit) if rate_mbit else 0
+    burst = float(netns.burst_bytes(rate_mbit)) if rate_mbit else 0.0
     count = sum(c.calls for c, _ in calls) or 1
-    free = float(burst)
-    for _ in range(BUCKET_ITERATIONS):
-        sent = {layer: sum(c.calls * max(0.0, per_call - free)
-                           for c, per_call in calls if c.per_layer == layer)
-                for layer in (True, False)}
-        busy = (sent[True] + sent[False]) / per_second
-        refill = min(float(burst), per_second * max(0.0, compute_s - busy) / count)
-        if abs(refill - free) < 1.0:  # bytes
-            break
-        free = refill
-    return sent[True] / per_second, sent[False] / per_second
+
+    def seconds(found: float) -> tuple[float, float]:
+        return tuple(sum(c.calls * max(0.0, per_call - found) for c, per_call in calls
+                         if c.per_layer == layer) / per_second for layer in (True, False))
+
+    def refilled(found: float) -> float:
+        idle = compute_s - overlap * min(compute_s, seconds(found)[0])
+        return min(burst, per_second * max(0.0, idle) / count)
+
+    low, high = (burst, burst) if refilled(burst) >= burst else (0.0, burst)
+    while high - low > BUCKET_TOLERANCE_BYTES:
+        middle = (low + high) / 2
+        low, high = (middle, high) if refilled(middle) >= middle else (low, middle)
+    return seconds(low)
 
 
-def _compute_s(measured_s: float, layer: float, once: float, overlap: float) -> float:
-    """The compute time ``c`` with ``c + once + layer - f * min(c, layer)`` the measured step."""
-    c = measured_s - once - (1 - overlap) * layer
+def _compute_s(profile, workload, unlimited_s: float, overlap: float, gbits: float) -> float:
+    """The compute time ``c`` with ``c + once + layer - f * min(c, layer)`` the
+    measured unlimited-rate step (``once`` and ``layer`` on the unshaped link at
+    ``gbits``); 0 when that link time alone outlasts the step."""
+    layer, once = _link_seconds(profile, workload, 0, gbits, 0.0, overlap)
+    c = unlimited_s - once - (1 - overlap) * layer
     if c >= layer:
         return c
-    # the link outlasted the compute even at this rate: min(c, layer) = c
-    rest = measured_s - once - layer
+    # the link outlasted the compute even unshaped: min(c, layer) = c
+    rest = unlimited_s - once - layer
     return max(0.0, rest / (1 - overlap)) if overlap < 1 else max(0.0, c)
 
 
-def _curve(profile, workload, unlimited_s: float, overlap: float,
+def _curve(profile, workload, compute_s: float, overlap: float,
            gbits: Callable[[float], float]) -> Callable[[float], float]:
     """``step_s(rate_mbit)``: the model's step time on the emulated cluster (module doc)."""
-    compute = _compute_s(unlimited_s, *_link_seconds(profile, workload, 0, gbits(0), 0.0),
-                         overlap)
 
     def step_s(rate_mbit: float) -> float:
-        layer, once = _link_seconds(profile, workload, rate_mbit, gbits(rate_mbit), compute)
-        return compute + once + layer - overlap * min(compute, layer)
+        layer, once = _link_seconds(profile, workload, rate_mbit, gbits(rate_mbit), compute_s,
+                                    overlap)
+        return compute_s + once + layer - overlap * min(compute_s, layer)
 
     return step_s
 

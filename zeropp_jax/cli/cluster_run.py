@@ -6,9 +6,10 @@ x ``LOCAL`` CPU devices, ``jax.distributed`` coordinator on node 0's veth
 address, gloo collectives over the veth), and while it trains reads each
 step's time from the metrics file and both namespaces' veth counters
 whenever a metrics line appears. :func:`probe_link` runs the link probe
-(:mod:`zeropp_jax.cli.link_probe`) the same way. :mod:`zeropp_jax.cli.cluster_bench` runs it
-for every preset and rate and :mod:`zeropp_jax.cli.cluster_report` turns the
-runs into records.
+(:mod:`zeropp_jax.cli.link_probe`) the same way.
+:mod:`zeropp_jax.cli.cluster_bench` runs a training job for every preset
+and rate and a probe for every rate, in every round, and
+:mod:`zeropp_jax.cli.cluster_report` turns them into records.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ def probe_link(cluster: netns.TwoNodeCluster, rate_mbit: float, *, log_dir: str,
                                 "--nodes", str(NODES), "--local", str(LOCAL)], logs, port)
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs):
+            for node, p in enumerate(procs):
+                if p.poll() not in (None, 0):  # the other node would wait for it
+                    raise RunFailed(f"link probe: node {node} {describe_status(p.returncode)} "
+                                    f"(log {logs[node]}):\n{_tail(logs[node])}")
             if time.monotonic() > deadline:
                 raise RunFailed(f"link probe timed out after {timeout_s:g} s "
                                 f"(log {logs[0]}):\n{_tail(logs[0])}")
