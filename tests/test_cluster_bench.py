@@ -438,3 +438,24 @@ def test_the_model_counts_a_bf16_run_at_the_bytes_its_link_carries():
     assert counted["float32", "zero3-2level"] == pytest.approx(
         2 * counted["bfloat16", "zero3-2level"], rel=0.02)  # metric scalars stay float32
     assert counted["float32", "zeropp"] == pytest.approx(counted["bfloat16", "zeropp"], rel=0.02)
+
+
+def test_the_readmes_pooled_sweeps_report_its_speedups(tmp_path):
+    """The six sweeps behind the README's d_model 256 table, pooled again:
+    zeropp 3.27x the two-level zero3 at 50 Mbit/s (3.14x over its cycle),
+    0.99x unlimited, and the probes' payload rates per link rate."""
+    import pathlib
+
+    data = sorted((pathlib.Path(__file__).parent.parent / "benchmarks" / "data"
+                   / "cluster_d256_bf16").glob("*.json"))
+    assert [p.stem for p in data] == list("abcdef")
+    _, _, records = cluster_bench.pool([str(p) for p in data])
+    cluster_report.add_speedups(records)
+    by = {(r["preset"], r["rate_mbit"]): r for r in records}
+    assert by["zeropp", 50]["speedup_vs_zero3_2level"] == pytest.approx(3.27, abs=0.005)
+    assert by["zeropp", 50]["cycle_speedup_vs_zero3_2level"] == pytest.approx(3.14, abs=0.005)
+    assert by["zeropp", 0]["speedup_vs_zero3_2level"] == pytest.approx(0.99, abs=0.005)
+    assert by["zeropp", 50]["run_steps"] == [13] * 8  # eight runs of 13 timed steps
+    probes = {rate: len(by["zeropp", rate]["link_probes"]) for rate in (50, 200, 1000, 0)}
+    assert probes == {50: 4, 200: 4, 1000: 6, 0: 6}
+    assert by["zeropp", 50]["link_probe_gbits_per_s"] == pytest.approx(0.047, abs=0.001)
