@@ -50,7 +50,7 @@ def run_once(cluster: netns.TwoNodeCluster, flags: Sequence[str], *, warmup: int
       ``link_rx_bytes``: per timed step, the bytes each node received.
     """
     metrics = os.path.join(log_dir, f"{run_id}.jsonl")
-    logs = [os.path.join(log_dir, f"{run_id}.node{n}.log") for n in range(NODES)]
+    logs = _logs(log_dir, run_id)
     procs: list[subprocess.Popen] = []
     try:
         _start(cluster, procs, ["zeropp_jax.cli.train", *flags, "--metrics-out", metrics],
@@ -75,32 +75,35 @@ def probe_link(cluster: netns.TwoNodeCluster, rate_mbit: float, *, log_dir: str,
     """
     size = PROBE_BYTES_UNLIMITED if not rate_mbit else max(
         PROBE_MIN_BYTES, int(rate_mbit * 1e6 / 8 * PROBE_SECONDS))
-    logs = [os.path.join(log_dir, f"{run_id}.node{n}.log") for n in range(NODES)]
+    logs = _logs(log_dir, run_id)
     procs: list[subprocess.Popen] = []
     try:
         _start(cluster, procs, ["zeropp_jax.cli.link_probe", "--bytes-per-node", str(size),
                                 "--nodes", str(NODES), "--local", str(LOCAL)], logs, port)
         deadline = time.monotonic() + timeout_s
-        while any(p.poll() is None for p in procs):
+        while True:
             for node, p in enumerate(procs):
                 if p.poll() not in (None, 0):  # the other node would wait for it
                     raise RunFailed(f"link probe: node {node} {describe_status(p.returncode)} "
                                     f"(log {logs[node]}):\n{_tail(logs[node])}")
+            if all(p.poll() == 0 for p in procs):
+                break
             if time.monotonic() > deadline:
                 raise RunFailed(f"link probe timed out after {timeout_s:g} s "
                                 f"(log {logs[0]}):\n{_tail(logs[0])}")
             time.sleep(POLL_S)
     finally:
         _stop(procs, KILL_GRACE_S)
-    for node, p in enumerate(procs):
-        if p.returncode:
-            raise RunFailed(f"link probe: node {node} {describe_status(p.returncode)} "
-                            f"(log {logs[node]}):\n{_tail(logs[node])}")
     with open(logs[0]) as f:
         line = next((l for l in f.read().splitlines() if l.startswith("{")), None)
     if line is None:
         raise RunFailed(f"link probe printed no result (log {logs[0]}):\n{_tail(logs[0])}")
     return {"rate_mbit": rate_mbit, **json.loads(line)}
+
+
+def _logs(log_dir: str, run_id: str) -> list[str]:
+    """One log file per node of run ``run_id``."""
+    return [os.path.join(log_dir, f"{run_id}.node{n}.log") for n in range(NODES)]
 
 
 def _start(cluster, procs: list, module_args: Sequence[str], logs: Sequence[str],
