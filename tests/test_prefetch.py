@@ -10,6 +10,7 @@ prefetch (same collectives, only ordered differently).
 
 from __future__ import annotations
 
+import functools
 import re
 import types
 
@@ -21,6 +22,7 @@ import pytest
 
 import zeropp_jax as zp
 from zeropp_jax.analysis.hlo import parse_module
+from zeropp_jax.models import gpt
 
 from _util import (
     assert_trees_close, compile_step, executions, gpt_step, mesh_of, stacked_mlp_loss,
@@ -269,3 +271,29 @@ def test_gpt_step_prefetches_with_the_same_collectives_and_one_more_layer(preset
     extra = c_on.memory_analysis().temp_size_in_bytes - c_off.memory_analysis().temp_size_in_bytes
     # (within 1%: zeropp's float32 layer came with 2.9 KB more, about 0.4%)
     assert extra <= layer_bytes * 1.01 + 1024, (extra, layer_bytes)
+
+
+
+def test_one_device_mesh_runs_a_plain_scan_without_layer_copies():
+    # On one device prefetch would gather nothing, and XLA copies the layer its
+    # loop carries (twice per iteration); there the trainer runs a plain scan.
+    cfg = gpt.GPTConfig(n_layers=LAYERS, d_model=WIDTH, n_heads=4, seq_len=16)
+    shapes = jax.eval_shape(lambda k: gpt.init_params(cfg, k), jax.random.key(0))
+    loss = functools.partial(gpt.loss_fn, cfg=cfg, gather=zp.gather, layer=zp.layer)
+    batch = jax.ShapeDtypeStruct((8, 17), jnp.int32)
+
+    def layer_copies(mesh):
+        trainer = zp.make_trainer(
+            loss, optax.adam(1e-3), shapes, mesh=mesh,
+            config=zp.ZeroConfig.from_preset("zero3", compute_dtype="float32"),
+            per_layer=True, stacked=("blocks",),
+        )
+        comps, _ = parse_module(trainer.compile_from_shapes(shapes, batch).as_text())
+        layer = next(u.padded for u in trainer.layout.units if u.stack)
+        copies = [i.shape.dims for c in comps.values() for i in c.instructions
+                  if i.opcode == "copy" and getattr(i.shape, "dims", None) == (layer,)]
+        return trainer.geometry.plan.prefetch, copies
+
+    assert layer_copies(mesh_of(1, 1)) == (False, [])
+    prefetch, copies = layer_copies(mesh_of(2, 4))  # where it gathers: the copies it costs
+    assert prefetch and copies

@@ -284,7 +284,7 @@ class ZeroConfig:
         True, "gather the next stacked layer while the current one computes, forward and "
         "backward (depth 1, zeropp_jax.scan_layers; with hpZ and one micro-batch the forward "
         "also forms each layer's secondary partition, over node, one layer ahead); same "
-        "bytes and values", parse=bool,
+        "bytes and values; off on a one-device mesh, which gathers nothing", parse=bool,
     )
     keep_activations: bool = _field(
         False, "save each layer's activations (outputs of its matrix products) in the "

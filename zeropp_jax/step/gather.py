@@ -56,8 +56,8 @@ class GatherPlan:
       two_level: run both collectives one mesh axis at a time, so only
         one device per node talks to each other node
         (:func:`~zeropp_jax.wire.collectives.all_gather`).
-      prefetch: stacked layers run by :func:`~zeropp_jax.step.prefetch.scan_layers`
-        gather the next layer while the current one computes (depth 1).
+      prefetch: :func:`~zeropp_jax.step.prefetch.scan_layers` gathers the next stacked
+        layer while one computes (depth 1); off on one device (only copies there).
       secondary_bits: ``None``: the source is what the gather sends. An
         int: hpZ's secondary partition is formed layer by layer (stacked
         units under prefetch): the source is this device's primary payload

@@ -139,7 +139,7 @@ class StepGeometry:
             # XLA:CPU widens 2-byte float reductions to float32 on the wire
             sum_bits=self.mesh.devices.flat[0].platform == "cpu",
             two_level=cfg.hierarchical_collectives,
-            prefetch=cfg.prefetch,
+            prefetch=cfg.prefetch and self.n_devices > 1,
             keep_activations=cfg.keep_activations,
         )
 
@@ -150,8 +150,8 @@ class StepGeometry:
         compute, and keeps it for the backward, instead of the whole unit's up front, which
         nothing can hide (``lax.scan(zp.layer(...))``, ``nn.scan``: in each layer's forward).
         """
-        cfg = self.config
-        return cfg.hpz and not cfg.node_replicated and cfg.prefetch and layer_by_layer(self, unit)
+        cfg, plan = self.config, self.plan
+        return cfg.hpz and not cfg.node_replicated and plan.prefetch and layer_by_layer(self, unit)
 
     def plan_of(self, unit: UnitLayout, sum_axes: tuple = ()) -> GatherPlan:
         """:attr:`plan`, forming the secondary per layer where :meth:`forms_secondary_per_layer`,
