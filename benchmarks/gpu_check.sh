@@ -16,7 +16,10 @@
 # 4. runs benchmarks/gpu_kernels.py (verification on the GPU, then GB/s of
 #    each kernel's default config and of a sweep, vs XLA vs a device copy);
 # 5. runs benchmarks/gpu_train_probe.py (1.2B example GPT, bf16: plain jit,
-#    plain with per-layer remat, zero3, qwz with Pallas and with XLA);
+#    plain with per-layer remat, zero3, qwz with Pallas and with XLA), saving
+#    each variant's optimized HLO ($OUT/hlo, for benchmarks/step_traffic.py
+#    --hlo-dir on any machine) and its device time per kernel from a
+#    profiler trace of two more steps ($OUT/profile/<variant>.json);
 # 6. prints a short summary last: the pytest result line and both tables.
 #
 # Logs and JSON go to $OUT (the device tool's output folder) or
@@ -66,7 +69,8 @@ timeout "$BENCH_TIMEOUT" "$PY" benchmarks/gpu_kernels.py "${BENCH_ARGS[@]}" 2>&1
 BENCH_RC=${PIPESTATUS[0]}
 
 echo "== training probe, limit ${PROBE_TIMEOUT}s"
-PROBE_ARGS=(--json-out "$LOG_DIR/gpu_train_probe.json")
+PROBE_ARGS=(--json-out "$LOG_DIR/gpu_train_probe.json" --hlo-dir "$LOG_DIR/hlo"
+            --profile-dir "$LOG_DIR/profile")
 if [[ "${QUICK:-0}" == "1" ]]; then PROBE_ARGS+=(--layers 12 --d-model 768 --heads 12); fi
 timeout "$PROBE_TIMEOUT" "$PY" benchmarks/gpu_train_probe.py "${PROBE_ARGS[@]}" 2>&1 | tee "$LOG_DIR/probe.log"
 PROBE_RC=${PIPESTATUS[0]}

@@ -26,6 +26,12 @@ last state of a group). Model FLOP/s = tokens/s x
 causal mask not discounted). ``--peak-tflops`` (default 790, the bf16 dense
 matmul rate measured on an H200) gives the utilization column.
 
+With ``--hlo-dir`` each variant's optimized HLO is saved (and its memory
+traffic estimated, :mod:`zeropp_jax.analysis.traffic`); with
+``--profile-dir`` a few more steps run under the profiler and the device
+time per kernel is written per variant (``benchmarks/gpu_profile.py``): what
+to read when the trainer costs more than plain ``jax.jit``.
+
 Prints one ``JSON`` line and a table last. Exits 0 with a message without a
 GPU, unless ``--allow-cpu`` (a tiny shape, to exercise the script).
 
@@ -34,6 +40,7 @@ Usage::
   python benchmarks/gpu_train_probe.py                      # ~2-3 min on one H200
   python benchmarks/gpu_train_probe.py --variants plain,zero3 --layers 12 --d-model 768 --heads 12
   python benchmarks/gpu_train_probe.py --allow-cpu --layers 2 --d-model 64 --heads 4 --seq 32 --batch 2
+  python benchmarks/gpu_train_probe.py --hlo-dir $OUT/hlo --profile-dir $OUT/profile
 """
 
 from __future__ import annotations
@@ -41,9 +48,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+from typing import Callable, NamedTuple
 
 VARIANTS = ("plain", "plain_remat", "zero3", "qwz_pallas", "qwz_xla")
 H200_BF16_PEAK_TFLOPS = 790.0  # dense bf16 matmul, measured (benchmarks/RESULTS.md)
@@ -53,8 +64,19 @@ def log(message: str) -> None:
     print(f"[gpu_train_probe] {message}", file=sys.stderr, flush=True)
 
 
-def _plain_step(cfg, optimizer, *, remat: bool):
-    """``(init, step)`` of plain single-device training, bf16 compute."""
+class Variant(NamedTuple):
+    """One way of training: ``init(params) -> state``; ``step(state, batch) ->
+    (state, loss)``; ``lower(state, batch)``, the step's ``jax.stages.Lowered``
+    (``state`` may be abstract); ``abstract(params_shapes)``, the state's shapes."""
+
+    init: Callable
+    step: Callable
+    lower: Callable
+    abstract: Callable
+
+
+def _plain_step(cfg, optimizer, *, remat: bool) -> Variant:
+    """Plain single-device training, bf16 compute."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -74,11 +96,15 @@ def _plain_step(cfg, optimizer, *, remat: bool):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), value
 
-    return (lambda params: (params, optimizer.init(params))), step
+    def init(params):
+        return params, optimizer.init(params)
+
+    return Variant(init, step, step.lower, lambda shapes: jax.eval_shape(init, shapes))
 
 
 def _trainer_step(cfg, optimizer, params_shapes, *, preset: str, implementation: str):
-    """``(init, step)`` of :func:`zeropp_jax.make_trainer` on a 1x1 mesh."""
+    """:func:`zeropp_jax.make_trainer` on a 1x1 mesh."""
+    import jax
     import jax.numpy as jnp
 
     import zeropp_jax as zp
@@ -89,18 +115,21 @@ def _trainer_step(cfg, optimizer, params_shapes, *, preset: str, implementation:
     )
     loss = functools.partial(gpt.loss_fn, cfg=cfg, gather=zp.gather, layer=zp.layer)
     trainer = zp.make_trainer(
-        loss, optimizer, params_shapes, mesh=zp.make_mesh(1, 1), config=config,
-        per_layer=True, stacked=("blocks",),
+        loss, optimizer, params_shapes, mesh=zp.make_mesh(1, 1, devices=jax.devices()[:1]),
+        config=config, per_layer=True, stacked=("blocks",),
     )
 
     def step(state, batch):
         state, metrics = trainer.step(state, batch)
         return state, metrics["loss"]
 
-    return trainer.init, step
+    def lower(state, batch):
+        return trainer.lower(state, trainer.shard_batch(batch))
+
+    return Variant(trainer.init, step, lower, trainer.abstract_state)
 
 
-def build(variant: str, cfg, optimizer, params_shapes):
+def build(variant: str, cfg, optimizer, params_shapes) -> Variant:
     if variant == "plain":
         return _plain_step(cfg, optimizer, remat=False)
     if variant == "plain_remat":
@@ -121,7 +150,7 @@ def measure(variant, cfg, optimizer, batch, args) -> dict:
 
     params = gpt.init_params(cfg, jax.random.key(0))
     shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
-    init, step = build(variant, cfg, optimizer, shapes)
+    init, step, lower, _ = build(variant, cfg, optimizer, shapes)
     t0 = time.perf_counter()
     state = init(params)
     del params
@@ -138,13 +167,55 @@ def measure(variant, cfg, optimizer, batch, args) -> dict:
         jax.block_until_ready(state)
         times.append((time.perf_counter() - t0) / args.steps)
     losses.append(float(loss))
+    extra = {}
+    if args.hlo_dir or args.profile_dir:
+        hlo = lower(state, batch).compile().as_text()  # the executable just run (cached)
+        extra = inspect(variant, hlo, step, state, batch, args)
     del state
     step_s = statistics.median(times)
     tokens = args.batch * args.seq
     tflops = tokens / step_s * gpt.flops_per_token(cfg) / 1e12
     return dict(variant=variant, step_s=step_s, step_s_all=times, tokens_per_s=tokens / step_s,
                 model_tflops=tflops, utilization=tflops / args.peak_tflops,
-                compile_and_warmup_s=warm_s, loss_first=losses[0], loss_last=losses[-1])
+                compile_and_warmup_s=warm_s, loss_first=losses[0], loss_last=losses[-1],
+                **extra)
+
+
+def inspect(variant, hlo, step, state, batch, args) -> dict:
+    """Saves the step's optimized HLO and estimated memory traffic (``--hlo-dir``)
+    and its profiled device time per kernel (``--profile-dir``)."""
+    from zeropp_jax.analysis.traffic import memory_traffic, traffic_summary
+
+    out = {}
+    if args.hlo_dir:
+        os.makedirs(args.hlo_dir, exist_ok=True)
+        with open(os.path.join(args.hlo_dir, f"{variant}.hlo"), "w") as f:
+            f.write(hlo)
+        out["traffic_bytes"] = traffic_summary(memory_traffic(hlo), top=0)["bytes"]
+    if args.profile_dir:
+        import gpu_profile
+
+        os.makedirs(args.profile_dir, exist_ok=True)
+        log_dir = tempfile.mkdtemp(prefix=f"trace_{variant}_")  # raw traces: large, not kept
+        try:
+            gpu_profile.trace_steps(step, state, batch, args.profile_steps, log_dir)
+            summary = gpu_profile.kernel_times(log_dir, hlo, args.profile_steps)
+        except Exception as e:  # a profiler that cannot run must not cost the timings
+            log(f"{variant}: profile FAILED {type(e).__name__}: {str(e)[:300]}")
+            out["profile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        else:
+            with open(os.path.join(args.profile_dir, f"{variant}.json"), "w") as f:
+                json.dump(summary, f, indent=1)
+            out["device_ms_per_step"] = summary["device_us_per_step"] / 1e3
+            log(f"{variant}: {summary['device_us_per_step'] / 1e3:.1f} ms of kernels per step "
+                f"({summary['source']})")
+        finally:
+            shutil.rmtree(log_dir, ignore_errors=True)
+    return out
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def main(argv=None) -> int:
@@ -164,6 +235,13 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed groups (median reported)")
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS)
     parser.add_argument("--json-out", default=None, help="also write the results here")
+    parser.add_argument("--hlo-dir", default=None,
+                        help="write each variant's optimized HLO here (<variant>.hlo; "
+                             "benchmarks/step_traffic.py --hlo-dir reads them)")
+    parser.add_argument("--profile-dir", default=None,
+                        help="trace --profile-steps more steps per variant and write its device "
+                             "time per kernel here (<variant>.json, benchmarks/gpu_profile.py)")
+    parser.add_argument("--profile-steps", type=int, default=2)
     parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU (tiny shapes)")
     args = parser.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
@@ -212,7 +290,8 @@ def main(argv=None) -> int:
             json.dump(summary, f, indent=1)
     ok = {r["variant"]: r for r in rows if "error" not in r}
     print(f"{dev.device_kind}, {gpt.count_params(cfg) / 1e9:.2f}B params, bf16, attention {attention}")
-    print(f"{'variant':<13}{'ms/step':>9}{'TFLOP/s':>9}{'% peak':>8}{'vs plain_remat':>16}{'loss':>14}")
+    print(f"{'variant':<13}{'ms/step':>9}{'TFLOP/s':>9}{'% peak':>8}{'vs plain_remat':>16}"
+          f"{'loss':>14}{'kernels ms':>12}{'GB moved':>10}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:<13}  FAILED {r['error'][:80]}")
@@ -221,7 +300,9 @@ def main(argv=None) -> int:
         rel = f"{r['step_s'] / base['step_s']:.3f}x" if base else "-"
         print(f"{r['variant']:<13}{r['step_s'] * 1e3:>9.1f}{r['model_tflops']:>9.0f}"
               f"{100 * r['utilization']:>7.1f}%{rel:>16}"
-              f"{r['loss_first']:>7.3f}->{r['loss_last']:<6.3f}")
+              f"{r['loss_first']:>7.3f}->{r['loss_last']:<6.3f}"
+              f"{_fmt(r.get('device_ms_per_step'), '.1f'):>12}"
+              f"{_fmt(r.get('traffic_bytes', 0) / 1e9 or None, '.1f'):>10}")
     return 0 if len(ok) == len(rows) else 1
 
 

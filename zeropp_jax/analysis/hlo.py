@@ -33,6 +33,7 @@ __all__ = [
     "Instruction",
     "Shape",
     "attr_value",
+    "called_computations",
     "dtype_bytes",
     "match_close",
     "metadata_op_name",
@@ -292,6 +293,11 @@ def _refs(inst: Instruction) -> dict[str, list[str]]:
     for key, names in _SET_REF_RE.findall(inst.attrs_clean):
         out.setdefault(key, []).extend(n.strip().lstrip("%") for n in names.split(",") if n.strip())
     return out
+
+
+def called_computations(inst: Instruction) -> dict[str, list[str]]:
+    """Computations an instruction names, by attribute (``calls``, ``body``, ``to_apply``, ...)."""
+    return _refs(inst)
 
 
 @dataclasses.dataclass

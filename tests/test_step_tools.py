@@ -1,0 +1,77 @@
+"""The GPU session's step tools, exercised on the CPU.
+
+``benchmarks/step_traffic.py`` (estimated bytes per step, plain JAX vs the
+trainer, from the HLO), ``benchmarks/gpu_profile.py`` (device time per
+kernel from a profiler trace; on the CPU the executable's thunks) and
+``gpu_train_probe.py --hlo-dir --profile-dir``, which uses both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+TINY = ["--layers", "2", "--d-model", "64", "--heads", "4", "--seq", "32", "--batch", "2"]
+
+
+@pytest.fixture(scope="module")
+def bench_modules():
+    sys.path.insert(0, BENCH)
+    try:
+        import gpu_profile
+        import step_traffic
+        yield step_traffic, gpu_profile
+    finally:
+        sys.path.remove(BENCH)
+
+
+def test_step_traffic_compares_the_trainer_with_plain_remat(bench_modules, tmp_path, capsys):
+    step_traffic, _ = bench_modules
+    out = tmp_path / "traffic.json"
+    assert step_traffic.main([*TINY, "--variants", "plain_remat,zero3",
+                              "--json-out", str(out)]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["variants"]}
+    assert rows["plain_remat"]["vs_plain_remat"] == 1.0
+    assert rows["zero3"]["bytes"] > 0 and rows["zero3"]["top"]
+    assert rows["zero3"]["vs_plain_remat"] == rows["zero3"]["bytes"] / rows["plain_remat"]["bytes"]
+    assert "vs plain_remat" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # Pallas off a GPU is its interpreter: refused
+        step_traffic.main([*TINY, "--variants", "qwz_pallas"])
+
+
+def test_kernel_times_attribute_a_trace_to_hlo_instructions(bench_modules, tmp_path):
+    _, gpu_profile = bench_modules
+    step = jax.jit(lambda s, b: (jnp.tanh(s @ s) + b, None))
+    x = jnp.ones((192, 192), jnp.float32) / 192
+    state, _ = step(x, x)
+    state = gpu_profile.trace_steps(step, state, x, 3, str(tmp_path))
+    summary = gpu_profile.kernel_times(str(tmp_path), step.lower(state, x).compile().as_text(), 3)
+    assert summary["device_us_per_step"] > 0
+    assert summary["top"] and all(r["opcode"] != "(not in the module)" for r in summary["top"])
+    assert sum(summary["by_opcode"].values()) == pytest.approx(summary["device_us_per_step"])
+    with pytest.raises(FileNotFoundError):
+        gpu_profile.kernel_times(str(tmp_path / "empty"), "", 1)
+
+
+@pytest.mark.slow
+def test_probe_saves_hlo_and_kernel_times(tmp_path):
+    cmd = [sys.executable, os.path.join(BENCH, "gpu_train_probe.py"), "--allow-cpu", *TINY,
+           "--variants", "plain_remat,zero3", "--warmup", "1", "--steps", "1", "--repeats", "1",
+           "--hlo-dir", str(tmp_path / "hlo"), "--profile-dir", str(tmp_path / "profile")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(next(line[5:] for line in run.stdout.splitlines()
+                             if line.startswith("JSON ")))
+    for row in result["variants"]:
+        assert row["traffic_bytes"] > 0 and row["device_ms_per_step"] > 0, row
+        assert (tmp_path / "hlo" / f"{row['variant']}.hlo").exists()
+        assert json.loads((tmp_path / "profile" / f"{row['variant']}.json").read_text())["top"]
