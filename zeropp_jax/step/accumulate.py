@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from zeropp_jax.layout import REMAINDER, join_units
 from zeropp_jax.step.gather import Unit, gather, secondary_payload
-from zeropp_jax.step.geometry import DATA_AXES, StepGeometry, node_level_once
+from zeropp_jax.step.geometry import DATA_AXES, StepGeometry, node_level_once, sink_dtype
 from zeropp_jax.wire import collectives
 
 
@@ -109,7 +109,7 @@ def accumulate(
     def zero_sink(u):
         shard = params[u.name]
         width = u.padded // geo.local if node_level_once(geo, u) else shard.shape[-1]
-        zeros = jnp.zeros(shard.shape[:-1] + (width,), jnp.float32)
+        zeros = jnp.zeros(shard.shape[:-1] + (width,), sink_dtype(geo, u))
         return jax.lax.pcast(zeros, DATA_AXES, to="varying")
 
     sinks0 = {u.name: zero_sink(u) for u in units}
@@ -149,5 +149,5 @@ def accumulate(
     )
     if accum == 1:  # no loop, and no zeros + gradient pass
         g, loss = grads_of(jax.tree.map(lambda x: x[0], micro_batches), 0)
-        return g, loss[None]
+        return jax.tree.map(lambda x: x.astype(jnp.float32), g), loss[None]
     return jax.lax.scan(micro_step, sinks0, (micro_batches, jnp.arange(accum)))

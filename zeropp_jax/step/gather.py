@@ -99,8 +99,8 @@ class Unit:
       source: what this device sends, prepared once per step: the shard
         ``(..., s)`` in the compute dtype, or its qwZ ``Quantized`` pair
         (with hpZ, the node's secondary partition).
-      sink: float32 ``(..., r)`` zeros; its gradient is the layer's
-        reduce-scattered gradient.
+      sink: ``(..., r)`` zeros (dtype: :func:`~zeropp_jax.step.geometry.sink_dtype`);
+        its gradient is the layer's reduce-scattered gradient.
       order: ``None``, or a float32 scalar zero computed from the layer's
         inputs (set by :func:`layer`): the payload this device sends is
         made to depend on it, so the gather cannot start before them.
@@ -199,7 +199,7 @@ def decode_payload(plan: GatherPlan, payload: Any) -> jax.Array:
     """A gathered payload (:func:`gather_payload`) as flat ``(U,)`` parameters in ``plan.compute_dtype``."""
     return collectives.decode_gathered(
         payload, bits=plan.bits, block=plan.block, out_dtype=plan.compute_dtype,
-        kernels=plan.kernels,
+        kernels=plan.kernels.layer_decode,
     )
 
 
@@ -219,13 +219,13 @@ def gather_flat(plan: GatherPlan, source: Any, order: jax.Array | None = None) -
 
 def reduce_gradient(plan: GatherPlan, cotangent: jax.Array) -> jax.Array:
     """The gradient of a layer's sink: its ``(U,)`` cotangent reduce-scattered
-    (and all-reduced over ``plan.sum_axes``), float32."""
+    (and all-reduced over ``plan.sum_axes``), in the cotangent's dtype."""
     grad = collectives.reduce_scatter(cotangent, plan.reduce_axes, plan.reduce_dtype,
                                       two_level=plan.two_level, sum_bits=plan.sum_bits)
     if plan.sum_axes:
         grad = collectives.all_reduce(grad, plan.sum_axes, plan.reduce_dtype,
                                       sum_bits=plan.sum_bits, varying=True)
-    return grad.astype(jnp.float32)
+    return grad
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -235,12 +235,12 @@ def _gather_flat(plan: GatherPlan, source: Any, sink: jax.Array, order: Any) -> 
     return gather_flat(plan, source, order)
 
 
-def _gather_fwd(plan, source, sink, order):
-    return _gather_flat(plan, source, sink, order), None
+def _gather_fwd(plan, source, sink, order):  # a scalar keeps the sink's dtype
+    return _gather_flat(plan, source, sink, order), jnp.zeros((), sink.dtype)
 
 
-def _gather_bwd(plan, _, cotangent):
-    return None, reduce_gradient(plan, cotangent), None
+def _gather_bwd(plan, like, cotangent):
+    return None, reduce_gradient(plan, cotangent).astype(like.dtype), None
 
 
 _gather_flat.defvjp(_gather_fwd, _gather_bwd)

@@ -245,11 +245,11 @@ class StepGeometry:
         of the float32 model with ``node_replicated``. ``grad_accumulator``
         holds gradients between the backward and the cross-node reduction:
         ``1/local`` of the model with hierarchical gradients (hpZ or qgZ),
-        ``1/(nodes*local)`` otherwise. ``qgz_carry`` is the error-feedback
+        ``1/(nodes*local)`` otherwise (in :func:`sink_dtype`). ``qgz_carry``: the error-feedback
         carry (``1/local`` of the model, float32; with 1-bit Adam the sender
         carry of the momentum).
         """
-        cfg = self.config
+        cfg, units = self.config, self.layout.units
         padded = self.layout.padded_numel
         per_local = padded // self.local
         in_node = cfg.hpz or cfg.node_replicated
@@ -262,9 +262,9 @@ class StepGeometry:
             source_bytes = source * jnp.dtype(self.compute_dtype).itemsize
         else:
             source_bytes = 0  # the float32 master shard is sent as it is
-        accumulator = 4 * sum(  # node-partial where the node level runs once per step
-            u.padded * (u.stack or 1) // (self.local if node_level_once(self, u)
-                                          else self.n_devices) for u in self.layout.units)
+        accumulator = sum(  # node-partial where the node level runs once per step
+            u.padded * (u.stack or 1) * jnp.dtype(sink_dtype(self, u)).itemsize
+            // (self.local if node_level_once(self, u) else self.n_devices) for u in units)
         return {
             "master_params": 4 * (per_local if cfg.node_replicated else padded // self.n_devices),
             "gather_source": source_bytes,
@@ -306,6 +306,31 @@ def node_level_once(geo: StepGeometry, unit: UnitLayout) -> bool:
     """
     cfg = geo.config
     return cfg.hierarchical_grads and (cfg.qgz != "off" or not layer_by_layer(geo, unit))
+
+
+# Backends whose XLA widens 2-byte floats to float32 around an in-place update:
+# a bfloat16 sink would be converted whole, both ways, at every layer's write.
+WIDENS_HALF_FLOATS = frozenset({"cpu"})
+
+
+def sink_dtype(geo: StepGeometry, unit: UnitLayout) -> Any:
+    """The dtype ``unit``'s gradient sink holds (:class:`~zeropp_jax.step.gather.Unit`).
+
+    A stack's rows under one micro-batch, reduced per layer over every
+    device (not :func:`node_level_once`), are each written once with the
+    reduced gradient, which arrives in the compute dtype: a sink in that
+    dtype holds the same values at half the bytes of float32 (as plain JAX's
+    gradients of parameters cast to bfloat16). Summed micro-batches, a
+    node-partial gradient and unstacked units (a tied embedding is used
+    twice) keep float32, and so does every sink on a backend in
+    :data:`WIDENS_HALF_FLOATS`. A stack the loss runs twice in one step
+    would sum its two gradients in the compute dtype.
+    """
+    cfg = geo.config
+    if (cfg.grad_accum == 1 and unit.stack is not None and not node_level_once(geo, unit)
+            and geo.platform not in WIDENS_HALF_FLOATS):
+        return geo.compute_dtype
+    return jnp.float32
 
 
 def layer_by_layer(geo: StepGeometry, unit: UnitLayout) -> bool:

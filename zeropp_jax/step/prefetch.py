@@ -379,7 +379,7 @@ def _prepend(y: Any, ys: Any) -> Any:
 
 
 def _set_row(stacked: jax.Array, i: Any, row: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_update_index_in_dim(stacked, row, i, 0)
+    return jax.lax.dynamic_update_index_in_dim(stacked, row.astype(stacked.dtype), i, 0)
 
 
 def _add(a: Any, b: Any) -> Any:
