@@ -16,7 +16,8 @@
 # 4. runs benchmarks/gpu_kernels.py (verification on the GPU, then GB/s of
 #    each kernel's default config and of a sweep, vs XLA vs a device copy);
 # 5. runs benchmarks/gpu_train_probe.py (1.2B example GPT, bf16: plain jit,
-#    plain with per-layer remat, zero3, qwz with Pallas and with XLA), saving
+#    plain with per-layer remat, zero3, qwz with its default kernels, with
+#    Pallas only and with XLA only), saving
 #    each variant's optimized HLO ($OUT/hlo, for benchmarks/step_traffic.py
 #    --hlo-dir on any machine) and its device time per kernel from a
 #    profiler trace of two more steps ($OUT/profile/<variant>.json);

@@ -5,7 +5,7 @@ What is measured
 One optimizer step (Adam, float32 master parameters, bfloat16 compute) of
 the example GPT (:mod:`zeropp_jax.models.gpt`; default shape 24 layers,
 d_model 2048, 16 heads, seq 1024, vocab 256: 1.21B parameters) at a global
-batch of ``--batch`` sequences, in five variants:
+batch of ``--batch`` sequences, in six variants:
 
 * ``plain``: ``jax.jit`` of ``value_and_grad`` + ``optax.adam``, the loss on
   bfloat16 copies of the parameters (what a user writes without this
@@ -15,9 +15,10 @@ batch of ``--batch`` sequences, in five variants:
 * ``zero3``: :func:`zeropp_jax.make_trainer` with the ``zero3`` preset, per
   layer, on a ``1x1`` mesh (no collective moves data: what is left is the
   trainer's own cost);
-* ``qwz_pallas`` / ``qwz_xla``: the ``qwz`` preset (int8 parameter
-  quantize, gather, dequantize per layer) with the Pallas kernels, and with
-  the XLA reference.
+* ``qwz`` / ``qwz_pallas`` / ``qwz_xla``: the ``qwz`` preset (int8
+  parameter quantize, gather, dequantize per layer) with the default kernels
+  (``implementation="auto"``: Pallas, the gathered layers decoded by XLA),
+  with the Pallas kernels only, and with the XLA reference only.
 
 Per variant: compile, ``--warmup`` steps, then the median of ``--repeats``
 timed groups of ``--steps`` queued steps (``jax.block_until_ready`` on the
@@ -56,7 +57,7 @@ import tempfile
 import time
 from typing import Callable, NamedTuple
 
-VARIANTS = ("plain", "plain_remat", "zero3", "qwz_pallas", "qwz_xla")
+VARIANTS = ("plain", "plain_remat", "zero3", "qwz", "qwz_pallas", "qwz_xla")
 H200_BF16_PEAK_TFLOPS = 790.0  # dense bf16 matmul, measured (benchmarks/RESULTS.md)
 
 
@@ -136,6 +137,8 @@ def build(variant: str, cfg, optimizer, params_shapes) -> Variant:
         return _plain_step(cfg, optimizer, remat=True)
     if variant == "zero3":
         return _trainer_step(cfg, optimizer, params_shapes, preset="zero3", implementation="auto")
+    if variant == "qwz":
+        return _trainer_step(cfg, optimizer, params_shapes, preset="qwz", implementation="auto")
     if variant in ("qwz_pallas", "qwz_xla"):
         return _trainer_step(cfg, optimizer, params_shapes, preset="qwz",
                              implementation=variant.split("_")[1])

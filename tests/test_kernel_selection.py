@@ -1,11 +1,13 @@
 """The step runs the Pallas kernels (interpret mode on CPU) like the XLA path."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import zeropp_jax as zp
-from zeropp_jax.wire.kernels import select
+from zeropp_jax.step.gather import GatherPlan, decode_payload
+from zeropp_jax.wire.kernels import XLA, Kernels, select
 from zeropp_jax.models import gpt
 
 from _util import TINY, gpt_loss, mesh_of, optimizer, tiny_batches, zero_run
@@ -13,9 +15,26 @@ from _util import TINY, gpt_loss, mesh_of, optimizer, tiny_batches, zero_run
 
 def test_selection_is_explicit():
     assert select("auto", "cpu").name == "xla"
-    assert select("auto", "gpu").name == "pallas"
+    assert select("auto", "gpu").label == "pallas+xla-layer-decode"
+    assert select("auto", "gpu").layer_decode == XLA
+    assert select("pallas", "gpu").label == "pallas" == select("pallas", "gpu").layer_decode.name
     assert select("pallas", "cpu").name == "pallas-interpret"
     assert select("xla", "gpu").name == "xla"
+
+
+@pytest.mark.parametrize("xla_layer_decode", [False, True])
+def test_layer_decode_runs_in_xla_where_selected(xla_layer_decode):
+    # A gathered layer's codes decode where the layer uses them: a Pallas call
+    # or, with xla_layer_decode, the XLA reference (which fuses into the slicing)
+    kernels = Kernels("pallas-interpret", xla_layer_decode=xla_layer_decode)
+    plan = GatherPlan(gather_axes=(), reduce_axes=(), bits=8, block=32, scale_dtype=jnp.float32,
+                      compute_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16, kernels=kernels)
+    x = jax.random.normal(jax.random.key(0), (4096,), jnp.float32)
+    payload = XLA.quantize(x, bits=8, block=32, scale_dtype=jnp.float32)
+    jaxpr = str(jax.make_jaxpr(lambda p: decode_payload(plan, p))(payload))
+    assert ("pallas_call" in jaxpr) != xla_layer_decode
+    want = XLA.dequantize(payload, bits=8, block=32, dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(decode_payload(plan, payload), want)
 
 
 @pytest.mark.parametrize(

@@ -297,7 +297,7 @@ class Trainer:
             "mesh": {"node": self.nodes, "local": self.local},
             "config": self.config.describe(),
             "compute_dtype": jnp.dtype(self.compute_dtype).name,
-            "kernels": self.kernels.name,
+            "kernels": self.kernels.label,
             "qgz_active": self.qgz_active,
             "units": len(self.layout.units),
             "per_layer": not self.layout.whole_model,

@@ -13,7 +13,9 @@ noise is written and read once (8 bytes per element) where XLA fuses the hash
 into the quantization.
 :func:`select` picks one set from the config's ``implementation``:
 
-* ``"auto"``: Pallas on GPU, XLA elsewhere;
+* ``"auto"``: Pallas on GPU, except that a gathered layer's qwZ codes are
+  decoded by the XLA reference where the layer uses them
+  (:attr:`Kernels.layer_decode`), XLA elsewhere;
 * ``"xla"``: the references everywhere;
 * ``"pallas"``: the kernels; on a backend without Pallas GPU lowering they
   run in Pallas' interpreter (slow, for testing), which the name reports.
@@ -41,9 +43,32 @@ class Kernels:
 
     Attributes:
       name: ``"xla"``, ``"pallas"`` or ``"pallas-interpret"``.
+      xla_layer_decode: a gathered layer's parameters are decoded by the XLA
+        reference (:attr:`layer_decode`).
     """
 
     name: str
+    xla_layer_decode: bool = False
+
+    @property
+    def label(self) -> str:
+        """What runs, for reports: ``name``, and ``+xla-layer-decode``."""
+        return self.name + ("+xla-layer-decode" if self.xla_layer_decode else "")
+
+    @property
+    def layer_decode(self) -> "Kernels":
+        """The kernels that decode a gathered layer where its compute uses it.
+
+        With ``xla_layer_decode`` the XLA reference: XLA fuses it into the
+        slicing of the layer's weights out of the flat layer, so each weight is
+        written once, from the codes; a Pallas call writes the flat layer first,
+        which is then sliced (4 bytes more per parameter and gather at bfloat16).
+        In a 1.2B step on one H200 (``benchmarks/RESULTS.md``, stop 16) qwz with
+        the XLA kernels ran 1.2% over zero3 and with Pallas 2.5%, though Pallas
+        quantizes 1.7x faster. Decodes that fill a buffer (hpZ's secondary) and
+        every other operation keep these kernels.
+        """
+        return XLA if self.xla_layer_decode else self
 
     @property
     def _pallas(self) -> bool:
@@ -108,7 +133,9 @@ def select(implementation: str, platform: str) -> Kernels:
     """The kernels for ``implementation`` on a ``platform`` ("gpu", "cpu", ...)."""
     if implementation == "xla" or (implementation == "auto" and platform != "gpu"):
         return XLA
-    if implementation in ("auto", "pallas"):
+    if implementation == "auto":  # on a GPU
+        return Kernels("pallas", xla_layer_decode=True)
+    if implementation == "pallas":
         return Kernels("pallas" if platform == "gpu" else "pallas-interpret")
     raise ValueError(
         f"implementation must be 'auto', 'xla' or 'pallas', got {implementation!r}"
