@@ -20,12 +20,14 @@
 #    Pallas only and with XLA only), saving
 #    each variant's optimized HLO ($OUT/hlo, for benchmarks/step_traffic.py
 #    --hlo-dir on any machine) and its device time per kernel from a
-#    profiler trace of two more steps ($OUT/profile/<variant>.json);
+#    profiler trace of two more steps ($OUT/profile/<variant>.json, for
+#    plain_remat, zero3 and qwz);
 # 6. prints a short summary last: the pytest result line and both tables.
 #
 # Logs and JSON go to $OUT (the device tool's output folder) or
 # /tmp/zeropp_gpu_check. Each stage has its own time limit, so the whole
-# script stays under ~8.5 minutes even if a stage hangs.
+# script stays under ~9.5 minutes even if a stage hangs (the probe writes its
+# JSON after every variant, so a limit keeps what it measured).
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 2
@@ -38,7 +40,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cuda,cpu}"
 TEST_TIMEOUT="${TEST_TIMEOUT:-150}"
 BENCH_TIMEOUT="${BENCH_TIMEOUT:-180}"
-PROBE_TIMEOUT="${PROBE_TIMEOUT:-180}"
+PROBE_TIMEOUT="${PROBE_TIMEOUT:-240}"
 
 echo "== environment"
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem \

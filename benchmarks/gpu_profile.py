@@ -20,6 +20,7 @@ import glob
 import gzip
 import json
 import os
+import re
 from typing import Any, Callable
 
 from zeropp_jax.analysis.hlo import metadata_op_name, parse_module
@@ -54,6 +55,10 @@ def _events(log_dir: str) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
+def _sanitize(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
 def kernel_times(log_dir: str, hlo_text: str, steps: int, *, top: int = 25) -> dict:
     """Device time per step, per kernel, from the latest trace below ``log_dir``.
 
@@ -72,20 +77,31 @@ def kernel_times(log_dir: str, hlo_text: str, steps: int, *, top: int = 25) -> d
     events = _events(log_dir)
     comps, _ = parse_module(hlo_text)
     insts = {i.name: i for c in comps.values() for i in c.instructions}
+    sanitized = {_sanitize(n): n for n in insts}  # GPU kernels are named without dots
     names = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "") for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
     device = {pid for pid, n in names.items() if any(m in n for m in DEVICE_MARKERS)}
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
     if device:
-        source = "device tracks: " + ", ".join(sorted(names[p] for p in device))
         spans = [e for e in spans if e.get("pid") in device]
+        # kernels and copies run on streams; other lines of a device (XLA Ops, Steps)
+        # are derived from them and would count them again
+        streams = {key for key, n in threads.items() if key[0] in device and "Stream" in n}
+        if streams:
+            spans = [e for e in spans if (e.get("pid"), e.get("tid")) in streams]
+        source = "device tracks: " + ", ".join(
+            sorted({f"{names[p]} / {threads.get((p, t), t)}"
+                    for p, t in {(e.get("pid"), e.get("tid")) for e in spans}}))
     else:
         source = "host thunks named after HLO instructions (no device track)"
         spans = [e for e in spans if e.get("name") in insts]
     per_kernel: dict[tuple[str, str], list[float]] = {}
     for e in spans:
         args = e.get("args") or {}
-        hlo_op = args.get("hlo_op") or (e["name"] if e["name"] in insts else "")
+        hlo_op = (args.get("hlo_op") or (e["name"] if e["name"] in insts else "")
+                  or sanitized.get(_sanitize(e["name"]), ""))
         per_kernel.setdefault((e["name"], hlo_op), []).append(float(e["dur"]))
     rows = []
     by_opcode: dict[str, float] = {}

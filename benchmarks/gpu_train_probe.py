@@ -194,18 +194,20 @@ def inspect(variant, hlo, step, state, batch, args) -> dict:
         os.makedirs(args.hlo_dir, exist_ok=True)
         with open(os.path.join(args.hlo_dir, f"{variant}.hlo"), "w") as f:
             f.write(hlo)
-        out["traffic_bytes"] = traffic_summary(memory_traffic(hlo), top=0)["bytes"]
-    if args.profile_dir:
-        import gpu_profile
-
+        try:  # an estimate that cannot read this HLO must not cost the timings
+            out["traffic_bytes"] = traffic_summary(memory_traffic(hlo), top=0)["bytes"]
+        except Exception as e:
+            out["traffic_error"] = _failed(variant, "traffic estimate", e)
+    if args.profile_dir and variant in args.profile_variants.split(","):
         os.makedirs(args.profile_dir, exist_ok=True)
         log_dir = tempfile.mkdtemp(prefix=f"trace_{variant}_")  # raw traces: large, not kept
         try:
+            import gpu_profile
+
             gpu_profile.trace_steps(step, state, batch, args.profile_steps, log_dir)
             summary = gpu_profile.kernel_times(log_dir, hlo, args.profile_steps)
         except Exception as e:  # a profiler that cannot run must not cost the timings
-            log(f"{variant}: profile FAILED {type(e).__name__}: {str(e)[:300]}")
-            out["profile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            out["profile_error"] = _failed(variant, "profile", e)
         else:
             with open(os.path.join(args.profile_dir, f"{variant}.json"), "w") as f:
                 json.dump(summary, f, indent=1)
@@ -217,6 +219,32 @@ def inspect(variant, hlo, step, state, batch, args) -> dict:
     return out
 
 
+def _failed(variant: str, what: str, e: Exception) -> str:
+    message = f"{type(e).__name__}: {str(e)[:300]}"
+    log(f"{variant}: {what} FAILED {message}")
+    return message
+
+
+def add_model_args(parser, **defaults) -> None:
+    """``--variants`` and the example GPT's shape flags (shared with step_traffic.py)."""
+    shape = {**dict(variants=",".join(VARIANTS), layers=24, d_model=2048, heads=16, seq=1024,
+                    vocab=256, batch=8), **defaults}
+    parser.add_argument("--variants", default=shape["variants"],
+                        help=f"comma-separated, from {', '.join(VARIANTS)}")
+    for name in ("layers", "d_model", "heads", "seq", "vocab"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=shape[name])
+    parser.add_argument("--batch", type=int, default=shape["batch"], help="sequences per step")
+
+
+def parse_variants(parser, text: str) -> list[str]:
+    """The comma-separated variants, or a parser error naming the unknown ones."""
+    variants = [v for v in text.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    return variants
+
+
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -225,14 +253,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated, from {', '.join(VARIANTS)}")
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--d-model", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
+    add_model_args(parser)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compile included)")
     parser.add_argument("--steps", type=int, default=5, help="steps per timed group")
     parser.add_argument("--repeats", type=int, default=3, help="timed groups (median reported)")
@@ -245,12 +266,13 @@ def main(argv=None) -> int:
                         help="trace --profile-steps more steps per variant and write its device "
                              "time per kernel here (<variant>.json, benchmarks/gpu_profile.py)")
     parser.add_argument("--profile-steps", type=int, default=2)
+    parser.add_argument("--profile-variants", default="plain_remat,zero3,qwz",
+                        help="the variants --profile-dir traces (each costs a trace and its "
+                             "parsing)")
     parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU (tiny shapes)")
     args = parser.parse_args(argv)
-    variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    variants = parse_variants(parser, args.variants)
+    parse_variants(parser, args.profile_variants)
 
     import jax
     import jax.numpy as jnp
@@ -281,16 +303,15 @@ def main(argv=None) -> int:
         else:
             log(f"{variant}: {row['step_s'] * 1e3:.1f} ms/step, {row['model_tflops']:.0f} TFLOP/s")
         rows.append(row)
-
-    summary = dict(jax=jax.__version__, device=dev.device_kind, params=gpt.count_params(cfg),
-                   flops_per_token=gpt.flops_per_token(cfg), attention=attention,
-                   shape=dict(layers=args.layers, d_model=args.d_model, heads=args.heads,
-                              seq=args.seq, vocab=args.vocab, batch=args.batch),
-                   peak_tflops=args.peak_tflops, variants=rows)
+        summary = dict(jax=jax.__version__, device=dev.device_kind, params=gpt.count_params(cfg),
+                       flops_per_token=gpt.flops_per_token(cfg), attention=attention,
+                       shape=dict(layers=args.layers, d_model=args.d_model, heads=args.heads,
+                                  seq=args.seq, vocab=args.vocab, batch=args.batch),
+                       peak_tflops=args.peak_tflops, variants=rows)
+        if args.json_out:  # after every variant: a time limit keeps what was measured
+            with open(args.json_out, "w") as f:
+                json.dump(summary, f, indent=1)
     print("JSON " + json.dumps(summary))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(summary, f, indent=1)
     ok = {r["variant"]: r for r in rows if "error" not in r}
     print(f"{dev.device_kind}, {gpt.count_params(cfg) / 1e9:.2f}B params, bf16, attention {attention}")
     print(f"{'variant':<13}{'ms/step':>9}{'TFLOP/s':>9}{'% peak':>8}{'vs plain_remat':>16}"

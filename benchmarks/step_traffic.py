@@ -54,24 +54,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                        help=f"comma-separated, from {', '.join(probe.VARIANTS)}")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
+    probe.add_model_args(parser, variants=",".join(DEFAULT_VARIANTS), layers=4, d_model=512,
+                         heads=4, seq=256)
     parser.add_argument("--hlo-dir", default=None,
                         help="read <variant>.hlo from here (gpu_train_probe.py --hlo-dir) "
                              "instead of compiling; the shape flags must match that run's")
     parser.add_argument("--top", type=int, default=8, help="instructions listed per variant")
     parser.add_argument("--json-out", default=None, help="also write the results here")
     args = parser.parse_args(argv)
-    variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(variants) - set(probe.VARIANTS))
-    if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {', '.join(probe.VARIANTS)}")
+    variants = probe.parse_variants(parser, args.variants)
 
     import jax
 

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from zeropp_jax.analysis.hlo import parse_module
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 TINY = ["--layers", "2", "--d-model", "64", "--heads", "4", "--seq", "32", "--batch", "2"]
@@ -75,3 +77,28 @@ def test_probe_saves_hlo_and_kernel_times(tmp_path):
         assert row["traffic_bytes"] > 0 and row["device_ms_per_step"] > 0, row
         assert (tmp_path / "hlo" / f"{row['variant']}.hlo").exists()
         assert json.loads((tmp_path / "profile" / f"{row['variant']}.json").read_text())["top"]
+
+
+def test_kernel_times_on_a_gpu_like_trace(bench_modules, tmp_path):
+    # A device process with a stream line (kernels, named without dots) and a
+    # derived "XLA Ops" line, which must not count the kernels twice.
+    import gzip
+
+    _, gpu_profile = bench_modules
+    hlo = jax.jit(lambda a: jnp.tanh(a) * 2).lower(jnp.ones((64,))).compile().as_text()
+    comps, _ = parse_module(hlo)
+    inst = next(i.name for c in comps.values() for i in c.instructions if i.opcode == "fusion")
+    meta = [dict(ph="M", name="process_name", pid=7, args=dict(name="/device:GPU:0")),
+            dict(ph="M", name="thread_name", pid=7, tid=1, args=dict(name="Stream #13(Compute)")),
+            dict(ph="M", name="thread_name", pid=7, tid=2, args=dict(name="XLA Ops"))]
+    spans = [dict(ph="X", pid=7, tid=1, ts=0, dur=10.0, name=inst.replace(".", "_")),
+             dict(ph="X", pid=7, tid=1, ts=20, dur=6.0, name="sm90_gemm", args=dict(hlo_op=inst)),
+             dict(ph="X", pid=7, tid=2, ts=0, dur=30.0, name=inst)]
+    run = tmp_path / "plugins" / "profile" / "run"
+    run.mkdir(parents=True)
+    with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + spans}, f)
+    summary = gpu_profile.kernel_times(str(tmp_path), hlo, steps=2)
+    assert summary["device_us_per_step"] == pytest.approx(8.0)  # (10 + 6) / 2 steps
+    assert {r["hlo_op"] for r in summary["top"]} == {inst}
+    assert "Stream #13" in summary["source"] and "XLA Ops" not in summary["source"]

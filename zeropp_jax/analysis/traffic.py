@@ -101,9 +101,16 @@ def _is_reducer(comp: Computation) -> bool:
 
 def _fusion_bytes(inst: Instruction, fused: Computation,
                   operand_bytes: list[int]) -> tuple[int, int]:
-    """``(read, written)`` of a fusion from its fused computation."""
+    """``(read, written)`` of a fusion from its fused computation.
+
+    The root (or each element of a tuple root) that is a
+    ``dynamic-update-slice`` of a fused parameter (through bitcasts) updates
+    that parameter's buffer in place: the buffer is not read, and only the
+    update is written.
+    """
     params: dict[int, str] = {}
     users: dict[str, list[Instruction]] = {}
+    by_name = {i.name: i for i in fused.instructions}
     for i in fused.instructions:
         if i.opcode == "parameter":
             params[int(i.operands[0][0])] = i.name
@@ -111,43 +118,66 @@ def _fusion_bytes(inst: Instruction, fused: Computation,
             if name:
                 users.setdefault(name, []).append(i)
     root = fused.instructions[-1]
-    while root.opcode == "bitcast" and root.operands[0][0]:
-        root = next(i for i in fused.instructions if i.name == root.operands[0][0])
-    in_place = root.opcode == "dynamic-update-slice"
-    buffer = root.operands[0][0] if in_place else None
+    outputs = ([by_name.get(n) for n, _ in root.operands] if root.opcode == "tuple"
+               else [root])
+    buffers, written = set(), 0
+    for out in outputs:
+        out = _through_bitcasts(out, by_name)
+        if out is not None and out.opcode == "dynamic-update-slice":
+            buffers.add(getattr(_through_bitcasts(by_name.get(out.operands[0][0]), by_name),
+                                "name", None))
+            written += int(shape_bytes(_operand_shape(out, 1, fused)))
+        elif out is not None:
+            written += int(shape_bytes(out.shape))
     read = 0
     for k, nbytes in enumerate(operand_bytes):
         name = params.get(k)
-        if in_place and name == buffer:
+        if name in buffers:
             continue  # updated in place, not read
-        sliced = _slices_read(name, users)
+        sliced = _slices_read(name, users, by_name)
         read += nbytes if sliced is None else min(sliced, nbytes)
-    if in_place:
-        written = int(shape_bytes(_operand_shape(root, 1, fused)))
-    else:
-        written = int(shape_bytes(inst.shape))
     return read, written
 
 
-def _slices_read(name: str, users: dict[str, list[Instruction]]) -> int | None:
+def _through_bitcasts(inst: Instruction | None, by_name: dict) -> Instruction | None:
+    while inst is not None and inst.opcode == "bitcast" and inst.operands[0][0]:
+        inst = by_name.get(inst.operands[0][0])
+    return inst
+
+
+def _slices_read(name: str, users: dict[str, list[Instruction]], by_name: dict,
+                 scale: float = 1.0) -> int | None:
     """Bytes a fused parameter is read through slices (seen through bitcasts,
-    reshapes and converts: counted at the sliced values' width), or ``None`` if
-    some use reads it whole."""
+    reshapes and converts, at the parameter's own width), or ``None`` if some
+    use reads it whole."""
     uses = users.get(name, [])
     if not uses:
         return None
+    width = _itemsize(by_name[name]) if name in by_name else None
     total = 0
     for u in uses:
+        ratio = scale * (width / _itemsize(u) if width and _itemsize(u) else 1.0)
         if u.opcode in _SLICES and u.operands[0][0] == name:
-            total += int(shape_bytes(u.shape))
+            total += int(shape_bytes(u.shape) * ratio)
         elif u.opcode in _PASS_THROUGH:
-            inner = _slices_read(u.name, users)
+            inner = _slices_read(u.name, users, by_name, ratio)
             if inner is None:
                 return None
             total += inner
         else:
             return None
     return total
+
+
+def _itemsize(inst: Instruction) -> float | None:
+    """Bytes per element of a single-array instruction, else ``None``."""
+    dims = getattr(inst.shape, "dims", None)
+    if dims is None:
+        return None
+    count = 1
+    for d in dims:
+        count *= d
+    return float(shape_bytes(inst.shape)) / count if count else None
 
 
 def _operand_shape(inst: Instruction, k: int, comp: Computation):
