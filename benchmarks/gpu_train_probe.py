@@ -130,18 +130,18 @@ def _trainer_step(cfg, optimizer, params_shapes, *, preset: str, implementation:
     return Variant(trainer.init, step, lower, trainer.abstract_state)
 
 
+# The trainer's variants: (preset, implementation).
+TRAINER_VARIANTS = {"zero3": ("zero3", "auto"), "qwz": ("qwz", "auto"),
+                    "qwz_pallas": ("qwz", "pallas"), "qwz_xla": ("qwz", "xla")}
+
+
 def build(variant: str, cfg, optimizer, params_shapes) -> Variant:
-    if variant == "plain":
-        return _plain_step(cfg, optimizer, remat=False)
-    if variant == "plain_remat":
-        return _plain_step(cfg, optimizer, remat=True)
-    if variant == "zero3":
-        return _trainer_step(cfg, optimizer, params_shapes, preset="zero3", implementation="auto")
-    if variant == "qwz":
-        return _trainer_step(cfg, optimizer, params_shapes, preset="qwz", implementation="auto")
-    if variant in ("qwz_pallas", "qwz_xla"):
-        return _trainer_step(cfg, optimizer, params_shapes, preset="qwz",
-                             implementation=variant.split("_")[1])
+    if variant in ("plain", "plain_remat"):
+        return _plain_step(cfg, optimizer, remat=variant == "plain_remat")
+    if variant in TRAINER_VARIANTS:
+        preset, implementation = TRAINER_VARIANTS[variant]
+        return _trainer_step(cfg, optimizer, params_shapes, preset=preset,
+                             implementation=implementation)
     raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
 
 
@@ -293,6 +293,14 @@ def main(argv=None) -> int:
     batch = jax.random.randint(jax.random.key(1), (args.batch, args.seq + 1), 0, args.vocab,
                                dtype=jnp.int32)
     optimizer = optax.adam(1e-4)
+
+    def summary_of(rows):
+        return dict(jax=jax.__version__, device=dev.device_kind, params=gpt.count_params(cfg),
+                    flops_per_token=gpt.flops_per_token(cfg), attention=attention,
+                    shape=dict(layers=args.layers, d_model=args.d_model, heads=args.heads,
+                               seq=args.seq, vocab=args.vocab, batch=args.batch),
+                    peak_tflops=args.peak_tflops, variants=rows)
+
     rows = []
     for variant in variants:
         try:
@@ -303,15 +311,10 @@ def main(argv=None) -> int:
         else:
             log(f"{variant}: {row['step_s'] * 1e3:.1f} ms/step, {row['model_tflops']:.0f} TFLOP/s")
         rows.append(row)
-        summary = dict(jax=jax.__version__, device=dev.device_kind, params=gpt.count_params(cfg),
-                       flops_per_token=gpt.flops_per_token(cfg), attention=attention,
-                       shape=dict(layers=args.layers, d_model=args.d_model, heads=args.heads,
-                                  seq=args.seq, vocab=args.vocab, batch=args.batch),
-                       peak_tflops=args.peak_tflops, variants=rows)
         if args.json_out:  # after every variant: a time limit keeps what was measured
             with open(args.json_out, "w") as f:
-                json.dump(summary, f, indent=1)
-    print("JSON " + json.dumps(summary))
+                json.dump(summary_of(rows), f, indent=1)
+    print("JSON " + json.dumps(summary_of(rows)))
     ok = {r["variant"]: r for r in rows if "error" not in r}
     print(f"{dev.device_kind}, {gpt.count_params(cfg) / 1e9:.2f}B params, bf16, attention {attention}")
     print(f"{'variant':<13}{'ms/step':>9}{'TFLOP/s':>9}{'% peak':>8}{'vs plain_remat':>16}"

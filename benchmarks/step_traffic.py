@@ -4,7 +4,7 @@ On one GPU the trainer's step moves no data between devices, so what it
 costs over plain ``jax.jit`` with per-layer ``jax.checkpoint`` is the extra
 bytes its kernels read and write (issue 18: ``zero3`` within 2% of plain
 remat). This script compiles the variants of ``gpu_train_probe.py`` (plain,
-plain_remat, zero3, qwz_pallas, qwz_xla) from shapes alone (nothing is
+plain_remat, zero3, qwz, qwz_pallas, qwz_xla) from shapes alone (nothing is
 allocated) on the current backend, or reads the optimized HLO a GPU run
 saved (``gpu_train_probe.py --hlo-dir``), and estimates each one's bytes
 with :func:`zeropp_jax.analysis.traffic.memory_traffic` (an estimate from
@@ -19,7 +19,7 @@ Prints one ``JSON`` line and a table last.
 
 Usage::
 
-  python benchmarks/step_traffic.py                                # CPU, ~1 min
+  python benchmarks/step_traffic.py                                # CPU, ~20 s
   python benchmarks/step_traffic.py --layers 24 --d-model 2048 --heads 16 --seq 1024 --batch 8
   python benchmarks/step_traffic.py --hlo-dir gpu_out/hlo          # HLO saved on a GPU
 """

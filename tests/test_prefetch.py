@@ -10,7 +10,6 @@ prefetch (same collectives, only ordered differently).
 
 from __future__ import annotations
 
-import functools
 import re
 import types
 
@@ -25,7 +24,7 @@ from zeropp_jax.analysis.hlo import parse_module
 from zeropp_jax.models import gpt
 
 from _util import (
-    assert_trees_close, compile_step, executions, gpt_step, mesh_of, stacked_mlp_loss,
+    assert_trees_close, compile_step, executions, gpt_loss, gpt_step, mesh_of, stacked_mlp_loss,
     stacked_mlp_params, tiny_gpt_run, train_and_gather,
 )
 
@@ -273,13 +272,12 @@ def test_gpt_step_prefetches_with_the_same_collectives_and_one_more_layer(preset
     assert extra <= layer_bytes * 1.01 + 1024, (extra, layer_bytes)
 
 
-
 def test_one_device_mesh_runs_a_plain_scan_without_layer_copies():
     # On one device prefetch would gather nothing, and XLA copies the layer its
     # loop carries (twice per iteration); there the trainer runs a plain scan.
     cfg = gpt.GPTConfig(n_layers=LAYERS, d_model=WIDTH, n_heads=4, seq_len=16)
     shapes = jax.eval_shape(lambda k: gpt.init_params(cfg, k), jax.random.key(0))
-    loss = functools.partial(gpt.loss_fn, cfg=cfg, gather=zp.gather, layer=zp.layer)
+    loss = gpt_loss(cfg)
     batch = jax.ShapeDtypeStruct((8, 17), jnp.int32)
 
     def layer_copies(mesh):

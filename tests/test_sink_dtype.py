@@ -14,7 +14,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import zeropp_jax as zp
@@ -22,7 +21,7 @@ from zeropp_jax.models import gpt
 from zeropp_jax.step import geometry
 from zeropp_jax.step.geometry import sink_dtype
 
-from _util import TINY, gpt_loss, mesh_of, tiny_gpt_run
+from _util import TINY, gpt_loss, mesh_of, optimizer, tiny_gpt_run
 
 
 @pytest.fixture
@@ -34,9 +33,8 @@ def half_sinks(monkeypatch):
 def _geometry(preset, **overrides):
     config = zp.ZeroConfig.from_preset(preset, **{"compute_dtype": "bfloat16", **overrides})
     shapes = jax.eval_shape(lambda k: gpt.init_params(TINY, k), jax.random.key(0))
-    opt = zp.onebit_adam(1e-3) if config.qgz_target == "momentum" else optax.adam(1e-3)
-    trainer = zp.make_trainer(gpt_loss(), opt, shapes, mesh=mesh_of(2, 4), config=config,
-                              per_layer=True, stacked=("blocks",))
+    trainer = zp.make_trainer(gpt_loss(), optimizer(config), shapes, mesh=mesh_of(2, 4),
+                              config=config, per_layer=True, stacked=("blocks",))
     return trainer, {u.name: u for u in trainer.layout.units}
 
 

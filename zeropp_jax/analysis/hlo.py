@@ -286,18 +286,14 @@ _TRIP_COUNT_RE = re.compile(
 )
 
 
-def _refs(inst: Instruction) -> dict[str, list[str]]:
+def called_computations(inst: Instruction) -> dict[str, list[str]]:
+    """Computations an instruction names, by attribute (``calls``, ``body``, ``to_apply``, ...)."""
     out: dict[str, list[str]] = {}
     for key, name in _SINGLE_REF_RE.findall(inst.attrs_clean):
         out.setdefault(key, []).append(name)
     for key, names in _SET_REF_RE.findall(inst.attrs_clean):
         out.setdefault(key, []).extend(n.strip().lstrip("%") for n in names.split(",") if n.strip())
     return out
-
-
-def called_computations(inst: Instruction) -> dict[str, list[str]]:
-    """Computations an instruction names, by attribute (``calls``, ``body``, ``to_apply``, ...)."""
-    return _refs(inst)
 
 
 @dataclasses.dataclass
@@ -318,7 +314,7 @@ def multiplicities(comps: dict[str, Computation], entry: str) -> dict[str, CallC
             op = inst.opcode
             if op.endswith("-done") or op.endswith("-update"):
                 continue  # same async computation as its -start: count it once
-            refs = _refs(inst)
+            refs = called_computations(inst)
             if op == "while":
                 m = _TRIP_COUNT_RE.search(inst.attrs)
                 known = m is not None

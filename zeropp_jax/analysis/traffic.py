@@ -35,6 +35,7 @@ from zeropp_jax.analysis.hlo import (
     Computation,
     Instruction,
     called_computations,
+    dtype_bytes,
     metadata_op_name,
     multiplicities,
     parse_module,
@@ -99,8 +100,7 @@ def _is_reducer(comp: Computation) -> bool:
     return all(not getattr(i.shape, "dims", ()) for i in comp.instructions)
 
 
-def _fusion_bytes(inst: Instruction, fused: Computation,
-                  operand_bytes: list[int]) -> tuple[int, int]:
+def _fusion_bytes(fused: Computation, operand_bytes: list[int]) -> tuple[int, int]:
     """``(read, written)`` of a fusion from its fused computation.
 
     The root (or each element of a tuple root) that is a
@@ -126,7 +126,8 @@ def _fusion_bytes(inst: Instruction, fused: Computation,
         if out is not None and out.opcode == "dynamic-update-slice":
             buffers.add(getattr(_through_bitcasts(by_name.get(out.operands[0][0]), by_name),
                                 "name", None))
-            written += int(shape_bytes(_operand_shape(out, 1, fused)))
+            update, shape = out.operands[1]
+            written += int(shape_bytes(shape if shape is not None else by_name[update].shape))
         elif out is not None:
             written += int(shape_bytes(out.shape))
     read = 0
@@ -171,20 +172,8 @@ def _slices_read(name: str, users: dict[str, list[Instruction]], by_name: dict,
 
 def _itemsize(inst: Instruction) -> float | None:
     """Bytes per element of a single-array instruction, else ``None``."""
-    dims = getattr(inst.shape, "dims", None)
-    if dims is None:
-        return None
-    count = 1
-    for d in dims:
-        count *= d
-    return float(shape_bytes(inst.shape)) / count if count else None
-
-
-def _operand_shape(inst: Instruction, k: int, comp: Computation):
-    name, shape = inst.operands[k]
-    if shape is not None:
-        return shape
-    return next(i.shape for i in comp.instructions if i.name == name)
+    dtype = getattr(inst.shape, "dtype", None)
+    return None if dtype is None else float(dtype_bytes(dtype))
 
 
 def memory_traffic(hlo_text: str) -> list[OpTraffic]:
@@ -210,7 +199,7 @@ def memory_traffic(hlo_text: str) -> list[OpTraffic]:
                              for n, s in inst.operands]
             fused = called_computations(inst).get("calls", [None])[0] if op == "fusion" else None
             if fused in comps:
-                read, written = _fusion_bytes(inst, comps[fused], operand_bytes)
+                read, written = _fusion_bytes(comps[fused], operand_bytes)
             elif op == "dynamic-slice":
                 read = written = int(shape_bytes(inst.shape))
             elif op == "dynamic-update-slice":
