@@ -66,3 +66,64 @@ def test_summary_totals_and_orders():
     assert sum(summary["by_opcode"].values()) == summary["bytes"]
     assert len(summary["top"]) == 1 and summary["top"][0]["bytes"] == max(o.total for o in ops)
     assert np.all([o.read >= 0 and o.written >= 0 for o in ops])
+
+
+# GPU fusions (XLA:GPU's optimized HLO, trimmed): one layer of a stacked
+# bf16[L, R] unit is dynamic-sliced and its weights sliced out of that row;
+# qwZ's int8 codes are decoded element-wise and then sliced. Only the
+# sliced elements are read, whatever lies between the parameter and the slice.
+_R = 4096
+_GPU_SLICES = f"""HloModule slices
+
+%fused_slice (p0: bf16[{L},{_R}], p1: s32[]) -> (bf16[1024], bf16[2048]) {{
+  %p0 = bf16[{L},{_R}]{{1,0}} parameter(0)
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %row = bf16[1,{_R}]{{1,0}} dynamic-slice(%p0, %p1, %zero), dynamic_slice_sizes={{1,{_R}}}
+  %flat = bf16[{_R}]{{0}} bitcast(%row)
+  %w = bf16[1024]{{0}} slice(%flat), slice={{[0:1024]}}
+  %v = bf16[2048]{{0}} slice(%flat), slice={{[2048:4096]}}
+  ROOT %t = (bf16[1024]{{0}}, bf16[2048]{{0}}) tuple(%w, %v)
+}}
+
+%fused_decode (c0: f32[1,16], c1: s8[{L},{_R}], c2: s32[]) -> bf16[1024] {{
+  %c1 = s8[{L},{_R}]{{1,0}} parameter(1)
+  %c2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %row = s8[1,{_R}]{{1,0}} dynamic-slice(%c1, %c2, %zero), dynamic_slice_sizes={{1,{_R}}}
+  %flat = s8[{_R}]{{0}} bitcast(%row)
+  %wide = f32[{_R}]{{0}} convert(%flat)
+  %c0 = f32[1,16]{{1,0}} parameter(0)
+  %s = f32[16]{{0}} bitcast(%c0)
+  %b = f32[16,256]{{1,0}} broadcast(%s), dimensions={{0}}
+  %bs = f32[{_R}]{{0}} bitcast(%b)
+  %m = f32[{_R}]{{0}} multiply(%wide, %bs)
+  %h = bf16[{_R}]{{0}} convert(%m)
+  ROOT %w = bf16[1024]{{0}} slice(%h), slice={{[1024:2048]}}
+}}
+
+ENTRY %main (a: bf16[{L},{_R}], q: s8[{L},{_R}], s: f32[1,16], i: s32[]) -> (bf16[1024], bf16[2048], bf16[1024]) {{
+  %a = bf16[{L},{_R}]{{1,0}} parameter(0)
+  %q = s8[{L},{_R}]{{1,0}} parameter(1)
+  %s = f32[1,16]{{1,0}} parameter(2)
+  %i = s32[] parameter(3)
+  %f = (bf16[1024]{{0}}, bf16[2048]{{0}}) fusion(%a, %i), kind=kLoop, calls=%fused_slice
+  %g = bf16[1024]{{0}} fusion(%s, %q, %i), kind=kLoop, calls=%fused_decode
+  %w = bf16[1024]{{0}} get-tuple-element(%f), index=0
+  %v = bf16[2048]{{0}} get-tuple-element(%f), index=1
+  ROOT %out = (bf16[1024]{{0}}, bf16[2048]{{0}}, bf16[1024]{{0}}) tuple(%w, %v, %g)
+}}
+"""
+
+
+def test_slices_of_a_dynamic_slice_read_only_the_slices():
+    (ops,) = [o for o in memory_traffic(_GPU_SLICES) if o.name == "f"]
+    assert ops.written == 2 * (1024 + 2048)
+    assert ops.read == 2 * (1024 + 2048) + 4  # the two weights and the index, not the row
+
+
+def test_a_slice_after_element_wise_decoding_reads_the_sliced_codes():
+    (op,) = [o for o in memory_traffic(_GPU_SLICES) if o.name == "g"]
+    assert op.written == 2 * 1024
+    # 1024 int8 codes, the 16 scales (through a broadcast: read whole) and the index
+    assert op.read == 1024 + 4 * 16 + 4

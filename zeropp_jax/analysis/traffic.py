@@ -10,7 +10,8 @@ in a computation ``ENTRY`` reaches through ``while`` / ``conditional`` /
 ``call``:
 
 * bytes read: each operand's bytes, except that an operand a fusion reads
-  only through ``slice`` / ``dynamic-slice`` (after bitcasts or converts)
+  only through ``slice`` / ``dynamic-slice`` (after bitcasts, converts or
+  other slices)
   counts as the slices' bytes (a
   loop body reading one layer of a stacked array reads that layer, not the
   stack), and an unfused ``dynamic-slice`` reads its result's bytes;
@@ -30,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Iterable
+
+import numpy as np
 
 from zeropp_jax.analysis.hlo import (
     Computation,
@@ -51,8 +54,15 @@ _NO_KERNEL = frozenset({
     "add-dependency", "domain",
 })
 _SLICES = frozenset({"slice", "dynamic-slice"})
-# Element-wise in one operand: a slice after them reads only the sliced elements.
-_PASS_THROUGH = frozenset({"bitcast", "reshape", "convert", "copy"})
+# Element for element (same element count as the operand): a slice after them
+# reads only the sliced elements of that operand.
+_PASS_THROUGH = frozenset({
+    "bitcast", "reshape", "convert", "copy", "add", "subtract", "multiply", "divide",
+    "maximum", "minimum", "select", "compare", "clamp", "negate", "abs", "sign",
+    "round-nearest-even", "round-nearest-afz", "floor", "ceil", "and", "or", "xor", "not",
+    "shift-left", "shift-right-logical", "shift-right-arithmetic", "exponential", "log",
+    "sqrt", "rsqrt", "tanh", "logistic", "power", "remainder", "is-finite",
+})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,8 +159,8 @@ def _through_bitcasts(inst: Instruction | None, by_name: dict) -> Instruction | 
 def _slices_read(name: str, users: dict[str, list[Instruction]], by_name: dict,
                  scale: float = 1.0) -> int | None:
     """Bytes a fused parameter is read through slices (seen through bitcasts,
-    reshapes and converts, at the parameter's own width), or ``None`` if some
-    use reads it whole."""
+    reshapes and converts, at the parameter's own width, and through slices
+    of slices), or ``None`` if some use reads it whole."""
     uses = users.get(name, [])
     if not uses:
         return None
@@ -159,8 +169,10 @@ def _slices_read(name: str, users: dict[str, list[Instruction]], by_name: dict,
     for u in uses:
         ratio = scale * (width / _itemsize(u) if width and _itemsize(u) else 1.0)
         if u.opcode in _SLICES and u.operands[0][0] == name:
-            total += int(shape_bytes(u.shape) * ratio)
-        elif u.opcode in _PASS_THROUGH:
+            own = int(shape_bytes(u.shape) * ratio)
+            inner = _slices_read(u.name, users, by_name, ratio)  # a slice of a slice
+            total += own if inner is None else min(own, inner)
+        elif u.opcode in _PASS_THROUGH and _elements(u) == _elements(by_name.get(name)):
             inner = _slices_read(u.name, users, by_name, ratio)
             if inner is None:
                 return None
@@ -168,6 +180,12 @@ def _slices_read(name: str, users: dict[str, list[Instruction]], by_name: dict,
         else:
             return None
     return total
+
+
+def _elements(inst: Instruction | None) -> int | None:
+    """Elements of a single-array instruction, else ``None``."""
+    dims = getattr(getattr(inst, "shape", None), "dims", None)
+    return None if dims is None else int(np.prod(dims, dtype=np.int64))
 
 
 def _itemsize(inst: Instruction) -> float | None:
