@@ -287,6 +287,14 @@ def test_attention_is_causal_softmax_attention_and_picks_cudnn_only_on_gpu():
 
     assert jax.default_backend() != "gpu"
     assert gpt.attention_implementation(jnp.bfloat16, 64) is None  # XLA off the GPU
+    # asked for by name: cuDNN (e.g. compiling for a GPU elsewhere) or XLA
+    assert gpt.attention_implementation(jnp.bfloat16, 64, "cudnn") == "cudnn"
+    assert gpt.attention_implementation(jnp.bfloat16, 64, "xla") is None
+    assert gpt.attention_implementation(jnp.float32, 64, "cudnn") is None  # 16-bit only
+    with pytest.raises(ValueError, match="multiple of 8 up to 128"):
+        gpt.GPTConfig(d_model=640, n_heads=4, attention="cudnn")  # head dim 160
+    with pytest.raises(ValueError, match="GPTConfig.attention must be one of"):
+        gpt.GPTConfig(attention="flash")
     attn = gpt.CausalSelfAttention(n_heads=4, out_init_std=0.02)
     x = jax.random.normal(jax.random.key(0), (2, 8, 32), jnp.float32)
     variables = attn.init(jax.random.key(1), x)

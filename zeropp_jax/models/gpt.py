@@ -44,6 +44,9 @@ def _identity(x):
     return x
 
 
+ATTENTION_IMPLEMENTATIONS = ("auto", "cudnn", "xla")
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """Model shape.
@@ -55,6 +58,10 @@ class GPTConfig:
       d_model: residual width ``d``; must be divisible by ``n_heads``.
       n_heads: attention heads ``H``.
       mlp_ratio: MLP hidden width is ``mlp_ratio * d_model``.
+      attention: ``jax.nn.dot_product_attention``'s implementation:
+        ``"auto"`` (cuDNN's fused kernel where the default backend is a GPU
+        and cuDNN takes the shape, XLA's elsewhere), ``"cudnn"`` (always;
+        e.g. to compile for a GPU from a machine without one) or ``"xla"``.
     """
 
     vocab_size: int = 256
@@ -63,14 +70,24 @@ class GPTConfig:
     d_model: int = 128
     n_heads: int = 4
     mlp_ratio: int = 4
+    attention: str = "auto"
 
     def __post_init__(self):
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"GPTConfig.attention must be one of {ATTENTION_IMPLEMENTATIONS}, got "
+                f"{self.attention!r}."
+            )
         for field in dataclasses.fields(self):
+            if field.name == "attention":
+                continue
             value = getattr(self, field.name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(
                     f"GPTConfig.{field.name} must be a positive int, got {value!r}."
                 )
+        if self.d_model % self.n_heads == 0 and self.attention == "cudnn":
+            attention_implementation(jnp.bfloat16, self.d_model // self.n_heads, "cudnn")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"GPTConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads}; "
@@ -119,21 +136,28 @@ _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _CUDNN_MAX_HEAD_DIM = 128
 
 
-def attention_implementation(dtype, head_dim: int) -> str | None:
+def attention_implementation(dtype, head_dim: int, choice: str = "auto") -> str | None:
     """The ``implementation`` passed to ``jax.nn.dot_product_attention``.
 
-    ``"cudnn"`` (a fused flash-attention kernel) when the default backend is
-    a GPU and cuDNN takes the shape: 16-bit compute and a head dimension that
-    is a multiple of 8 up to 128. Otherwise ``None``: JAX's XLA
-    implementation (two einsums and a float32 softmax), which every backend
-    runs. Both compute the softmax in float32.
+    ``"cudnn"`` (a fused flash-attention kernel) for 16-bit compute when
+    ``choice`` is ``"cudnn"``, or ``"auto"`` on a GPU default backend, and
+    cuDNN takes the head dimension (a multiple of 8 up to 128). Otherwise
+    ``None``: JAX's XLA implementation (two einsums and a float32 softmax),
+    which every backend runs; so float32 attention (the parameters' init, a
+    float32 run) is XLA's under every choice. Both compute the softmax in
+    float32.
+
+    Raises:
+      ValueError: ``choice="cudnn"`` with a head dimension cuDNN does not take.
     """
-    if (
-        jax.default_backend() == "gpu"
-        and jnp.dtype(dtype) in _CUDNN_DTYPES
-        and head_dim % 8 == 0
-        and head_dim <= _CUDNN_MAX_HEAD_DIM
-    ):
+    head_fits = head_dim % 8 == 0 and head_dim <= _CUDNN_MAX_HEAD_DIM
+    if choice == "cudnn" and not head_fits:
+        raise ValueError(
+            f"attention='cudnn' needs a head dimension that is a multiple of 8 up to "
+            f"{_CUDNN_MAX_HEAD_DIM}, got {head_dim}; use attention='auto' or 'xla'."
+        )
+    wanted = choice == "cudnn" or (choice == "auto" and jax.default_backend() == "gpu")
+    if wanted and head_fits and jnp.dtype(dtype) in _CUDNN_DTYPES:
         return "cudnn"
     return None
 
@@ -142,11 +166,13 @@ class CausalSelfAttention(nn.Module):
     """Causal multi-head self-attention (``jax.nn.dot_product_attention``).
 
     Fused cuDNN attention on a GPU where it applies, JAX's XLA attention
-    elsewhere (:func:`attention_implementation`); softmax in float32.
+    elsewhere, or as ``attention`` says (:func:`attention_implementation`);
+    softmax in float32.
     """
 
     n_heads: int
     out_init_std: float
+    attention: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -157,8 +183,9 @@ class CausalSelfAttention(nn.Module):
         )(x)
         q, k, v = jnp.split(qkv.reshape(b, s, 3, self.n_heads, hd), 3, axis=2)
         q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # each (B, S, H, hd)
+        implementation = attention_implementation(x.dtype, hd, self.attention)
         out = jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, implementation=attention_implementation(x.dtype, hd)
+            q, k, v, is_causal=True, implementation=implementation
         ).reshape(b, s, d)
         return nn.Dense(
             d, dtype=x.dtype, kernel_init=nn.initializers.normal(self.out_init_std), name="proj"
@@ -194,19 +221,22 @@ class Block(nn.Module):
     n_heads: int
     mlp_ratio: int
     n_layers: int
+    attention: str = "auto"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         d = x.shape[-1]
         # GPT-2 style: shrink residual-branch outputs with depth.
         out_std = _EMBED_INIT_STD / math.sqrt(2 * self.n_layers)
-        x = x + CausalSelfAttention(self.n_heads, out_std, name="attn")(LayerNorm(name="ln_1")(x))
+        attn = CausalSelfAttention(self.n_heads, out_std, self.attention, name="attn")
+        x = x + attn(LayerNorm(name="ln_1")(x))
         x = x + MLP(self.mlp_ratio * d, out_std, name="mlp")(LayerNorm(name="ln_2")(x))
         return x
 
 
 def _block_module(cfg: GPTConfig) -> Block:
-    return Block(n_heads=cfg.n_heads, mlp_ratio=cfg.mlp_ratio, n_layers=cfg.n_layers)
+    return Block(n_heads=cfg.n_heads, mlp_ratio=cfg.mlp_ratio, n_layers=cfg.n_layers,
+                 attention=cfg.attention)
 
 
 @functools.partial(jax.jit, static_argnums=0)
