@@ -68,7 +68,10 @@ def log(message: str) -> None:
 class Variant(NamedTuple):
     """One way of training: ``init(params) -> state``; ``step(state, batch) ->
     (state, loss)``; ``lower(state, batch)``, the step's ``jax.stages.Lowered``
-    (``state`` may be abstract); ``abstract(params_shapes)``, the state's shapes."""
+    (both may be abstract); ``abstract(params_shapes, batch)``, the state's
+    and the batch's shapes, dtypes and shardings (on ``devices`` where the
+    variant was built for them, e.g. a GPU compiled for from a CPU:
+    ``gpu_aot.target_devices``)."""
 
     init: Callable
     step: Callable
@@ -76,7 +79,7 @@ class Variant(NamedTuple):
     abstract: Callable
 
 
-def _plain_step(cfg, optimizer, *, remat: bool) -> Variant:
+def _plain_step(cfg, optimizer, *, remat: bool, devices=None) -> Variant:
     """Plain single-device training, bf16 compute."""
     import jax
     import jax.numpy as jnp
@@ -100,10 +103,16 @@ def _plain_step(cfg, optimizer, *, remat: bool) -> Variant:
     def init(params):
         return params, optimizer.init(params)
 
-    return Variant(init, step, step.lower, lambda shapes: jax.eval_shape(init, shapes))
+    def abstract(params_shapes, batch):
+        sharding = None if devices is None else jax.sharding.SingleDeviceSharding(devices[0])
+        place = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)  # noqa: E731
+        return jax.tree.map(place, jax.eval_shape(init, params_shapes)), place(batch)
+
+    return Variant(init, step, step.lower, abstract)
 
 
-def _trainer_step(cfg, optimizer, params_shapes, *, preset: str, implementation: str):
+def _trainer_step(cfg, optimizer, params_shapes, *, preset: str, implementation: str,
+                  devices=None):
     """:func:`zeropp_jax.make_trainer` on a 1x1 mesh."""
     import jax
     import jax.numpy as jnp
@@ -116,7 +125,8 @@ def _trainer_step(cfg, optimizer, params_shapes, *, preset: str, implementation:
     )
     loss = functools.partial(gpt.loss_fn, cfg=cfg, gather=zp.gather, layer=zp.layer)
     trainer = zp.make_trainer(
-        loss, optimizer, params_shapes, mesh=zp.make_mesh(1, 1, devices=jax.devices()[:1]),
+        loss, optimizer, params_shapes,
+        mesh=zp.make_mesh(1, 1, devices=(devices or jax.devices())[:1]),
         config=config, per_layer=True, stacked=("blocks",),
     )
 
@@ -125,9 +135,15 @@ def _trainer_step(cfg, optimizer, params_shapes, *, preset: str, implementation:
         return state, metrics["loss"]
 
     def lower(state, batch):
-        return trainer.lower(state, trainer.shard_batch(batch))
+        if not isinstance(batch, jax.ShapeDtypeStruct):
+            batch = trainer.shard_batch(batch)
+        return trainer.lower(state, batch)
 
-    return Variant(trainer.init, step, lower, trainer.abstract_state)
+    def abstract(params_shapes, batch):
+        return (trainer.abstract_state(params_shapes),
+                jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=trainer.batch_sharding))
+
+    return Variant(trainer.init, step, lower, abstract)
 
 
 # The trainer's variants: (preset, implementation).
@@ -135,13 +151,13 @@ TRAINER_VARIANTS = {"zero3": ("zero3", "auto"), "qwz": ("qwz", "auto"),
                     "qwz_pallas": ("qwz", "pallas"), "qwz_xla": ("qwz", "xla")}
 
 
-def build(variant: str, cfg, optimizer, params_shapes) -> Variant:
+def build(variant: str, cfg, optimizer, params_shapes, devices=None) -> Variant:
     if variant in ("plain", "plain_remat"):
-        return _plain_step(cfg, optimizer, remat=variant == "plain_remat")
+        return _plain_step(cfg, optimizer, remat=variant == "plain_remat", devices=devices)
     if variant in TRAINER_VARIANTS:
         preset, implementation = TRAINER_VARIANTS[variant]
         return _trainer_step(cfg, optimizer, params_shapes, preset=preset,
-                             implementation=implementation)
+                             implementation=implementation, devices=devices)
     raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
 
 

@@ -36,8 +36,9 @@ import gpu_train_probe as probe
 DEFAULT_VARIANTS = ("plain", "plain_remat", "zero3", "qwz_xla")
 
 
-def compiled_hlo(variant: str, cfg, batch_rows: int) -> str:
-    """The variant's optimized HLO, compiled from shapes on the default backend."""
+def compiled_hlo(variant: str, cfg, batch_rows: int, devices=None) -> str:
+    """The variant's optimized HLO, compiled from shapes for ``devices`` (default:
+    the default backend's; ``gpu_aot.target_devices()`` for a GPU without one)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -45,9 +46,9 @@ def compiled_hlo(variant: str, cfg, batch_rows: int) -> str:
     from zeropp_jax.models import gpt
 
     shapes = jax.eval_shape(lambda k: gpt.init_params(cfg, k), jax.random.key(0))
-    built = probe.build(variant, cfg, optax.adam(1e-4), shapes)
-    batch = jnp.zeros((batch_rows, cfg.seq_len + 1), jnp.int32)
-    return built.lower(built.abstract(shapes), batch).compile().as_text()
+    built = probe.build(variant, cfg, optax.adam(1e-4), shapes, devices=devices)
+    batch = jax.ShapeDtypeStruct((batch_rows, cfg.seq_len + 1), jnp.int32)
+    return built.lower(*built.abstract(shapes, batch)).compile().as_text()
 
 
 def main(argv=None) -> int:
@@ -59,6 +60,9 @@ def main(argv=None) -> int:
     parser.add_argument("--hlo-dir", default=None,
                         help="read <variant>.hlo from here (gpu_train_probe.py --hlo-dir) "
                              "instead of compiling; the shape flags must match that run's")
+    parser.add_argument("--target", default=None, choices=["h200"],
+                        help="compile for this GPU from any machine (gpu_aot.py: needs JAX's "
+                             "CUDA plugin, no GPU), with cuDNN attention as the probe has there")
     parser.add_argument("--top", type=int, default=8, help="instructions listed per variant")
     parser.add_argument("--json-out", default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -69,8 +73,16 @@ def main(argv=None) -> int:
     from zeropp_jax.analysis.traffic import memory_traffic, traffic_summary
     from zeropp_jax.models import gpt
 
+    if args.hlo_dir and args.target:
+        parser.error("--hlo-dir reads a GPU run's HLO; --target compiles it: choose one")
+    devices = None
+    if args.target:
+        import gpu_aot
+
+        devices = gpu_aot.target_devices(args.target)
     cfg = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layers=args.layers,
-                        d_model=args.d_model, n_heads=args.heads)
+                        d_model=args.d_model, n_heads=args.heads,
+                        attention="cudnn" if args.target else "auto")
     params = gpt.count_params(cfg)
     rows = []
     for variant in variants:
@@ -81,11 +93,13 @@ def main(argv=None) -> int:
             with open(path) as f:
                 hlo, source = f.read(), path
         else:
-            if variant == "qwz_pallas" and jax.default_backend() != "gpu":
+            if variant == "qwz_pallas" and jax.default_backend() != "gpu" and not devices:
                 parser.error("qwz_pallas compiles to the Pallas interpreter off a GPU, whose HLO "
-                             "says nothing of the kernels' bytes; read a GPU run's with --hlo-dir")
+                             "says nothing of the kernels' bytes; read a GPU run's with --hlo-dir "
+                             "or compile for one with --target")
             print(f"[step_traffic] compiling {variant}", file=sys.stderr, flush=True)
-            hlo, source = compiled_hlo(variant, cfg, args.batch), jax.default_backend()
+            hlo = compiled_hlo(variant, cfg, args.batch, devices)
+            source = f"{args.target} (compiled here)" if devices else jax.default_backend()
         summary = traffic_summary(memory_traffic(hlo), top=args.top)
         rows.append(dict(variant=variant, source=source, bytes=summary["bytes"],
                          bytes_per_param=summary["bytes"] / params,

@@ -3,7 +3,9 @@
 ``benchmarks/step_traffic.py`` (estimated bytes per step, plain JAX vs the
 trainer, from the HLO), ``benchmarks/gpu_profile.py`` (device time per
 kernel from a profiler trace; on the CPU the executable's thunks) and
-``gpu_train_probe.py --hlo-dir --profile-dir``, which uses both.
+``gpu_train_probe.py --hlo-dir --profile-dir``, which uses both, and
+``benchmarks/gpu_aot.py`` (compiling for a GPU without one: its PTX figures,
+and what it says where JAX's CUDA plugin is missing).
 """
 
 from __future__ import annotations
@@ -102,3 +104,69 @@ def test_kernel_times_on_a_gpu_like_trace(bench_modules, tmp_path):
     assert summary["device_us_per_step"] == pytest.approx(8.0)  # (10 + 6) / 2 steps
     assert {r["hlo_op"] for r in summary["top"]} == {inst}
     assert "Stream #13" in summary["source"] and "XLA Ops" not in summary["source"]
+
+
+# Trimmed from the PTX Triton wrote for dequantize_sum_1bit (jax 0.10.2, sm_90a).
+_PTX = """
+.version 9.0
+.target sm_90a
+.address_size 64
+
+.visible .entry dequantize_sum_1bit(
+	.param .u64 .ptr .global .align 1 dequantize_sum_1bit_param_0,
+	.param .u64 .ptr .global .align 1 dequantize_sum_1bit_param_1
+)
+.reqntid 32
+{
+	.reg .pred 	%p<3>;
+	.reg .b32 	%r<9>;
+	.reg .b64 	%rd<5>;
+$L__tmp0:
+	ld.param.b64 	%rd1, [dequantize_sum_1bit_param_0];
+	// begin inline asm
+	mov.u32 %r1, 0x0; mov.u32 %r2, 0x0; @%p1 ld.global.v2.b32 { %r1, %r2 }, [ %rd1 + 0 ];
+	// end inline asm
+	st.shared.b32 	[%rd2], %r1;
+	bar.sync 	0;
+	ld.shared.b32 	%r3, [%rd2+8];
+	and.b32 	%r4, %r3, 4;
+	setp.eq.b32 	%p2, %r4, 0;
+	selp.f32 	%r5, %r1, %r2, %p2;
+	add.rn.f32 	%r6, %r5, %r5;
+	@!%p2 st.global.v4.b32 [ %rd3 + 0 ], { %r6, %r6, %r6, %r6 };
+	ret;
+}
+"""
+
+
+def test_ptx_figures_of_a_kernel():
+    sys.path.insert(0, BENCH)
+    try:
+        import gpu_aot
+    finally:
+        sys.path.remove(BENCH)
+    (k,) = gpu_aot.ptx_kernels(_PTX)
+    assert (k.name, k.threads) == ("dequantize_sum_1bit", 32)
+    # mov x2, ld.global, st.shared, bar, ld.shared, and, setp, selp, add, st.global, ret
+    # (+ ld.param); labels, directives, comments and braces are not statements
+    assert k.instructions == 13
+    assert (k.global_loads, k.global_load_bytes) == (1, 8)
+    assert (k.global_stores, k.global_store_bytes) == (1, 16)
+    assert (k.shared, k.barriers, k.branches) == (2, 1, 0)
+    assert k.by_opcode["mov.u32"] == 2 and k.by_opcode["selp.f32"] == 1
+
+
+def test_gpu_aot_compiles_for_an_h200_or_says_what_to_install():
+    sys.path.insert(0, BENCH)
+    try:
+        import gpu_aot
+    finally:
+        sys.path.remove(BENCH)
+    try:
+        devices = gpu_aot.target_devices("h200")
+    except RuntimeError as e:  # no CUDA plugin (CI): the error names the install
+        assert f"jax[cuda13]=={jax.__version__}" in str(e) and "JAX_PLATFORMS=cpu" in str(e)
+    else:  # the plugin is here: an H200 to compile for, nothing to run on
+        assert [(d.platform, d.device_kind) for d in devices] == [("gpu", "NVIDIA H200")]
+    with pytest.raises(ValueError, match="unknown target"):
+        gpu_aot.target_devices("a100")

@@ -1,0 +1,348 @@
+"""Compile for an H200 on a machine without a GPU: the GPU's HLO and the kernels' PTX.
+
+XLA compiles for a described GPU without one present ("deviceless"
+ahead-of-time compilation): ``jax.experimental.topologies`` builds the
+devices of a topology from a target description (:data:`H200_TARGET`), and
+arrays placed on them lower and compile with XLA:GPU's own pipeline, its
+fusion decisions, cuDNN's attention and Triton for the Pallas kernels. What
+runs nowhere is the result: nothing is timed, and XLA skips autotuning (it
+picks default GEMM tilings), so the HLO says which kernels move which bytes,
+not how fast they run.
+
+It needs JAX's CUDA plugin for the installed JAX, in its own environment
+(the plugin wants a GPU when it is the default backend; ``JAX_PLATFORMS=cpu``
+keeps the CPU the default while the plugin compiles)::
+
+  python -m venv /tmp/aot && . /tmp/aot/bin/activate
+  pip install "jax[cuda13]==$(python -c 'import jax; print(jax.__version__)')" flax optax
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_aot.py kernels
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_traffic.py --target h200 \\
+      --layers 24 --d-model 2048 --heads 16 --seq 1024 --batch 8
+
+(the first ``pip`` is a few GB of CUDA libraries, about a minute here).
+
+``kernels`` compiles every Pallas kernel of ``gpu_kernels.py`` at its
+default configuration (or ``--config TILE/WARPS[s]``) and prints, per
+kernel, static figures of the PTX Triton wrote: instructions per thread,
+threads per program, global loads and stores, shared-memory accesses and
+barriers (a layout change inside the kernel goes through shared memory),
+registers per thread (``ptxas -v``, where ``ptxas`` is found: they bound
+how many warps an SM holds), and thread-instructions per byte the kernel
+must move. The last gives an
+**issue bound**: the bandwidth at which the H200's instruction issue
+(132 SMs x 4 schedulers x 32 lanes x 1.98 GHz) would be busy with nothing
+else; a kernel whose bound is near the copy's bandwidth cannot reach it.
+A static count is not a measurement: ptxas turns PTX into fewer or more
+machine instructions, and latency, occupancy and memory decide the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+from typing import NamedTuple
+
+# One NVIDIA H200 SXM as XLA:GPU's target description (GpuTargetConfigProto,
+# text format). Device limits as XLA reports them for Hopper (sm_90, the same
+# die as the H100 SXM: 132 SMs, 50 MiB L2); memory as stop 16's device
+# reported it (143771 MiB); bandwidth the H200's published 4.8 TB/s.
+H200_TARGET = """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 150754820096
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 10 }
+runtime_version { major: 13 minor: 0 }
+device_description_str: "NVIDIA H200"
+"""
+TARGETS = {"h200": H200_TARGET}
+# Thread-instructions the H200 can issue per second: SMs x schedulers x lanes x clock.
+H200_ISSUE_PER_S = 132 * 4 * 32 * 1.98e9
+K_CHUNKS = 8  # gpu_kernels.K: chunks summed by dequantize_sum
+
+
+def log(message: str) -> None:
+    print(f"[gpu_aot] {message}", file=sys.stderr, flush=True)
+
+
+def target_devices(target: str = "h200", nodes: int = 1, local: int = 1) -> list:
+    """The devices of ``nodes`` hosts with ``local`` GPUs each, to compile for.
+
+    Arrays placed on them (``jax.ShapeDtypeStruct(..., sharding=...)``) lower
+    and compile for the target; nothing can run on them.
+
+    Raises:
+      RuntimeError: naming what to install, when JAX's CUDA plugin is missing.
+    """
+    import jax
+    from jax.experimental import topologies
+
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; choose from {sorted(TARGETS)}")
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=TARGETS[target], topology=f"1x{nodes}x{local}")
+    except Exception as e:  # the plugin is missing or too old: say what to install
+        raise RuntimeError(
+            f"cannot compile for a GPU here ({type(e).__name__}: {str(e)[:200]}). Install "
+            f"JAX's CUDA plugin for this JAX in its own environment: pip install "
+            f"'jax[cuda13]=={jax.__version__}', and run with JAX_PLATFORMS=cpu."
+        ) from e
+    return list(topology.devices)
+
+
+def replicated(devices) -> object:
+    """A sharding that puts a whole array on the first of ``devices``."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    return NamedSharding(Mesh(devices[:1], ("d",)), PartitionSpec())
+
+
+# ---------------------------------------------------------------------------
+# PTX statistics.
+# ---------------------------------------------------------------------------
+
+
+class PtxStats(NamedTuple):
+    """Static figures of one PTX kernel (per thread, as written: no loop is unrolled here).
+
+    Attributes:
+      name: the ``.entry``'s name.
+      threads: threads per program (``.reqntid``/``.maxntid``; 0 if absent).
+      instructions: statements in the body (labels and directives excluded).
+      global_loads, global_stores: ``ld.global`` / ``st.global`` statements.
+      global_load_bytes, global_store_bytes: bytes they move (vector width x element size).
+      shared: ``ld.shared`` and ``st.shared`` statements.
+      barriers: ``bar.*`` statements.
+      branches: ``bra`` statements (non-zero: the counts are not per-program totals).
+      by_opcode: statements per opcode (``and.b32``, ``add.rn.f32``, ...).
+    """
+
+    name: str
+    threads: int
+    instructions: int
+    global_loads: int
+    global_stores: int
+    global_load_bytes: int
+    global_store_bytes: int
+    shared: int
+    barriers: int
+    branches: int
+    by_opcode: dict
+
+
+_TYPE_BYTES = {"b8": 1, "u8": 1, "s8": 1, "b16": 2, "u16": 2, "s16": 2, "f16": 2, "bf16": 2,
+               "b32": 4, "u32": 4, "s32": 4, "f32": 4, "b64": 8, "u64": 8, "s64": 8, "f64": 8}
+
+
+def _access_bytes(opcode: str) -> int:
+    parts = opcode.split(".")
+    width = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d+", p)), 1)
+    return width * next((_TYPE_BYTES[p] for p in reversed(parts) if p in _TYPE_BYTES), 0)
+
+
+def ptx_kernels(ptx: str) -> list[PtxStats]:
+    """Every ``.entry`` of a PTX module with its :class:`PtxStats`."""
+    out = []
+    for m in re.finditer(r"\.entry\s+(\w+)", ptx):
+        start = ptx.index("{", m.end())
+        threads = re.search(r"\.(?:reqntid|maxntid)\s+(\d+)", ptx[m.end():start])
+        depth, end = 0, start
+        for end in range(start, len(ptx)):
+            depth += {"{": 1, "}": -1}.get(ptx[end], 0)
+            if depth == 0:
+                break
+        body = re.sub(r"//[^\n]*", "", ptx[start + 1:end])
+        ops = collections.Counter()
+        for statement in re.split(r"[;\n]", body):
+            s = statement.strip().lstrip("{}").strip()
+            s = re.sub(r"^@!?%\w+\s+", "", s)  # predicate guard
+            if not s or s.startswith(".") or s.endswith(":") or s.startswith(("}", ")")):
+                continue
+            ops[s.split()[0]] += 1
+        glob_ld = {k: v for k, v in ops.items() if k.startswith("ld.global")}
+        glob_st = {k: v for k, v in ops.items() if k.startswith("st.global")}
+        out.append(PtxStats(
+            name=m.group(1),
+            threads=int(threads.group(1)) if threads else 0,
+            instructions=sum(ops.values()),
+            global_loads=sum(glob_ld.values()),
+            global_stores=sum(glob_st.values()),
+            global_load_bytes=sum(_access_bytes(k) * v for k, v in glob_ld.items()),
+            global_store_bytes=sum(_access_bytes(k) * v for k, v in glob_st.items()),
+            shared=sum(v for k, v in ops.items() if k.startswith(("ld.shared", "st.shared"))),
+            barriers=sum(v for k, v in ops.items() if k.startswith("bar.")),
+            branches=sum(v for k, v in ops.items() if k.startswith("bra")),
+            by_opcode=dict(ops.most_common()),
+        ))
+    return out
+
+
+def ptxas_path() -> str | None:
+    """``ptxas`` on the PATH, or the one of NVIDIA's pip package; ``None`` if neither."""
+    import shutil
+
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    try:
+        import nvidia.cu13 as cuda_pkg  # the CUDA 13 pip wheels jax[cuda13] installs
+    except ImportError:
+        return None
+    candidate = os.path.join(list(cuda_pkg.__path__)[0], "bin", "ptxas")
+    return candidate if os.path.exists(candidate) else None
+
+
+def registers(ptx: str, kernel: str, arch: str = "sm_90a") -> int | None:
+    """Registers per thread ``ptxas -v`` reports for ``kernel`` (``None`` without ptxas)."""
+    import subprocess
+
+    ptxas = ptxas_path()
+    if ptxas is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="aot_ptxas_") as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([ptxas, f"-arch={arch}", "-v", src, "-o", os.path.join(d, "k.o")],
+                              capture_output=True, text=True, timeout=300)
+    info = done.stderr.split(f"Compiling entry function '{kernel}'", 1)
+    m = re.search(r"Used (\d+) registers", info[-1])
+    return int(m.group(1)) if m and len(info) == 2 else None
+
+
+def compiled_ptx(lowered, dump_dir: str) -> str:
+    """Compiles ``lowered`` with XLA's dump in ``dump_dir`` and returns all its PTX."""
+    lowered.compile({"xla_dump_to": dump_dir})
+    texts = [open(p).read() for p in sorted(glob.glob(os.path.join(dump_dir, "*.ptx")))]
+    if not texts:
+        raise RuntimeError(f"XLA wrote no PTX to {dump_dir}: was this compiled for a GPU?")
+    return "\n".join(texts)
+
+
+# ---------------------------------------------------------------------------
+# The kernels of gpu_kernels.py, compiled for the target.
+# ---------------------------------------------------------------------------
+
+
+def kernel_rows(devices, elems: int, only: str = "", config=None) -> list[dict]:
+    """One row per Pallas kernel of ``gpu_kernels.cases``: its PTX figures."""
+    import jax
+
+    import gpu_kernels
+    from pallas_kernels import _common
+    from pallas_kernels.config import default_config
+
+    sharding = replicated(devices)
+    rows = []
+    for name, kind, bits, block, make_inputs, pallas, _xla, nbytes in gpu_kernels.cases(elems):
+        if only and not any(s in name for s in only.split(",")):
+            continue
+        kernel = gpu_kernels.KERNEL_NAMES[kind]
+        cfg = config or default_config(kernel, bits)
+        args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                            jax.eval_shape(make_inputs))
+        with tempfile.TemporaryDirectory(prefix="aot_ptx_") as dump:
+            ptx = compiled_ptx(jax.jit(pallas(cfg)).lower(*args), dump)
+        stats = [s for s in ptx_kernels(ptx) if s.name.startswith(kernel)]
+        if len(stats) != 1:
+            raise RuntimeError(f"{name}: expected one PTX kernel named {kernel}*, found "
+                               f"{[s.name for s in ptx_kernels(ptx)]}")
+        s = stats[0]
+        regs = registers(ptx, s.name)
+        tiled = elems // K_CHUNKS if kind == "dequantize_sum" else elems  # what tile_elems counts
+        per_program = _common.tile_blocks(tiled // block, block, cfg.tile_elems) * block
+        programs = tiled // per_program
+        thread_instructions = s.instructions * s.threads * programs
+        per_byte = thread_instructions / nbytes
+        rows.append(dict(
+            name=name, kernel=s.name, config=f"{cfg.tile_elems}/{cfg.num_warps}"
+            f"{'s' if cfg.split_bytes else ''}", threads=s.threads,
+            instructions_per_thread=s.instructions, elements_per_program=per_program,
+            instructions_per_element=s.instructions * s.threads / per_program,
+            instructions_per_byte=per_byte, issue_bound_gbs=H200_ISSUE_PER_S / per_byte / 1e9,
+            global_loads=s.global_loads, global_stores=s.global_stores,
+            global_bytes_per_thread=s.global_load_bytes + s.global_store_bytes,
+            shared_per_element=s.shared * s.threads / per_program, barriers=s.barriers,
+            registers=regs,
+            branches=s.branches, top_opcodes=dict(list(s.by_opcode.items())[:8]),
+        ))
+        log(f"{name}: {s.instructions} instructions x {s.threads} threads per "
+            f"{per_program} elements")
+    return rows
+
+
+def _parse_config(text: str | None):
+    if not text:
+        return None
+    from pallas_kernels.config import KernelConfig
+
+    m = re.fullmatch(r"(\d+)/(\d+)(s?)", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"--config is TILE/WARPS or TILE/WARPSs, got {text!r}")
+    return KernelConfig(tile_elems=int(m.group(1)), num_warps=int(m.group(2)),
+                        split_bytes=bool(m.group(3)))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["kernels"], help="what to compile and report")
+    parser.add_argument("--target", default="h200", choices=sorted(TARGETS))
+    parser.add_argument("--elems", type=int, default=2**24,
+                        help="elements per input (2**24; only the grid depends on it)")
+    parser.add_argument("--only", default="", help="comma-separated substrings of kernel names")
+    parser.add_argument("--config", default=None,
+                        help="TILE/WARPS[s] for every kernel instead of its default")
+    parser.add_argument("--json-out", default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    config = _parse_config(args.config)
+
+    import jax
+
+    devices = target_devices(args.target)
+    rows = kernel_rows(devices, args.elems, args.only, config)
+    result = dict(jax=jax.__version__, target=args.target, rows=rows)
+    print("JSON " + json.dumps(result))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"PTX for {args.target} (static, per program; issue bound = the bandwidth at which "
+          f"instruction issue alone is saturated)")
+    print(f"{'kernel':<24}{'config':>9}{'thr':>5}{'instr/el':>9}{'instr/B':>8}"
+          f"{'issue GB/s':>11}{'shared/el':>10}{'bar':>5}{'regs':>6}")
+    for r in rows:
+        print(f"{r['name']:<24}{r['config']:>9}{r['threads']:>5}"
+              f"{r['instructions_per_element']:>9.1f}{r['instructions_per_byte']:>8.2f}"
+              f"{r['issue_bound_gbs']:>11.0f}{r['shared_per_element']:>10.2f}{r['barriers']:>5}"
+              f"{r['registers'] if r['registers'] is not None else '-':>6}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())
