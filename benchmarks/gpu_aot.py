@@ -16,6 +16,7 @@ keeps the CPU the default while the plugin compiles)::
   python -m venv /tmp/aot && . /tmp/aot/bin/activate
   pip install "jax[cuda13]==$(python -c 'import jax; print(jax.__version__)')" flax optax
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_aot.py kernels
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_aot.py comm
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_traffic.py --target h200 \\
       --layers 24 --d-model 2048 --heads 16 --seq 1024 --batch 8
 
@@ -34,6 +35,14 @@ must move. The last gives an
 else; a kernel whose bound is near the copy's bandwidth cannot reach it.
 A static count is not a measurement: ptxas turns PTX into fewer or more
 machine instructions, and latency, occupancy and memory decide the rest.
+
+``comm`` compiles each preset's step (the example GPT at bf16 on a ``(2, 4)``
+mesh) for two hosts of four target GPUs and for this machine's CPU, and
+prints the inter-node bytes per node of both: XLA:CPU widens bfloat16
+collectives to float32, which every report of this project undoes by
+counting full-precision payloads at the run's dtypes
+(``zeropp_jax.analysis.headline.report_dtypes``); the GPU's HLO is what a
+GPU run sends, as compiled. About 3 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -296,6 +305,75 @@ def kernel_rows(devices, elems: int, only: str = "", config=None) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------
+# Communication: the presets' steps compiled for two hosts of four H200s.
+# ---------------------------------------------------------------------------
+
+
+def comm_rows(presets, target: str = "h200", batch_size: int = 16) -> list[dict]:
+    """Per preset and step variant: inter- and intra-node bytes of the example
+    GPT's step (bf16 compute, ``(2, 4)`` mesh) compiled for ``target`` (two
+    hosts of four) and for this machine's CPU devices (needs 8: run with
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=8``), the CPU's both as
+    compiled and at the run's dtypes (``headline.report_dtypes``, what every
+    figure of this project reports), and the GPU's collectives by kind and dtype.
+    """
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import zeropp_jax as zp
+    from zeropp_jax.analysis import headline
+    from zeropp_jax.analysis.comm_report import comm_report
+    from zeropp_jax.models import gpt
+
+    cpus = jax.devices("cpu")
+    if len(cpus) < 8:
+        raise RuntimeError(f"comm needs 8 CPU devices, found {len(cpus)}: set "
+                           "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    meshes = {"cpu": zp.make_mesh(2, 4, devices=cpus[:8]),
+              target: zp.make_mesh(2, 4, devices=target_devices(target, 2, 4))}
+    model = gpt.GPTConfig()
+    shapes = jax.eval_shape(lambda k: gpt.init_params(model, k), jax.random.key(0))
+    batch = jax.ShapeDtypeStruct((batch_size, model.seq_len + 1), jnp.int32)
+    loss = functools.partial(gpt.loss_fn, cfg=model, gather=zp.gather, layer=zp.layer)
+    rows = []
+    for preset in presets:
+        config = zp.ZeroConfig.from_preset(preset, compute_dtype=jnp.bfloat16)
+        optimizer = (zp.onebit_adam(1e-3) if config.qgz_target == "momentum"
+                     else optax.adam(1e-3))
+        found = {}
+        for where, mesh in meshes.items():
+            trainer = zp.make_trainer(loss, optimizer, shapes, mesh=mesh, config=config,
+                                      per_layer=True, stacked=("blocks",))
+            variants = ({"compressed": True, "full_precision": False} if trainer.qgz_active
+                        else {"step": False})
+            for variant, compress in variants.items():
+                text = trainer.compile_from_shapes(shapes, batch, compress=compress).as_text()
+                found[where, variant] = (
+                    comm_report(text, mesh_shape=(2, 4)),
+                    comm_report(text, mesh_shape=(2, 4), **headline.report_dtypes(trainer)))
+            log(f"{preset}: compiled for cpu and {target}")
+        for variant in sorted({v for _, v in found}):
+            cpu_raw, cpu_run = found["cpu", variant]
+            gpu_raw, _ = found[target, variant]
+            kinds = collections.Counter()
+            for c in gpu_raw.collectives:
+                if c.axis != "none":
+                    kinds[f"{c.kind} {c.dtype}"] += c.count
+            rows.append(dict(
+                preset=preset, variant=variant,
+                cpu_inter_as_compiled=cpu_raw.inter_node_bytes,
+                cpu_inter_at_run_dtypes=cpu_run.inter_node_bytes,
+                gpu_inter_as_compiled=gpu_raw.inter_node_bytes,
+                cpu_intra_at_run_dtypes=cpu_run.intra_node_bytes,
+                gpu_intra_as_compiled=gpu_raw.intra_node_bytes,
+                gpu_collectives=dict(sorted(kinds.items()))))
+    return rows
+
+
 def _parse_config(text: str | None):
     if not text:
         return None
@@ -311,26 +389,46 @@ def _parse_config(text: str | None):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["kernels"], help="what to compile and report")
+    parser.add_argument("what", choices=["kernels", "comm"], help="what to compile and report")
     parser.add_argument("--target", default="h200", choices=sorted(TARGETS))
     parser.add_argument("--elems", type=int, default=2**24,
                         help="elements per input (2**24; only the grid depends on it)")
     parser.add_argument("--only", default="", help="comma-separated substrings of kernel names")
     parser.add_argument("--config", default=None,
                         help="TILE/WARPS[s] for every kernel instead of its default")
+    parser.add_argument("--presets", default="zero3,qwz,hpz,qgz,zeropp,zeropp-max",
+                        help="comm: the presets compiled")
     parser.add_argument("--json-out", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     config = _parse_config(args.config)
+    if args.what == "comm" and "xla_force_host_platform_device_count" not in os.environ.get(
+            "XLA_FLAGS", ""):  # before JAX starts: the CPU mesh to compare with
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_force_host_platform_device_count=8").strip()
 
     import jax
 
-    devices = target_devices(args.target)
-    rows = kernel_rows(devices, args.elems, args.only, config)
-    result = dict(jax=jax.__version__, target=args.target, rows=rows)
+    if args.what == "comm":
+        rows = comm_rows(args.presets.split(","), args.target)
+    else:
+        rows = kernel_rows(target_devices(args.target), args.elems, args.only, config)
+    result = dict(jax=jax.__version__, target=args.target, what=args.what, rows=rows)
     print("JSON " + json.dumps(result))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)
+    if args.what == "comm":
+        print(f"Inter-node bytes per node per step, example GPT, bf16, 2 x 4 devices: compiled "
+              f"for {args.target} vs for the CPU (as compiled, and at the run's dtypes)")
+        print(f"{'preset':<11}{'variant':<16}{'cpu compiled':>13}{'cpu run dtypes':>15}"
+              f"{args.target:>10}{'difference':>11}  {args.target} collectives (kind dtype: count)")
+        for r in rows:
+            diff = r["gpu_inter_as_compiled"] - r["cpu_inter_at_run_dtypes"]
+            kinds = ", ".join(f"{k}: {v}" for k, v in r["gpu_collectives"].items())
+            print(f"{r['preset']:<11}{r['variant']:<16}{r['cpu_inter_as_compiled']:>13}"
+                  f"{r['cpu_inter_at_run_dtypes']:>15}{r['gpu_inter_as_compiled']:>10}"
+                  f"{diff:>+11}  {kinds}")
+        return 0
     print(f"PTX for {args.target} (static, per program; issue bound = the bandwidth at which "
           f"instruction issue alone is saturated)")
     print(f"{'kernel':<24}{'config':>9}{'thr':>5}{'instr/el':>9}{'instr/B':>8}"
