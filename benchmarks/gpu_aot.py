@@ -14,7 +14,8 @@ It needs JAX's CUDA plugin for the installed JAX, in its own environment
 keeps the CPU the default while the plugin compiles)::
 
   python -m venv /tmp/aot && . /tmp/aot/bin/activate
-  pip install "jax[cuda13]==$(python -c 'import jax; print(jax.__version__)')" flax optax
+  pip install "jax[cuda13]==$(python -c 'import jax; print(jax.__version__)')" flax optax \
+      nvidia-cuda-cuobjdump
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_aot.py kernels
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_aot.py comm
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_traffic.py --target h200 \\
@@ -24,17 +25,18 @@ keeps the CPU the default while the plugin compiles)::
 
 ``kernels`` compiles every Pallas kernel of ``gpu_kernels.py`` at its
 default configuration (or ``--config TILE/WARPS[s]``) and prints, per
-kernel, static figures of the PTX Triton wrote: instructions per thread,
-threads per program, global loads and stores, shared-memory accesses and
-barriers (a layout change inside the kernel goes through shared memory),
-registers per thread (``ptxas -v``, where ``ptxas`` is found: they bound
-how many warps an SM holds), and thread-instructions per byte the kernel
-must move. The last gives an
-**issue bound**: the bandwidth at which the H200's instruction issue
-(132 SMs x 4 schedulers x 32 lanes x 1.98 GHz) would be busy with nothing
-else; a kernel whose bound is near the copy's bandwidth cannot reach it.
-A static count is not a measurement: ptxas turns PTX into fewer or more
-machine instructions, and latency, occupancy and memory decide the rest.
+kernel, static figures of the code: from the PTX Triton wrote, instructions
+per thread, threads per program, global loads and stores, shared-memory
+accesses and barriers (a layout change inside the kernel goes through
+shared memory); from ``ptxas`` (on the PATH or pip's ``nvidia-cuda-nvcc``),
+registers per thread (they bound how many warps an SM holds); from
+``cuobjdump -sass`` (pip's ``nvidia-cuda-cuobjdump``), the machine
+instructions. Machine instructions (else PTX statements) per byte the kernel
+must move give an **issue bound**: the bandwidth at which the H200's
+instruction issue (132 SMs x 4 schedulers x 1.98 GHz, one warp instruction
+each per cycle) would be busy with nothing else; a kernel whose bound is
+near the copy's bandwidth cannot reach it. A static count is not a
+measurement: latency, occupancy and memory decide the rest.
 
 ``comm`` compiles each preset's step (the example GPT at bf16 on a ``(2, 4)``
 mesh) for two hosts of four target GPUs and for this machine's CPU, and
@@ -211,37 +213,67 @@ def ptx_kernels(ptx: str) -> list[PtxStats]:
     return out
 
 
-def ptxas_path() -> str | None:
-    """``ptxas`` on the PATH, or the one of NVIDIA's pip package; ``None`` if neither."""
+def cuda_tool(name: str) -> str | None:
+    """A CUDA binary (``ptxas``, ``cuobjdump``) on the PATH or in NVIDIA's pip
+    wheels (``nvidia-cuda-nvcc``, ``nvidia-cuda-cuobjdump``); ``None`` if neither."""
     import shutil
 
-    found = shutil.which("ptxas")
+    found = shutil.which(name)
     if found:
         return found
     try:
-        import nvidia.cu13 as cuda_pkg  # the CUDA 13 pip wheels jax[cuda13] installs
+        import nvidia.cu13 as cuda_pkg  # the CUDA 13 wheels jax[cuda13] installs
     except ImportError:
         return None
-    candidate = os.path.join(list(cuda_pkg.__path__)[0], "bin", "ptxas")
+    candidate = os.path.join(list(cuda_pkg.__path__)[0], "bin", name)
     return candidate if os.path.exists(candidate) else None
 
 
-def registers(ptx: str, kernel: str, arch: str = "sm_90a") -> int | None:
-    """Registers per thread ``ptxas -v`` reports for ``kernel`` (``None`` without ptxas)."""
+class MachineCode(NamedTuple):
+    """What ``ptxas`` makes of a kernel: registers per thread (``ptxas -v``) and
+    its SASS instructions per opcode (``cuobjdump -sass``; ``None`` without it)."""
+
+    registers: int | None
+    sass: dict | None
+
+
+_SASS_LINE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def machine_code(ptx: str, kernel: str, arch: str = "sm_90a") -> MachineCode:
+    """Assembles ``ptx`` for ``arch`` and reads ``kernel``'s registers and SASS
+    (``MachineCode(None, None)`` without ``ptxas``)."""
     import subprocess
 
-    ptxas = ptxas_path()
+    ptxas = cuda_tool("ptxas")
     if ptxas is None:
-        return None
+        return MachineCode(None, None)
     with tempfile.TemporaryDirectory(prefix="aot_ptxas_") as d:
-        src = os.path.join(d, "k.ptx")
+        src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
-        done = subprocess.run([ptxas, f"-arch={arch}", "-v", src, "-o", os.path.join(d, "k.o")],
+        done = subprocess.run([ptxas, f"-arch={arch}", "-v", src, "-o", cubin],
                               capture_output=True, text=True, timeout=300)
-    info = done.stderr.split(f"Compiling entry function '{kernel}'", 1)
-    m = re.search(r"Used (\d+) registers", info[-1])
-    return int(m.group(1)) if m and len(info) == 2 else None
+        info = done.stderr.split(f"Compiling entry function '{kernel}'", 1)
+        m = re.search(r"Used (\d+) registers", info[-1])
+        regs = int(m.group(1)) if m and len(info) == 2 else None
+        cuobjdump = cuda_tool("cuobjdump")
+        if cuobjdump is None or done.returncode:
+            return MachineCode(regs, None)
+        listing = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
+                                 timeout=300).stdout
+    return MachineCode(regs, sass_counts(listing, kernel))
+
+
+def sass_counts(listing: str, kernel: str) -> dict | None:
+    """SASS instructions per opcode of ``kernel`` in a ``cuobjdump -sass``
+    listing (``NOP`` padding left out); ``None`` if the kernel is not in it."""
+    body = listing.split(f"Function : {kernel}\n", 1)
+    if len(body) != 2:
+        return None
+    ops = collections.Counter(_SASS_LINE.findall(body[1].split("Function : ", 1)[0]))
+    ops.pop("NOP", None)  # alignment padding, never issued
+    return dict(ops.most_common())
 
 
 def compiled_ptx(lowered, dump_dir: str) -> str:
@@ -282,22 +314,27 @@ def kernel_rows(devices, elems: int, only: str = "", config=None) -> list[dict]:
             raise RuntimeError(f"{name}: expected one PTX kernel named {kernel}*, found "
                                f"{[s.name for s in ptx_kernels(ptx)]}")
         s = stats[0]
-        regs = registers(ptx, s.name)
+        code = machine_code(ptx, s.name)
+        sass = sum(code.sass.values()) if code.sass else None
         tiled = elems // K_CHUNKS if kind == "dequantize_sum" else elems  # what tile_elems counts
         per_program = _common.tile_blocks(tiled // block, block, cfg.tile_elems) * block
         programs = tiled // per_program
-        thread_instructions = s.instructions * s.threads * programs
-        per_byte = thread_instructions / nbytes
+        # issue bound from the machine code where cuobjdump read it, else from the PTX
+        per_thread = sass if sass is not None else s.instructions
+        per_byte = per_thread * s.threads * programs / nbytes
         rows.append(dict(
             name=name, kernel=s.name, config=f"{cfg.tile_elems}/{cfg.num_warps}"
             f"{'s' if cfg.split_bytes else ''}", threads=s.threads,
             instructions_per_thread=s.instructions, elements_per_program=per_program,
             instructions_per_element=s.instructions * s.threads / per_program,
-            instructions_per_byte=per_byte, issue_bound_gbs=H200_ISSUE_PER_S / per_byte / 1e9,
+            sass_per_thread=sass,
+            sass_per_element=None if sass is None else sass * s.threads / per_program,
+            instructions_per_byte=per_byte, issue_source="sass" if sass is not None else "ptx",
+            issue_bound_gbs=H200_ISSUE_PER_S / per_byte / 1e9,
             global_loads=s.global_loads, global_stores=s.global_stores,
             global_bytes_per_thread=s.global_load_bytes + s.global_store_bytes,
             shared_per_element=s.shared * s.threads / per_program, barriers=s.barriers,
-            registers=regs,
+            registers=code.registers, top_sass=dict(list((code.sass or {}).items())[:8]),
             branches=s.branches, top_opcodes=dict(list(s.by_opcode.items())[:8]),
         ))
         log(f"{name}: {s.instructions} instructions x {s.threads} threads per "
@@ -431,11 +468,12 @@ def main(argv=None) -> int:
         return 0
     print(f"PTX for {args.target} (static, per program; issue bound = the bandwidth at which "
           f"instruction issue alone is saturated)")
-    print(f"{'kernel':<24}{'config':>9}{'thr':>5}{'instr/el':>9}{'instr/B':>8}"
+    print(f"{'kernel':<24}{'config':>9}{'thr':>5}{'ptx/el':>7}{'sass/el':>8}{'instr/B':>8}"
           f"{'issue GB/s':>11}{'shared/el':>10}{'bar':>5}{'regs':>6}")
     for r in rows:
+        sass = "-" if r["sass_per_element"] is None else f"{r['sass_per_element']:.1f}"
         print(f"{r['name']:<24}{r['config']:>9}{r['threads']:>5}"
-              f"{r['instructions_per_element']:>9.1f}{r['instructions_per_byte']:>8.2f}"
+              f"{r['instructions_per_element']:>7.1f}{sass:>8}{r['instructions_per_byte']:>8.2f}"
               f"{r['issue_bound_gbs']:>11.0f}{r['shared_per_element']:>10.2f}{r['barriers']:>5}"
               f"{r['registers'] if r['registers'] is not None else '-':>6}")
     return 0

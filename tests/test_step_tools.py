@@ -170,3 +170,33 @@ def test_gpu_aot_compiles_for_an_h200_or_says_what_to_install():
         assert [(d.platform, d.device_kind) for d in devices] == [("gpu", "NVIDIA H200")]
     with pytest.raises(ValueError, match="unknown target"):
         gpu_aot.target_devices("a100")
+
+
+_SASS = """
+	code for sm_90a
+		Function : dequantize_sum_1bit
+	.headerflags	@"EF_CUDA_TEXMODE_UNIFIED EF_CUDA_64BIT_ADDRESS EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                       /* 0x00000a00ff017b82 */
+                                                                               /* 0x000fe40000000800 */
+        /*0010*/                   LOP3.LUT P0, RZ, R4, 0x1, RZ, 0xc0, !PT ;    /* 0x0000000104ff7812 */
+        /*0020*/                   FSEL R5, R2, -R2, P0 ;                       /* 0x8000000202057208 */
+        /*0030*/              @!P0 FADD R6, R6, R5 ;                            /* 0x0000000506067221 */
+        /*0040*/                   FADD R6, R6, R5 ;                            /* 0x0000000506067221 */
+        /*0050*/                   EXIT ;                                       /* 0x000000000000794d */
+        /*0060*/                   BRA 0x60;                                    /* 0xfffffffc00fc7947 */
+        /*0070*/                   NOP;                                         /* 0x0000000000007918 */
+		..........
+		Function : quantize_int8
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                       /* 0x00000a00ff017b82 */
+"""
+
+
+def test_sass_counts_of_one_kernel():
+    sys.path.insert(0, BENCH)
+    try:
+        import gpu_aot
+    finally:
+        sys.path.remove(BENCH)
+    assert gpu_aot.sass_counts(_SASS, "dequantize_sum_1bit") == {
+        "FADD": 2, "LDC": 1, "LOP3": 1, "FSEL": 1, "EXIT": 1, "BRA": 1}
+    assert gpu_aot.sass_counts(_SASS, "dequantize_sum_4bit") is None
