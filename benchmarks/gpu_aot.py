@@ -13,9 +13,9 @@ It needs JAX's CUDA plugin for the installed JAX, in its own environment
 (the plugin wants a GPU when it is the default backend; ``JAX_PLATFORMS=cpu``
 keeps the CPU the default while the plugin compiles)::
 
+  V=$(python -c 'import jax; print(jax.__version__)')  # the project's JAX
   python -m venv /tmp/aot && . /tmp/aot/bin/activate
-  pip install "jax[cuda13]==$(python -c 'import jax; print(jax.__version__)')" flax optax \
-      nvidia-cuda-cuobjdump
+  pip install "jax[cuda13]==$V" flax optax nvidia-cuda-cuobjdump
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_aot.py kernels
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_aot.py comm
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_traffic.py --target h200 \\
