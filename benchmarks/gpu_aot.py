@@ -15,7 +15,7 @@ keeps the CPU the default while the plugin compiles)::
 
   V=$(python -c 'import jax; print(jax.__version__)')  # the project's JAX
   python -m venv /tmp/aot && . /tmp/aot/bin/activate
-  pip install "jax[cuda13]==$V" flax optax nvidia-cuda-cuobjdump
+  pip install "jax[cuda13]==$V" flax optax nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_aot.py kernels
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_aot.py comm
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_traffic.py --target h200 \\
@@ -30,7 +30,8 @@ per thread, threads per program, global loads and stores, shared-memory
 accesses and barriers (a layout change inside the kernel goes through
 shared memory); from ``ptxas`` (on the PATH or pip's ``nvidia-cuda-nvcc``),
 registers per thread (they bound how many warps an SM holds); from
-``cuobjdump -sass`` (pip's ``nvidia-cuda-cuobjdump``), the machine
+``cuobjdump -sass`` (pip's ``nvidia-cuda-cuobjdump``, which runs
+``nvidia-cuda-nvdisasm``'s ``nvdisasm``), the machine
 instructions. Machine instructions (else PTX statements) per byte the kernel
 must move give an **issue bound**: the bandwidth at which the H200's
 instruction issue (132 SMs x 4 schedulers x 1.98 GHz, one warp instruction
@@ -214,8 +215,9 @@ def ptx_kernels(ptx: str) -> list[PtxStats]:
 
 
 def cuda_tool(name: str) -> str | None:
-    """A CUDA binary (``ptxas``, ``cuobjdump``) on the PATH or in NVIDIA's pip
-    wheels (``nvidia-cuda-nvcc``, ``nvidia-cuda-cuobjdump``); ``None`` if neither."""
+    """A CUDA binary (``ptxas``, ``cuobjdump``, ``nvdisasm``) on the PATH or in
+    NVIDIA's pip wheels (``nvidia-cuda-nvcc``, ``-cuobjdump``, ``-nvdisasm``);
+    ``None`` if neither."""
     import shutil
 
     found = shutil.which(name)
@@ -257,11 +259,12 @@ def machine_code(ptx: str, kernel: str, arch: str = "sm_90a") -> MachineCode:
         info = done.stderr.split(f"Compiling entry function '{kernel}'", 1)
         m = re.search(r"Used (\d+) registers", info[-1])
         regs = int(m.group(1)) if m and len(info) == 2 else None
-        cuobjdump = cuda_tool("cuobjdump")
-        if cuobjdump is None or done.returncode:
+        cuobjdump, nvdisasm = cuda_tool("cuobjdump"), cuda_tool("nvdisasm")
+        if cuobjdump is None or nvdisasm is None or done.returncode:
             return MachineCode(regs, None)
+        env = dict(os.environ, NVDISASM_PATH=os.path.dirname(nvdisasm))  # cuobjdump runs it
         listing = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
-                                 timeout=300).stdout
+                                 timeout=300, env=env).stdout
     return MachineCode(regs, sass_counts(listing, kernel))
 
 
