@@ -25,7 +25,7 @@ keeps the CPU the default while the plugin compiles)::
 
 ``kernels`` compiles every Pallas kernel of ``gpu_kernels.py`` at its
 default configuration (or ``--config TILE/WARPS[s]``) and prints, per
-kernel, static figures of the code: from the PTX Triton wrote, instructions
+kernel, static figures of the code (``gpu_code.py``): from the PTX Triton wrote, instructions
 per thread, threads per program, global loads and stores, shared-memory
 accesses and barriers (a layout change inside the kernel goes through
 shared memory); from ``ptxas`` (on the PATH or pip's ``nvidia-cuda-nvcc``),
@@ -52,13 +52,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
 import os
 import re
 import sys
 import tempfile
-from typing import NamedTuple
 
 # One NVIDIA H200 SXM as XLA:GPU's target description (GpuTargetConfigProto,
 # text format). Device limits as XLA reports them for Hopper (sm_90, the same
@@ -93,7 +91,6 @@ device_description_str: "NVIDIA H200"
 TARGETS = {"h200": H200_TARGET}
 # Thread-instructions the H200 can issue per second: SMs x schedulers x lanes x clock.
 H200_ISSUE_PER_S = 132 * 4 * 32 * 1.98e9
-K_CHUNKS = 8  # gpu_kernels.K: chunks summed by dequantize_sum
 
 
 def log(message: str) -> None:
@@ -126,166 +123,24 @@ def target_devices(target: str = "h200", nodes: int = 1, local: int = 1) -> list
     return list(topology.devices)
 
 
+def gpu_model(cfg):
+    """``cfg`` with the attention ``"auto"`` picks on a GPU default backend:
+    cuDNN's where it takes the head dimension (for 16-bit compute), else XLA's."""
+    import dataclasses
+
+    from zeropp_jax.models import gpt
+
+    try:
+        return dataclasses.replace(cfg, attention="cudnn")
+    except ValueError:  # a head dimension cuDNN does not take: "auto" runs XLA's there
+        return dataclasses.replace(cfg, attention="xla")
+
+
 def replicated(devices) -> object:
     """A sharding that puts a whole array on the first of ``devices``."""
-    import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     return NamedSharding(Mesh(devices[:1], ("d",)), PartitionSpec())
-
-
-# ---------------------------------------------------------------------------
-# PTX statistics.
-# ---------------------------------------------------------------------------
-
-
-class PtxStats(NamedTuple):
-    """Static figures of one PTX kernel (per thread, as written: no loop is unrolled here).
-
-    Attributes:
-      name: the ``.entry``'s name.
-      threads: threads per program (``.reqntid``/``.maxntid``; 0 if absent).
-      instructions: statements in the body (labels and directives excluded).
-      global_loads, global_stores: ``ld.global`` / ``st.global`` statements.
-      global_load_bytes, global_store_bytes: bytes they move (vector width x element size).
-      shared: ``ld.shared`` and ``st.shared`` statements.
-      barriers: ``bar.*`` statements.
-      branches: ``bra`` statements (non-zero: the counts are not per-program totals).
-      by_opcode: statements per opcode (``and.b32``, ``add.rn.f32``, ...).
-    """
-
-    name: str
-    threads: int
-    instructions: int
-    global_loads: int
-    global_stores: int
-    global_load_bytes: int
-    global_store_bytes: int
-    shared: int
-    barriers: int
-    branches: int
-    by_opcode: dict
-
-
-_TYPE_BYTES = {"b8": 1, "u8": 1, "s8": 1, "b16": 2, "u16": 2, "s16": 2, "f16": 2, "bf16": 2,
-               "b32": 4, "u32": 4, "s32": 4, "f32": 4, "b64": 8, "u64": 8, "s64": 8, "f64": 8}
-
-
-def _access_bytes(opcode: str) -> int:
-    parts = opcode.split(".")
-    width = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d+", p)), 1)
-    return width * next((_TYPE_BYTES[p] for p in reversed(parts) if p in _TYPE_BYTES), 0)
-
-
-def ptx_kernels(ptx: str) -> list[PtxStats]:
-    """Every ``.entry`` of a PTX module with its :class:`PtxStats`."""
-    out = []
-    for m in re.finditer(r"\.entry\s+(\w+)", ptx):
-        start = ptx.index("{", m.end())
-        threads = re.search(r"\.(?:reqntid|maxntid)\s+(\d+)", ptx[m.end():start])
-        depth, end = 0, start
-        for end in range(start, len(ptx)):
-            depth += {"{": 1, "}": -1}.get(ptx[end], 0)
-            if depth == 0:
-                break
-        body = re.sub(r"//[^\n]*", "", ptx[start + 1:end])
-        ops = collections.Counter()
-        for statement in re.split(r"[;\n]", body):
-            s = statement.strip().lstrip("{}").strip()
-            s = re.sub(r"^@!?%\w+\s+", "", s)  # predicate guard
-            if not s or s.startswith(".") or s.endswith(":") or s.startswith(("}", ")")):
-                continue
-            ops[s.split()[0]] += 1
-        glob_ld = {k: v for k, v in ops.items() if k.startswith("ld.global")}
-        glob_st = {k: v for k, v in ops.items() if k.startswith("st.global")}
-        out.append(PtxStats(
-            name=m.group(1),
-            threads=int(threads.group(1)) if threads else 0,
-            instructions=sum(ops.values()),
-            global_loads=sum(glob_ld.values()),
-            global_stores=sum(glob_st.values()),
-            global_load_bytes=sum(_access_bytes(k) * v for k, v in glob_ld.items()),
-            global_store_bytes=sum(_access_bytes(k) * v for k, v in glob_st.items()),
-            shared=sum(v for k, v in ops.items() if k.startswith(("ld.shared", "st.shared"))),
-            barriers=sum(v for k, v in ops.items() if k.startswith("bar.")),
-            branches=sum(v for k, v in ops.items() if k.startswith("bra")),
-            by_opcode=dict(ops.most_common()),
-        ))
-    return out
-
-
-def cuda_tool(name: str) -> str | None:
-    """A CUDA binary (``ptxas``, ``cuobjdump``, ``nvdisasm``) on the PATH or in
-    NVIDIA's pip wheels (``nvidia-cuda-nvcc``, ``-cuobjdump``, ``-nvdisasm``);
-    ``None`` if neither."""
-    import shutil
-
-    found = shutil.which(name)
-    if found:
-        return found
-    try:
-        import nvidia.cu13 as cuda_pkg  # the CUDA 13 wheels jax[cuda13] installs
-    except ImportError:
-        return None
-    candidate = os.path.join(list(cuda_pkg.__path__)[0], "bin", name)
-    return candidate if os.path.exists(candidate) else None
-
-
-class MachineCode(NamedTuple):
-    """What ``ptxas`` makes of a kernel: registers per thread (``ptxas -v``) and
-    its SASS instructions per opcode (``cuobjdump -sass``; ``None`` without it)."""
-
-    registers: int | None
-    sass: dict | None
-
-
-_SASS_LINE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
-
-
-def machine_code(ptx: str, kernel: str, arch: str = "sm_90a") -> MachineCode:
-    """Assembles ``ptx`` for ``arch`` and reads ``kernel``'s registers and SASS
-    (``MachineCode(None, None)`` without ``ptxas``)."""
-    import subprocess
-
-    ptxas = cuda_tool("ptxas")
-    if ptxas is None:
-        return MachineCode(None, None)
-    with tempfile.TemporaryDirectory(prefix="aot_ptxas_") as d:
-        src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
-        with open(src, "w") as f:
-            f.write(ptx)
-        done = subprocess.run([ptxas, f"-arch={arch}", "-v", src, "-o", cubin],
-                              capture_output=True, text=True, timeout=300)
-        info = done.stderr.split(f"Compiling entry function '{kernel}'", 1)
-        m = re.search(r"Used (\d+) registers", info[-1])
-        regs = int(m.group(1)) if m and len(info) == 2 else None
-        cuobjdump, nvdisasm = cuda_tool("cuobjdump"), cuda_tool("nvdisasm")
-        if cuobjdump is None or nvdisasm is None or done.returncode:
-            return MachineCode(regs, None)
-        env = dict(os.environ, NVDISASM_PATH=os.path.dirname(nvdisasm))  # cuobjdump runs it
-        listing = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
-                                 timeout=300, env=env).stdout
-    return MachineCode(regs, sass_counts(listing, kernel))
-
-
-def sass_counts(listing: str, kernel: str) -> dict | None:
-    """SASS instructions per opcode of ``kernel`` in a ``cuobjdump -sass``
-    listing (``NOP`` padding left out); ``None`` if the kernel is not in it."""
-    body = listing.split(f"Function : {kernel}\n", 1)
-    if len(body) != 2:
-        return None
-    ops = collections.Counter(_SASS_LINE.findall(body[1].split("Function : ", 1)[0]))
-    ops.pop("NOP", None)  # alignment padding, never issued
-    return dict(ops.most_common())
-
-
-def compiled_ptx(lowered, dump_dir: str) -> str:
-    """Compiles ``lowered`` with XLA's dump in ``dump_dir`` and returns all its PTX."""
-    lowered.compile({"xla_dump_to": dump_dir})
-    texts = [open(p).read() for p in sorted(glob.glob(os.path.join(dump_dir, "*.ptx")))]
-    if not texts:
-        raise RuntimeError(f"XLA wrote no PTX to {dump_dir}: was this compiled for a GPU?")
-    return "\n".join(texts)
 
 
 # ---------------------------------------------------------------------------
@@ -298,6 +153,7 @@ def kernel_rows(devices, elems: int, only: str = "", config=None) -> list[dict]:
     import jax
 
     import gpu_kernels
+    from gpu_code import compiled_ptx, machine_code, ptx_kernels
     from pallas_kernels import _common
     from pallas_kernels.config import default_config
 
@@ -308,8 +164,8 @@ def kernel_rows(devices, elems: int, only: str = "", config=None) -> list[dict]:
             continue
         kernel = gpu_kernels.KERNEL_NAMES[kind]
         cfg = config or default_config(kernel, bits)
-        args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                            jax.eval_shape(make_inputs))
+        place = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)  # noqa: E731
+        args = jax.tree.map(place, jax.eval_shape(make_inputs))
         with tempfile.TemporaryDirectory(prefix="aot_ptx_") as dump:
             ptx = compiled_ptx(jax.jit(pallas(cfg)).lower(*args), dump)
         stats = [s for s in ptx_kernels(ptx) if s.name.startswith(kernel)]
@@ -319,7 +175,8 @@ def kernel_rows(devices, elems: int, only: str = "", config=None) -> list[dict]:
         s = stats[0]
         code = machine_code(ptx, s.name)
         sass = sum(code.sass.values()) if code.sass else None
-        tiled = elems // K_CHUNKS if kind == "dequantize_sum" else elems  # what tile_elems counts
+        # what tile_elems counts: output elements for dequantize_sum, inputs elsewhere
+        tiled = elems // gpu_kernels.K if kind == "dequantize_sum" else elems
         per_program = _common.tile_blocks(tiled // block, block, cfg.tile_elems) * block
         programs = tiled // per_program
         # issue bound from the machine code where cuobjdump read it, else from the PTX
@@ -375,10 +232,9 @@ def comm_rows(presets, target: str = "h200", batch_size: int = 16) -> list[dict]
                            "XLA_FLAGS=--xla_force_host_platform_device_count=8")
     meshes = {"cpu": zp.make_mesh(2, 4, devices=cpus[:8]),
               target: zp.make_mesh(2, 4, devices=target_devices(target, 2, 4))}
-    model = gpt.GPTConfig()
-    shapes = jax.eval_shape(lambda k: gpt.init_params(model, k), jax.random.key(0))
-    batch = jax.ShapeDtypeStruct((batch_size, model.seq_len + 1), jnp.int32)
-    loss = functools.partial(gpt.loss_fn, cfg=model, gather=zp.gather, layer=zp.layer)
+    models = {"cpu": gpt.GPTConfig(), target: gpu_model(gpt.GPTConfig())}  # same parameters
+    shapes = jax.eval_shape(lambda k: gpt.init_params(models["cpu"], k), jax.random.key(0))
+    batch = jax.ShapeDtypeStruct((batch_size, models["cpu"].seq_len + 1), jnp.int32)
     rows = []
     for preset in presets:
         config = zp.ZeroConfig.from_preset(preset, compute_dtype=jnp.bfloat16)
@@ -386,6 +242,8 @@ def comm_rows(presets, target: str = "h200", batch_size: int = 16) -> list[dict]
                      else optax.adam(1e-3))
         found = {}
         for where, mesh in meshes.items():
+            loss = functools.partial(gpt.loss_fn, cfg=models[where], gather=zp.gather,
+                                     layer=zp.layer)
             trainer = zp.make_trainer(loss, optimizer, shapes, mesh=mesh, config=config,
                                       per_layer=True, stacked=("blocks",))
             variants = ({"compressed": True, "full_precision": False} if trainer.qgz_active

@@ -4,8 +4,8 @@
 trainer, from the HLO), ``benchmarks/gpu_profile.py`` (device time per
 kernel from a profiler trace; on the CPU the executable's thunks) and
 ``gpu_train_probe.py --hlo-dir --profile-dir``, which uses both, and
-``benchmarks/gpu_aot.py`` (compiling for a GPU without one: its PTX figures,
-and what it says where JAX's CUDA plugin is missing).
+``benchmarks/gpu_aot.py`` (compiling for a GPU without one: what it says
+where JAX's CUDA plugin is missing) with ``gpu_code.py`` (PTX and SASS figures).
 """
 
 from __future__ import annotations
@@ -142,10 +142,10 @@ $L__tmp0:
 def test_ptx_figures_of_a_kernel():
     sys.path.insert(0, BENCH)
     try:
-        import gpu_aot
+        import gpu_code
     finally:
         sys.path.remove(BENCH)
-    (k,) = gpu_aot.ptx_kernels(_PTX)
+    (k,) = gpu_code.ptx_kernels(_PTX)
     assert (k.name, k.threads) == ("dequantize_sum_1bit", 32)
     # mov x2, ld.global, st.shared, bar, ld.shared, and, setp, selp, add, st.global, ret
     # (+ ld.param); labels, directives, comments and braces are not statements
@@ -194,9 +194,9 @@ _SASS = """
 def test_sass_counts_of_one_kernel():
     sys.path.insert(0, BENCH)
     try:
-        import gpu_aot
+        import gpu_code
     finally:
         sys.path.remove(BENCH)
-    assert gpu_aot.sass_counts(_SASS, "dequantize_sum_1bit") == {
+    assert gpu_code.sass_counts(_SASS, "dequantize_sum_1bit") == {
         "FADD": 2, "LDC": 1, "LOP3": 1, "FSEL": 1, "EXIT": 1, "BRA": 1}
-    assert gpu_aot.sass_counts(_SASS, "dequantize_sum_4bit") is None
+    assert gpu_code.sass_counts(_SASS, "dequantize_sum_4bit") is None

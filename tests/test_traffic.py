@@ -127,3 +127,30 @@ def test_a_slice_after_element_wise_decoding_reads_the_sliced_codes():
     assert op.written == 2 * 1024
     # 1024 int8 codes, the 16 scales (through a broadcast: read whole) and the index
     assert op.read == 1024 + 4 * 16 + 4
+
+
+def _chain(depth: int) -> str:
+    """A fusion of ``depth`` ``add(x, x)`` over a 1024-element parameter, then a 16-element slice."""
+    lines = ["  %x0 = f32[1024]{0} parameter(0)"]
+    for k in range(1, depth + 1):
+        lines.append(f"  %x{k} = f32[1024]{{0}} add(%x{k - 1}, %x{k - 1})")
+    lines.append(f"  ROOT %s = f32[16]{{0}} slice(%x{depth}), slice={{[0:16]}}")
+    body = "\n".join(lines)
+    return f"""HloModule chain
+
+%fused (x0: f32[1024]) -> f32[16] {{
+{body}
+}}
+
+ENTRY %main (p: f32[1024]) -> f32[16] {{
+  %p = f32[1024]{{0}} parameter(0)
+  ROOT %f = f32[16]{{0}} fusion(%p), kind=kLoop, calls=%fused
+}}
+"""
+
+
+def test_paths_that_meet_again_count_their_slice_once():
+    # add(x, x) uses x twice; 40 of them in a row would be 2**40 paths walked one by one
+    for depth in (1, 40):
+        (op,) = memory_traffic(_chain(depth))
+        assert (op.read, op.written) == (4 * 16, 4 * 16)

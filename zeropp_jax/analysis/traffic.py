@@ -10,9 +10,9 @@ in a computation ``ENTRY`` reaches through ``while`` / ``conditional`` /
 ``call``:
 
 * bytes read: each operand's bytes, except that an operand a fusion reads
-  only through ``slice`` / ``dynamic-slice`` (after bitcasts, converts or
-  other slices)
-  counts as the slices' bytes (a
+  only through ``slice`` / ``dynamic-slice`` (after bitcasts, converts,
+  other element-wise instructions of the same element count, or other
+  slices) counts as the slices' bytes (a
   loop body reading one layer of a stacked array reads that layer, not the
   stack), and an unfused ``dynamic-slice`` reads its result's bytes;
 * bytes written: the result's bytes, except an in-place
@@ -157,23 +157,35 @@ def _through_bitcasts(inst: Instruction | None, by_name: dict) -> Instruction | 
 
 
 def _slices_read(name: str, users: dict[str, list[Instruction]], by_name: dict,
-                 scale: float = 1.0) -> int | None:
-    """Bytes a fused parameter is read through slices (seen through bitcasts,
-    reshapes and converts, at the parameter's own width, and through slices
-    of slices), or ``None`` if some use reads it whole."""
+                 scale: float = 1.0, seen: set[str] | None = None) -> int | None:
+    """Bytes a fused parameter is read through slices, or ``None`` if some use
+    reads it whole.
+
+    Seen through bitcasts, reshapes, converts and other element-wise
+    instructions of the same element count (at the parameter's own width),
+    and through slices of slices (the inner slice is what is read). Each
+    instruction is visited once (``seen``), so an operand used twice by one
+    instruction, or paths that meet again, count their slices once.
+    """
+    seen = set() if seen is None else seen
     uses = users.get(name, [])
     if not uses:
         return None
     width = _itemsize(by_name[name]) if name in by_name else None
     total = 0
     for u in uses:
+        if u.name in seen:
+            continue
+        seen.add(u.name)
         ratio = scale * (width / _itemsize(u) if width and _itemsize(u) else 1.0)
         if u.opcode in _SLICES and u.operands[0][0] == name:
             own = int(shape_bytes(u.shape) * ratio)
-            inner = _slices_read(u.name, users, by_name, ratio)  # a slice of a slice
+            # a slice of a slice: a walk of its own, so that what it finds
+            # cannot hide a whole read from the other paths
+            inner = _slices_read(u.name, users, by_name, ratio, set(seen))
             total += own if inner is None else min(own, inner)
         elif u.opcode in _PASS_THROUGH and _elements(u) == _elements(by_name.get(name)):
-            inner = _slices_read(u.name, users, by_name, ratio)
+            inner = _slices_read(u.name, users, by_name, ratio, seen)
             if inner is None:
                 return None
             total += inner

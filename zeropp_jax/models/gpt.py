@@ -58,10 +58,12 @@ class GPTConfig:
       d_model: residual width ``d``; must be divisible by ``n_heads``.
       n_heads: attention heads ``H``.
       mlp_ratio: MLP hidden width is ``mlp_ratio * d_model``.
-      attention: ``jax.nn.dot_product_attention``'s implementation:
-        ``"auto"`` (cuDNN's fused kernel where the default backend is a GPU
-        and cuDNN takes the shape, XLA's elsewhere), ``"cudnn"`` (always;
-        e.g. to compile for a GPU from a machine without one) or ``"xla"``.
+      attention: ``jax.nn.dot_product_attention``'s implementation for
+        16-bit compute: ``"auto"`` (cuDNN's fused kernel where the default
+        backend is a GPU, XLA's elsewhere), ``"cudnn"`` (on any backend: to
+        compile for a GPU from a machine without one; the head dimension must
+        suit cuDNN) or ``"xla"``. Float32 attention is always XLA's
+        (:func:`attention_implementation`).
     """
 
     vocab_size: int = 256
@@ -86,13 +88,13 @@ class GPTConfig:
                 raise ValueError(
                     f"GPTConfig.{field.name} must be a positive int, got {value!r}."
                 )
-        if self.d_model % self.n_heads == 0 and self.attention == "cudnn":
-            attention_implementation(jnp.bfloat16, self.d_model // self.n_heads, "cudnn")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"GPTConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads}; "
                 f"e.g. use d_model={self.n_heads * max(1, self.d_model // self.n_heads)}."
             )
+        if self.attention == "cudnn":  # raises for a head dimension cuDNN does not take
+            attention_implementation(jnp.bfloat16, self.head_dim, "cudnn")
 
     @property
     def head_dim(self) -> int:
