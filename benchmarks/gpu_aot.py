@@ -18,6 +18,7 @@ keeps the CPU the default while the plugin compiles)::
   pip install "jax[cuda13]==$V" flax optax nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_aot.py kernels
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_aot.py comm
+  JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/gpu_aot.py overlap --presets zero3,qwz,zeropp
   JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/step_traffic.py --target h200 \\
       --layers 24 --d-model 2048 --heads 16 --seq 1024 --batch 8
 
@@ -46,6 +47,11 @@ collectives to float32, which every report of this project undoes by
 counting full-precision payloads at the run's dtypes
 (``zeropp_jax.analysis.headline.report_dtypes``); the GPU's HLO is what a
 GPU run sends, as compiled. About 3 minutes on 2 cores.
+
+``overlap`` compiles each preset's step at ``--shape`` for two hosts of four
+target GPUs and lists every asynchronous collective with the kernels the
+GPU's schedule places while it is in flight (``zeropp_jax.analysis.overlap``):
+what can hide it, a schedule, not a timeline.
 """
 
 from __future__ import annotations
@@ -207,6 +213,51 @@ def kernel_rows(devices, elems: int, only: str = "", config=None) -> list[dict]:
 # ---------------------------------------------------------------------------
 
 
+def example_trainer(preset: str, cfg, params_shapes, mesh):
+    """The example GPT's trainer for ``preset`` at bf16 compute, per-layer
+    gathering over its stacked blocks (1-bit Adam for the momentum presets)."""
+    import functools
+
+    import jax.numpy as jnp
+    import optax
+
+    import zeropp_jax as zp
+    from zeropp_jax.models import gpt
+
+    config = zp.ZeroConfig.from_preset(preset, compute_dtype=jnp.bfloat16)
+    optimizer = zp.onebit_adam(1e-3) if config.qgz_target == "momentum" else optax.adam(1e-3)
+    loss = functools.partial(gpt.loss_fn, cfg=cfg, gather=zp.gather, layer=zp.layer)
+    return zp.make_trainer(loss, optimizer, params_shapes, mesh=mesh, config=config,
+                           per_layer=True, stacked=("blocks",))
+
+
+def overlap_rows(presets, cfg, batch_size: int, target: str = "h200") -> list[dict]:
+    """Per preset, the compressed (or only) step of ``cfg`` compiled for two
+    hosts of four ``target`` GPUs: each asynchronous collective and what the
+    GPU's schedule overlaps with it (:func:`zeropp_jax.analysis.overlap.async_overlaps`)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    import zeropp_jax as zp
+    from zeropp_jax.analysis.overlap import async_overlaps
+    from zeropp_jax.models import gpt
+
+    mesh = zp.make_mesh(2, 4, devices=target_devices(target, 2, 4))
+    cfg = gpu_model(cfg)
+    shapes = jax.eval_shape(lambda k: gpt.init_params(cfg, k), jax.random.key(0))
+    batch = jax.ShapeDtypeStruct((batch_size, cfg.seq_len + 1), jnp.int32)
+    rows = []
+    for preset in presets:
+        trainer = example_trainer(preset, cfg, shapes, mesh)
+        text = trainer.compile_from_shapes(shapes, batch).as_text()
+        rows += [dict(preset=preset, **dataclasses.asdict(o))
+                 for o in async_overlaps(text, (2, 4))]
+        log(f"{preset}: compiled for 2 x 4 {target}")
+    return rows
+
+
 def comm_rows(presets, target: str = "h200", batch_size: int = 16) -> list[dict]:
     """Per preset and step variant: inter- and intra-node bytes of the example
     GPT's step (bf16 compute, ``(2, 4)`` mesh) compiled for ``target`` (two
@@ -215,11 +266,8 @@ def comm_rows(presets, target: str = "h200", batch_size: int = 16) -> list[dict]
     compiled and at the run's dtypes (``headline.report_dtypes``, what every
     figure of this project reports), and the GPU's collectives by kind and dtype.
     """
-    import functools
-
     import jax
     import jax.numpy as jnp
-    import optax
 
     import zeropp_jax as zp
     from zeropp_jax.analysis import headline
@@ -237,15 +285,9 @@ def comm_rows(presets, target: str = "h200", batch_size: int = 16) -> list[dict]
     batch = jax.ShapeDtypeStruct((batch_size, models["cpu"].seq_len + 1), jnp.int32)
     rows = []
     for preset in presets:
-        config = zp.ZeroConfig.from_preset(preset, compute_dtype=jnp.bfloat16)
-        optimizer = (zp.onebit_adam(1e-3) if config.qgz_target == "momentum"
-                     else optax.adam(1e-3))
         found = {}
         for where, mesh in meshes.items():
-            loss = functools.partial(gpt.loss_fn, cfg=models[where], gather=zp.gather,
-                                     layer=zp.layer)
-            trainer = zp.make_trainer(loss, optimizer, shapes, mesh=mesh, config=config,
-                                      per_layer=True, stacked=("blocks",))
+            trainer = example_trainer(preset, models[where], shapes, mesh)
             variants = ({"compressed": True, "full_precision": False} if trainer.qgz_active
                         else {"step": False})
             for variant, compress in variants.items():
@@ -287,7 +329,8 @@ def _parse_config(text: str | None):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["kernels", "comm"], help="what to compile and report")
+    parser.add_argument("what", choices=["kernels", "comm", "overlap"],
+                        help="what to compile and report")
     parser.add_argument("--target", default="h200", choices=sorted(TARGETS))
     parser.add_argument("--elems", type=int, default=2**24,
                         help="elements per input (2**24; only the grid depends on it)")
@@ -296,6 +339,9 @@ def main(argv=None) -> int:
                         help="TILE/WARPS[s] for every kernel instead of its default")
     parser.add_argument("--presets", default="zero3,qwz,hpz,qgz,zeropp,zeropp-max",
                         help="comm: the presets compiled")
+    parser.add_argument("--shape", default="24,2048,16,1024,16",
+                        help="overlap: LAYERS,D_MODEL,HEADS,SEQ,BATCH of the example GPT "
+                             "(default the probe's 1.2B, batch 2 per device)")
     parser.add_argument("--json-out", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     config = _parse_config(args.config)
@@ -308,6 +354,12 @@ def main(argv=None) -> int:
 
     if args.what == "comm":
         rows = comm_rows(args.presets.split(","), args.target)
+    elif args.what == "overlap":
+        from zeropp_jax.models import gpt
+
+        layers, d_model, heads, seq, batch = (int(v) for v in args.shape.split(","))
+        cfg = gpt.GPTConfig(seq_len=seq, n_layers=layers, d_model=d_model, n_heads=heads)
+        rows = overlap_rows(args.presets.split(","), cfg, batch, args.target)
     else:
         rows = kernel_rows(target_devices(args.target), args.elems, args.only, config)
     result = dict(jax=jax.__version__, target=args.target, what=args.what, rows=rows)
@@ -315,6 +367,14 @@ def main(argv=None) -> int:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)
+    if args.what == "overlap":
+        print(f"Asynchronous collectives of each step compiled for 2 x 4 {args.target} and the "
+              f"kernels its schedule runs while each is in flight (x = executions per step)")
+        for r in rows:
+            print(f"{r['preset']:<11}{r['kind']:<16}x{r['count']:<4}{r['axis']:<11}"
+                  f"{r['operand_bytes'] / 1e6:8.1f} MB  {r['kernels']:>3} kernels "
+                  f"{r['kernel_bytes'] / 1e6:8.1f} MB  {r['computation']}")
+        return 0
     if args.what == "comm":
         print(f"Inter-node bytes per node per step, example GPT, bf16, 2 x 4 devices: compiled "
               f"for {args.target} vs for the CPU (as compiled, and at the run's dtypes)")

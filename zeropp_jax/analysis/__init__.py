@@ -17,4 +17,8 @@ Read in this order (each module builds on the ones above it):
   compiled step (hierarchical counting), scaled to a target.
 * :mod:`~zeropp_jax.analysis.cost_model`: step time predicted from those
   bytes on a described cluster, and the check against the ZeRO++ paper.
+* :mod:`~zeropp_jax.analysis.traffic`: device-memory bytes of each kernel of
+  a compiled program, with loop trip counts.
+* :mod:`~zeropp_jax.analysis.overlap`: per asynchronous collective of a GPU
+  schedule, the kernels (and their bytes) that run while it is in flight.
 """
