@@ -13,9 +13,14 @@ same values with the gathers one layer ahead:
   on the gather, so the two may overlap. Only the layers' inputs are saved for
   the backward pass, never gathered parameters.
 * backward (in reverse): iteration ``i`` issues the gather of layer
-  ``i - 1``, ordered after the cotangent arriving at layer ``i``, recomputes
-  layer ``i``'s forward on the gathered parameters carried in, takes its VJP
-  and reduce-scatters the parameter gradient into the unit's sink.
+  ``i - 1``, ordered after the cotangent arriving at layer ``i``, and the
+  reduce-scatter of layer ``i + 1``'s parameter gradient, carried in from
+  the iteration before, into the unit's sink; then it recomputes layer
+  ``i``'s forward on the gathered parameters carried in and takes its VJP,
+  whose gradient it carries on. Neither collective depends on the layer's
+  VJP, so both may overlap it. (Reduced at the end of its own iteration, a
+  layer's gradient had nothing left to overlap: XLA:GPU's schedule ran the
+  reduce-scatter, and then the gather, after the VJP; benchmarks/RESULTS.md.)
 
 With hpZ (one micro-batch, :meth:`~zeropp_jax.step.geometry.StepGeometry.forms_secondary_per_layer`)
 the stacked unit's source is the primary payload, and the forward's gather
@@ -34,9 +39,11 @@ parameters it gathers again, instead of recomputing the layer's forward.
 Each layer is still gathered twice and its gradient reduce-scattered once
 (``2L`` gathers and ``L`` reduce-scatters per stacked unit, the collectives
 of ZeRO-3), and at most two layers' gathered parameters are alive at a time:
-one more than without prefetch. The first layer of each direction is
-gathered before the loop and the last one computed after it, so no
-iteration gathers a layer that does not exist.
+one more than without prefetch; in the backward also one layer's gradient
+waiting to be reduced. The first layer of each direction is gathered before
+the loop and the last one computed after it, so no iteration gathers a
+layer that does not exist; the backward also computes its first layer
+(``L - 1``) before its loop, so every iteration has a gradient to reduce.
 
 Memory. A loop carries the gathered layer in its wire form (qwZ's int8 codes
 and scales, decoded in the iteration that computes the layer; without qwZ the
@@ -285,39 +292,42 @@ def _prefetched_bwd(stack, residuals, cotangents):
             d_consts, d_h, d_x, d_flats = vjp(ct)
         else:  # the forward kept its VJP
             d_consts, d_h, d_x, d_flats = pull_back(lin, primals, ct)
-        grads = tuple(map(reduce_gradient, stack.plans, d_flats))
-        return _floats_only(d_consts), d_h, _floats_only(d_x), grads
+        return _floats_only(d_consts), d_h, _floats_only(d_x), d_flats
 
-    def step(state, i, lin=None):  # i = L-1 .. 1
-        ct_h, wires, d_consts, sink_grads, consts = state
+    def settle(sink_grads, pending, i):
+        grads = tuple(map(reduce_gradient, stack.plans, pending))
+        return tuple(map(lambda g, gi: _set_row(g, i, gi), sink_grads, grads))
+
+    def step(state, i, lin=None, first=False):  # i = L-1 .. 1
+        ct_h, wires, d_consts, sink_grads, consts, pending = state
         flats = stack.decode(wires)
+        if not first:  # layer i + 1's gradient, reduced while layer i's VJP runs
+            sink_grads = settle(sink_grads, pending, i + 1)
         # waits for the incoming cotangent and the carried layer's read, not the VJP
         ahead, _ = stack.gather(sources, i - 1, after=ct_h, held=flats)
-        dc, d_h, d_x, grads = layer_vjp(i, _at(inputs, i - 1), flats, ct_h, consts, lin)
-        sink_grads = tuple(map(lambda g, gi: _set_row(g, i, gi), sink_grads, grads))
+        dc, d_h, d_x, d_flats = layer_vjp(i, _at(inputs, i - 1), flats, ct_h, consts, lin)
         # the constants pass on tied to d_h: a carry XLA cannot forward as loop-invariant
         consts = tie_after(consts, zero_after(d_h))
-        return (d_h, ahead, _add(d_consts, dc), sink_grads, consts), d_x
+        return (d_h, ahead, _add(d_consts, dc), sink_grads, consts, d_flats), d_x
 
     wires, _ = stack.gather(sources, n - 1, after=(ct_out, ct_ys))
     # the gradients' zeros wait for the cotangent too: built before the forward, a
     # broadcast of a constant would stay alive across it
     after = zero_after((ct_out, ct_ys))
     state = (ct_out, wires, _zeros(_floats_only(consts)), tie_after(_zeros(sinks), after),
-             consts)
-    stop, d_x_last = n, None
+             consts, None)
+    lin_last = None
     if lins is not None:  # layer L-1's kept VJP was traced outside the forward's loop
         lins, lin_last = lins
-        state, d_x_last = step(state, n - 1, lin_last)
-        stop = n - 1
+    state, d_x_last = step(state, n - 1, lin_last, first=True)
     state, d_xs = jax.lax.scan(
-        lambda state, i: step(state, i, _at(lins, i)), state, jnp.arange(1, stop), reverse=True)
-    if d_x_last is not None:
-        d_xs = _append(d_xs, d_x_last)
-    ct_h, wires, d_consts, sink_grads, consts = state
+        lambda state, i: step(state, i, _at(lins, i)), state, jnp.arange(1, n - 1), reverse=True)
+    d_xs = _append(d_xs, d_x_last)
+    ct_h, wires, d_consts, sink_grads, consts, pending = state
     flats = _read_after(stack.decode(wires), ct_h)  # not sliced before layer 1's VJP
-    dc, d_carry, d_x, grads = layer_vjp(0, carry, flats, ct_h, consts, _at(lins, 0))
-    sink_grads = tuple(map(lambda g, gi: _set_row(g, 0, gi), sink_grads, grads))
+    sink_grads = settle(sink_grads, pending, 1)
+    dc, d_carry, d_x, d_flats = layer_vjp(0, carry, flats, ct_h, consts, _at(lins, 0))
+    sink_grads = settle(sink_grads, d_flats, 0)
     return _add(d_consts, dc), d_carry, _prepend(d_x, d_xs), None, sink_grads
 
 
