@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from zeropp_jax.analysis.collectives import parse_collectives
+from zeropp_jax.analysis.collectives import COLLECTIVE_KINDS, parse_collectives
 from zeropp_jax.analysis.hlo import multiplicities, parse_module
 from zeropp_jax.analysis.traffic import memory_traffic
 
 __all__ = ["Overlap", "async_overlaps"]
 
-# Instructions that run a kernel of their own on the device's compute stream.
-_KERNELS = frozenset({"fusion", "custom-call", "copy", "dot", "convolution", "sort", "scatter",
-                      "gather", "reduce", "dynamic-slice", "dynamic-update-slice"})
+
+def _computes(opcode: str) -> bool:
+    """A kernel-running instruction (one ``memory_traffic`` lists) that is not itself a collective."""
+    return opcode.removesuffix("-start") not in COLLECTIVE_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +88,7 @@ def async_overlaps(hlo_text: str, mesh_shape: tuple[int, int]) -> list[Overlap]:
             if done is None:
                 continue
             window = [w for w in comp.instructions[k + 1:order[done.name]]
-                      if w.opcode in _KERNELS and w.name in traffic]
+                      if w.name in traffic and _computes(w.opcode)]
             c = collectives.get(inst.name)
             out.append(Overlap(
                 name=inst.name, kind=inst.opcode[: -len("-start")], computation=cname,
