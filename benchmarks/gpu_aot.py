@@ -214,21 +214,15 @@ def kernel_rows(devices, elems: int, only: str = "", config=None) -> list[dict]:
 
 
 def example_trainer(preset: str, cfg, params_shapes, mesh):
-    """The example GPT's trainer for ``preset`` at bf16 compute, per-layer
-    gathering over its stacked blocks (1-bit Adam for the momentum presets)."""
-    import functools
-
+    """The example GPT's trainer for ``preset`` at bf16 compute
+    (:func:`zeropp_jax.analysis.comm_profile.example_trainer`)."""
     import jax.numpy as jnp
-    import optax
 
     import zeropp_jax as zp
-    from zeropp_jax.models import gpt
+    from zeropp_jax.analysis.comm_profile import example_trainer as build
 
-    config = zp.ZeroConfig.from_preset(preset, compute_dtype=jnp.bfloat16)
-    optimizer = zp.onebit_adam(1e-3) if config.qgz_target == "momentum" else optax.adam(1e-3)
-    loss = functools.partial(gpt.loss_fn, cfg=cfg, gather=zp.gather, layer=zp.layer)
-    return zp.make_trainer(loss, optimizer, params_shapes, mesh=mesh, config=config,
-                           per_layer=True, stacked=("blocks",))
+    return build(zp.ZeroConfig.from_preset(preset, compute_dtype=jnp.bfloat16), cfg,
+                 params_shapes, mesh)
 
 
 def overlap_rows(presets, cfg, batch_size: int, target: str = "h200") -> list[dict]:
@@ -288,9 +282,7 @@ def comm_rows(presets, target: str = "h200", batch_size: int = 16) -> list[dict]
         found = {}
         for where, mesh in meshes.items():
             trainer = example_trainer(preset, models[where], shapes, mesh)
-            variants = ({"compressed": True, "full_precision": False} if trainer.qgz_active
-                        else {"step": False})
-            for variant, compress in variants.items():
+            for variant, compress in headline.step_variants(trainer).items():
                 text = trainer.compile_from_shapes(shapes, batch, compress=compress).as_text()
                 found[where, variant] = (
                     comm_report(text, mesh_shape=(2, 4)),

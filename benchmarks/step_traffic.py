@@ -75,15 +75,14 @@ def main(argv=None) -> int:
 
     if args.hlo_dir and args.target:
         parser.error("--hlo-dir reads a GPU run's HLO; --target compiles it: choose one")
+    cfg = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layers=args.layers,
+                        d_model=args.d_model, n_heads=args.heads)
     devices = None
     if args.target:
         import gpu_aot
 
         devices = gpu_aot.target_devices(args.target)
-    cfg = gpt.GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layers=args.layers,
-                        d_model=args.d_model, n_heads=args.heads)
-    if args.target:  # what "auto" picks on the GPU, decided here for the GPU compiled for
-        cfg = gpu_aot.gpu_model(cfg)
+        cfg = gpu_aot.gpu_model(cfg)  # what "auto" picks on the GPU compiled for
     params = gpt.count_params(cfg)
     rows = []
     for variant in variants:

@@ -10,6 +10,7 @@ where JAX's CUDA plugin is missing) with ``gpu_code.py`` (PTX and SASS figures).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -24,6 +25,15 @@ from zeropp_jax.analysis.hlo import parse_module
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 TINY = ["--layers", "2", "--d-model", "64", "--heads", "4", "--seq", "32", "--batch", "2"]
+
+
+def _bench_module(name: str):
+    """A module of benchmarks/, imported with that folder on the path (as its scripts run)."""
+    sys.path.insert(0, BENCH)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(BENCH)
 
 
 @pytest.fixture(scope="module")
@@ -140,11 +150,7 @@ $L__tmp0:
 
 
 def test_ptx_figures_of_a_kernel():
-    sys.path.insert(0, BENCH)
-    try:
-        import gpu_code
-    finally:
-        sys.path.remove(BENCH)
+    gpu_code = _bench_module("gpu_code")
     (k,) = gpu_code.ptx_kernels(_PTX)
     assert (k.name, k.threads) == ("dequantize_sum_1bit", 32)
     # mov x2, ld.global, st.shared, bar, ld.shared, and, setp, selp, add, st.global, ret
@@ -157,11 +163,7 @@ def test_ptx_figures_of_a_kernel():
 
 
 def test_gpu_aot_compiles_for_an_h200_or_says_what_to_install():
-    sys.path.insert(0, BENCH)
-    try:
-        import gpu_aot
-    finally:
-        sys.path.remove(BENCH)
+    gpu_aot = _bench_module("gpu_aot")
     try:
         devices = gpu_aot.target_devices("h200")
     except RuntimeError as e:  # no CUDA plugin (CI): the error names the install
@@ -192,11 +194,7 @@ _SASS = """
 
 
 def test_sass_counts_of_one_kernel():
-    sys.path.insert(0, BENCH)
-    try:
-        import gpu_code
-    finally:
-        sys.path.remove(BENCH)
+    gpu_code = _bench_module("gpu_code")
     assert gpu_code.sass_counts(_SASS, "dequantize_sum_1bit") == {
         "FADD": 2, "LDC": 1, "LOP3": 1, "FSEL": 1, "EXIT": 1, "BRA": 1}
     assert gpu_code.sass_counts(_SASS, "dequantize_sum_4bit") is None

@@ -40,6 +40,7 @@ from zeropp_jax.analysis.hlo import dtype_bytes
 __all__ = [
     "CollectiveCost",
     "CommProfile",
+    "example_trainer",
     "link_bytes",
     "profile_config",
     "profile_preset",
@@ -176,6 +177,31 @@ def profile_report(report: CommReport, *, params: int, label: str = "") -> CommP
                        collectives=tuple(costs))
 
 
+def example_trainer(config, model, params_shapes, mesh):
+    """The example GPT's trainer for ``config`` on ``mesh``: per-layer gathering
+    over its stacked blocks, 1-bit Adam where ``config`` targets the momentum,
+    optax Adam otherwise (the optimizer does not change what crosses the wire,
+    only which one runs).
+
+    Args:
+      config: a :class:`zeropp_jax.ZeroConfig`.
+      model: a :class:`zeropp_jax.models.gpt.GPTConfig`.
+      params_shapes: the model's parameter shapes (``jax.eval_shape`` of its init).
+      mesh: a ``(node, local)`` mesh.
+    """
+    import functools
+
+    import optax
+
+    import zeropp_jax as zp
+    from zeropp_jax.models import gpt
+
+    loss = functools.partial(gpt.loss_fn, cfg=model, gather=zp.gather, layer=zp.layer)
+    optimizer = zp.onebit_adam(1e-3) if config.qgz_target == "momentum" else optax.adam(1e-3)
+    return zp.make_trainer(loss, optimizer, params_shapes, mesh=mesh, config=config,
+                           per_layer=True, stacked=("blocks",))
+
+
 def profile_config(
     config,
     *,
@@ -201,10 +227,7 @@ def profile_config(
         both, weighted by how often it runs).
       label: name for tables.
     """
-    import functools
-
     import jax
-    import optax
 
     import zeropp_jax as zp
     from zeropp_jax.models import gpt
@@ -212,11 +235,7 @@ def profile_config(
     mesh = zp.make_mesh(2, 4) if mesh is None else mesh
     model = gpt.GPTConfig() if model is None else model
     shapes = jax.eval_shape(lambda k: gpt.init_params(model, k), jax.random.key(0))
-    loss = functools.partial(gpt.loss_fn, cfg=model, gather=zp.gather, layer=zp.layer)
-    # The optimizer does not change what crosses the wire, only which one runs.
-    optimizer = zp.onebit_adam(1e-3) if config.qgz_target == "momentum" else optax.adam(1e-3)
-    trainer = zp.make_trainer(loss, optimizer, shapes, mesh=mesh, config=config,
-                              per_layer=True, stacked=("blocks",))
+    trainer = example_trainer(config, model, shapes, mesh)
     _check_profile_mesh((trainer.nodes, trainer.local))
     batch = jax.ShapeDtypeStruct((batch_size, model.seq_len + 1), jax.numpy.int32)
 

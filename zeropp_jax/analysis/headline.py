@@ -24,6 +24,7 @@ __all__ = [
     "schedule_mean",
     "step_bytes",
     "step_reports",
+    "step_variants",
     "summary_line",
     "zero3_inter_node_bytes",
 ]
@@ -61,14 +62,20 @@ def step_reports(trainer, params_shapes: Any, batch: Any) -> dict[str, CommRepor
       ``{"compressed": ..., "full_precision": ...}`` when qgZ is active,
       else ``{"step": ...}``; reports count payloads at :func:`report_dtypes`.
     """
-    variants = ({"compressed": True, "full_precision": False} if trainer.qgz_active
-                else {"step": False})
     mesh_shape = (trainer.nodes, trainer.local)
     return {
         name: comm_report(trainer.compile_from_shapes(params_shapes, batch, compress=compress),
                           mesh_shape=mesh_shape, **report_dtypes(trainer))
-        for name, compress in variants.items()
+        for name, compress in step_variants(trainer).items()
     }
+
+
+def step_variants(trainer) -> dict[str, bool]:
+    """A trainer's compiled step variants by name, each with its ``compress`` flag:
+    ``{"compressed": True, "full_precision": False}`` when qgZ is active, else
+    ``{"step": False}``."""
+    return ({"compressed": True, "full_precision": False} if trainer.qgz_active
+            else {"step": False})
 
 
 def full_precision_steps(schedule, steps: int) -> int:

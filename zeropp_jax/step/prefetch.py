@@ -298,10 +298,10 @@ def _prefetched_bwd(stack, residuals, cotangents):
         grads = tuple(map(reduce_gradient, stack.plans, pending))
         return tuple(map(lambda g, gi: _set_row(g, i, gi), sink_grads, grads))
 
-    def step(state, i, lin=None, first=False):  # i = L-1 .. 1
+    def step(state, i, lin=None):  # i = L-1 .. 1
         ct_h, wires, d_consts, sink_grads, consts, pending = state
         flats = stack.decode(wires)
-        if not first:  # layer i + 1's gradient, reduced while layer i's VJP runs
+        if pending is not None:  # layer i + 1's gradient, reduced while layer i's VJP runs
             sink_grads = settle(sink_grads, pending, i + 1)
         # waits for the incoming cotangent and the carried layer's read, not the VJP
         ahead, _ = stack.gather(sources, i - 1, after=ct_h, held=flats)
@@ -319,7 +319,7 @@ def _prefetched_bwd(stack, residuals, cotangents):
     lin_last = None
     if lins is not None:  # layer L-1's kept VJP was traced outside the forward's loop
         lins, lin_last = lins
-    state, d_x_last = step(state, n - 1, lin_last, first=True)
+    state, d_x_last = step(state, n - 1, lin_last)  # nothing pending yet
     state, d_xs = jax.lax.scan(
         lambda state, i: step(state, i, _at(lins, i)), state, jnp.arange(1, n - 1), reverse=True)
     d_xs = _append(d_xs, d_x_last)
