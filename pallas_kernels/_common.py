@@ -18,6 +18,12 @@ split layout of ``KernelConfig.split_bytes``) and a byte is
 the sum never carries). Decoding broadcasts each byte against an ``iota``
 of positions along that axis. All of it is plain ``jnp`` that lowers on
 Triton and runs in interpret mode.
+
+Per-block scales, and in split tiles the packed units, keep the rank of the
+element tile (``(tb, 1)``, ``(tb, 1, 1)``, ``(tb, units, 1)``: :func:`per_block`,
+:func:`unit_view`), in the arrays the kernels read and write as well: on
+Triton, adding or dropping an axis of a loaded tile inside a kernel can send
+it through shared memory, and a split kernel then has no reshape at all.
 """
 
 from __future__ import annotations
@@ -132,17 +138,39 @@ def index_map(ndim: int):
     return lambda i: (i,) + (0,) * (ndim - 1)
 
 
-def quantized_outputs(nb: int, tb: int, bits: int, block: int, scale_dtype, like: jax.Array):
+def per_block(n: int, rank: int) -> tuple[int, ...]:
+    """``(n, 1, ..., 1)``: ``n`` per-block values in a tile of ``rank`` axes.
+
+    Scales (and, in split tiles, packed units) keep the rank of the element
+    tile they belong to, with size-1 axes where the tile has elements: a
+    kernel's reductions leave them in that shape (``keepdims``) and decoding
+    broadcasts them from it, so no value changes shape inside a kernel. On
+    Triton a reshape that adds or drops an axis can move a tile through
+    shared memory; arrays of this shape outside the kernel are free reshapes.
+    """
+    return (n,) + (1,) * (rank - 1)
+
+
+def quantized_outputs(nb: int, tb: int, bits: int, block: int, scale_dtype, like: jax.Array,
+                      rank: int = 2):
     """``(out_shape, out_specs)`` of a kernel that writes a ``Quantized``.
 
-    Wire values ``(nb, block * bits // 8)`` (int8 for bits 8, else uint8) and
-    scales ``(nb,)``, ``tb`` blocks per program, varying like ``like``.
-    Kernels with more outputs append theirs to both tuples.
+    ``rank`` is that of the kernel's element tile (:func:`element_tile`): 2
+    for ``(tb, block)``, 3 for split tiles. Wire values ``(nb, block * bits //
+    8)`` (int8 for bits 8, else uint8; ``(nb, bytes, 1)`` for split tiles,
+    as :func:`pack_codes` packs them) and scales :func:`per_block` ``(nb,
+    1[, 1])``, ``tb`` blocks per program, varying like ``like``. Kernels with
+    more outputs append theirs to both tuples.
     """
     bpb = bytes_per_block(bits, block)
     value_dtype = jnp.int8 if bits == 8 else jnp.uint8
-    out_shape = (out_struct((nb, bpb), value_dtype, like), out_struct((nb,), scale_dtype, like))
-    out_specs = (pl.BlockSpec((tb, bpb), index_map(2)), pl.BlockSpec((tb,), index_map(1)))
+    values = (nb, bpb, 1) if rank == 3 else (nb, bpb)
+    scales = per_block(nb, rank)
+    out_shape = (out_struct(values, value_dtype, like), out_struct(scales, scale_dtype, like))
+    out_specs = (
+        pl.BlockSpec((tb, *values[1:]), index_map(len(values))),
+        pl.BlockSpec(per_block(tb, rank), index_map(rank)),
+    )
     return out_shape, out_specs
 
 
@@ -192,16 +220,18 @@ def row_reduce(fn, x: jax.Array) -> jax.Array:
 
 
 def pack_codes(parts: jax.Array, bits: int) -> jax.Array:
-    """Packs int32 ``parts`` in ``[0, 2**bits)`` into uint8 ``(tb, block * bits // 8)``.
+    """Packs int32 ``parts`` in ``[0, 2**bits)`` into uint8 bytes.
 
-    ``parts``: ``(tb, block)``, or already split ``(tb, bytes, 8 // bits)``
-    (:func:`split_elements`). Element ``per_byte * i + j`` goes to bits
-    ``[bits*j, bits*(j+1))`` of byte ``i``: low nibble first for bits=4, bit
-    ``j`` for bits=1, as in the reference's layouts.
+    ``parts``: ``(tb, block)``, packed to ``(tb, block * bits // 8)``; or
+    already split ``(tb, bytes, 8 // bits)`` (:func:`split_elements`), packed
+    to ``(tb, bytes, 1)`` in the tile's rank (:func:`per_block`). Element
+    ``per_byte * i + j`` goes to bits ``[bits*j, bits*(j+1))`` of byte ``i``:
+    low nibble first for bits=4, bit ``j`` for bits=1, as in the reference's
+    layouts.
     """
     grouped = split_elements(parts, bits)
     shifted = grouped << (minor_iota(grouped.shape) * bits)
-    return jnp.sum(shifted, axis=-1).astype(jnp.uint8)
+    return jnp.sum(shifted, axis=-1, keepdims=parts.ndim == 3).astype(jnp.uint8)
 
 
 def decode_tile(values: jax.Array, scales: jax.Array, bits: int, shape: tuple[int, ...]) -> jax.Array:
@@ -212,11 +242,14 @@ def decode_tile(values: jax.Array, scales: jax.Array, bits: int, shape: tuple[in
         ``(tb, block // 2)`` for bits=4, uint8 ``(tb, block // 8)`` for bits=1,
         or for bits 4 and 1 the same bytes as uint32 words
         (:func:`packed_units`; little-endian, so element ``j`` of a word is
-        element ``j`` of its four bytes in order).
-      scales: float32 ``(tb,)``.
+        element ``j`` of its four bytes in order); for split tiles
+        ``(tb, units, 1)`` (:func:`unit_view`).
+      scales: float32 ``(tb, 1)``, or ``(tb, 1, 1)`` for split tiles
+        (:func:`per_block`).
       bits: 8, 4 or 1.
       shape: the output tile's shape, ``(tb, block)`` or split
-        ``(tb, units, elements per unit)`` (no reshape in the kernel then).
+        ``(tb, units, elements per unit)``; with split values and scales in
+        that rank, decoding is broadcasting alone (no reshape in the kernel).
 
     Returns:
       float32 ``shape``: ``code * scale`` (bits 8 and 4) or ``+-scale``
@@ -229,16 +262,17 @@ def decode_tile(values: jax.Array, scales: jax.Array, bits: int, shape: tuple[in
     shifts); a bit is tested against a constant per position.
     """
     if bits == 8:
-        return values.astype(jnp.float32) * scales.reshape(-1, 1)
+        return values.astype(jnp.float32) * scales
     unit_bits = 8 * values.dtype.itemsize  # bytes, or 32-bit words (packed_units)
     per_unit = unit_bits // bits
-    tb, units = values.shape
+    tb, units = values.shape[:2]
     if unit_bits == 32:
-        b = lax.bitcast_convert_type(values, jnp.int32).reshape(tb, units, 1)
+        b = lax.bitcast_convert_type(values, jnp.int32)
     else:
-        b = values.astype(jnp.int32).reshape(tb, units, 1)
+        b = values.astype(jnp.int32)
+    b = b.reshape(tb, units, 1)  # no-op for split tiles
     position = minor_iota((tb, units, per_unit))  # element j of its byte or word
-    s = scales.reshape(-1, 1, 1)
+    s = scales.reshape(tb, 1, 1)  # no-op for split tiles
     if bits == 4:
         code = (b << (28 - 4 * position)) >> 28  # nibble j, two's complement
         out = code.astype(jnp.float32) * s
@@ -263,6 +297,20 @@ def packed_units(values: jax.Array, bits: int) -> jax.Array:
         return values
     words = values.reshape(*values.shape[:-1], values.shape[-1] // 4, 4)
     return lax.bitcast_convert_type(words, jnp.uint32)
+
+
+def unit_view(units: jax.Array, out_tile: tuple[int, ...]) -> tuple[jax.Array, tuple[int, ...]]:
+    """``(view, tile)``: packed units ``(..., nb, n_units)`` for a decoding kernel's spec.
+
+    For a split ``out_tile`` (3 axes) the units are viewed ``(..., nb,
+    n_units, 1)`` (a free reshape), in the rank of the elements they decode
+    to (:func:`per_block`); otherwise unchanged. ``tile`` is the units'
+    block shape for ``out_tile[0]`` blocks per program.
+    """
+    if len(out_tile) == 3:
+        units = units.reshape(*units.shape, 1)
+        return units, (out_tile[0], units.shape[-2], 1)
+    return units, (out_tile[0], units.shape[-1])
 
 
 def element_tile(tb: int, block: int, bits: int, config: KernelConfig,

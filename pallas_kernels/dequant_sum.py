@@ -67,7 +67,7 @@ def dequantize_sum_reference(q: Quantized, *, bits: int, block: int) -> jax.Arra
 
 
 def dequantize_sum_kernel(values_ref, scales_ref, out_ref, *, bits, k):
-    """One tile: ``k`` chunks ``(k, tb, bytes)``, scales ``(k, tb)`` -> sum ``(tb, block)`` (or split)."""
+    """One tile: ``k`` chunks of codes and scales (``decode_tile``'s, per chunk) -> their sum."""
 
     # Sequential in chunk order from +0.0, as the reference. Unrolled (k is
     # static, the number of senders): the k loads are independent, so the GPU
@@ -143,14 +143,17 @@ def dequantize_sum(
     bpb = _common.bytes_per_block(bits, block)
     units = _common.packed_units(values.reshape(rows, k, nb, bpb), bits)  # bytes or words
     out_tile = _common.element_tile(tb, block, bits, config, 8 * units.dtype.itemsize)
-    zeros = (0,) * (len(out_tile) - 1)
+    units, unit_tile = _common.unit_view(units, out_tile)  # free reshape
+    rank = len(out_tile)
+    zeros = (0,) * (rank - 1)
     out = pl.pallas_call(
         functools.partial(dequantize_sum_kernel, bits=bits, k=k),
         out_shape=_common.out_struct((rows, nb, *out_tile[1:]), jnp.float32, values),
         grid=(rows, nb // tb),
         in_specs=[
-            pl.BlockSpec((pl.squeezed, k, tb, units.shape[-1]), lambda r, j: (r, 0, j, 0)),
-            pl.BlockSpec((pl.squeezed, k, tb), lambda r, j: (r, 0, j)),
+            pl.BlockSpec((pl.squeezed, k, *unit_tile), lambda r, j: (r, 0, j, *zeros)),
+            pl.BlockSpec((pl.squeezed, k, *_common.per_block(tb, rank)),
+                         lambda r, j: (r, 0, j, *zeros)),
         ],
         out_specs=pl.BlockSpec((pl.squeezed, *out_tile), lambda r, j: (r, j, *zeros)),
         compiler_params=_backend.compiler_params(config),
@@ -161,5 +164,5 @@ def dequantize_sum(
         ),
         interpret=interpret,
         name=f"dequantize_sum_{bits}bit",
-    )(units, scales.reshape(rows, k, nb))
+    )(units, scales.reshape(rows, k, *_common.per_block(nb, rank)))
     return out.reshape(*lead, m)

@@ -38,7 +38,7 @@ def quantize_dithered_kernel(x_ref, xi_ref, values_ref, scales_ref, *, scale_dty
     s = scale.astype(jnp.float32)
     bits = x + s * xi_ref[...] >= 0
     values_ref[...] = _common.pack_codes(bits.astype(jnp.int32), 1)
-    scales_ref[...] = scale.reshape(scale.shape[0])
+    scales_ref[...] = scale  # (tb, 1[, 1]), per_block
 
 
 @functools.partial(jax.jit, static_argnames=("block", "scale_dtype", "config", "interpret"))
@@ -77,7 +77,8 @@ def quantize_dithered(
     tb = _common.tile_blocks(nb, block, config.tile_elems)
     x_view, spec = _common.element_view(x, nb, block, 1, config)  # free reshapes
     xi_view, _ = _common.element_view(xi, nb, block, 1, config)
-    out_shape, out_specs = _common.quantized_outputs(nb, tb, 1, block, scale_dtype, x)
+    out_shape, out_specs = _common.quantized_outputs(nb, tb, 1, block, scale_dtype, x,
+                                                     x_view.ndim)
     values, scales = pl.pallas_call(
         functools.partial(quantize_dithered_kernel, scale_dtype=scale_dtype),
         out_shape=out_shape,

@@ -90,7 +90,7 @@ def compress_1bit_ef_kernel(
     s = jnp.where(bad == 0, stored_scale(scale, scale_dtype), jnp.nan)  # as the reference
     positive = x >= 0
     values_ref[...] = _common.pack_codes(positive.astype(jnp.int32), 1)
-    scales_ref[...] = s.astype(scale_dtype).reshape(s.shape[0])
+    scales_ref[...] = s.astype(scale_dtype)  # (tb, 1[, 1]), per_block
     new_carry_ref[...] = x - jnp.where(positive, s, -s)
 
 
@@ -145,7 +145,8 @@ def compress_1bit_ef(
     tb = _common.tile_blocks(nb, block, config.tile_elems)
     g_view, spec = _common.element_view(g, nb, block, 1, config)  # free reshapes
     carry_view, _ = _common.element_view(carry, nb, block, 1, config)
-    out_shape, out_specs = _common.quantized_outputs(nb, tb, 1, block, scale_dtype, g)
+    out_shape, out_specs = _common.quantized_outputs(nb, tb, 1, block, scale_dtype, g,
+                                                     g_view.ndim)
     values, scales, new_carry = pl.pallas_call(
         functools.partial(compress_1bit_ef_kernel, block=block, scale_dtype=scale_dtype),
         out_shape=(*out_shape, _common.out_struct(carry_view.shape, jnp.float32, g)),

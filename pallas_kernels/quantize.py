@@ -51,7 +51,7 @@ _BITS = (8, 4)
 
 
 def quantize_kernel(x_ref, values_ref, scales_ref, *, bits, scale_dtype, interpret):
-    """One tile: ``x`` ``(tb, block)`` (or split) -> codes ``(tb, bytes)`` and scales ``(tb,)``."""
+    """One tile: ``x`` ``(tb, block)`` (or split) -> codes, scales ``(tb, 1)`` (or split)."""
     qmax = _QMAX[bits]
     x = x_ref[...].astype(jnp.float32)  # exact up-cast, as the reference
     # Non-finite detection does not rely on max propagating NaN (Triton's max
@@ -74,7 +74,7 @@ def quantize_kernel(x_ref, values_ref, scales_ref, *, bits, scale_dtype, interpr
         values_ref[...] = codes.astype(jnp.int8)
     else:
         values_ref[...] = _common.pack_codes(codes & 0xF, bits)
-    scales_ref[...] = s.astype(scale_dtype).reshape(s.shape[0])
+    scales_ref[...] = s.astype(scale_dtype)  # (tb, 1[, 1]), per_block
 
 
 @functools.partial(
@@ -128,8 +128,9 @@ def quantize(
     kernel = functools.partial(
         quantize_kernel, bits=bits, scale_dtype=scale_dtype, interpret=interpret
     )
-    out_shape, out_specs = _common.quantized_outputs(nb, tb, bits, block, scale_dtype, x)
     x_view, x_spec = _common.element_view(x, nb, block, bits, config)  # free reshape
+    out_shape, out_specs = _common.quantized_outputs(nb, tb, bits, block, scale_dtype, x,
+                                                     x_view.ndim)
     values, scales = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -149,7 +150,7 @@ def quantize(
 
 
 def dequantize_kernel(values_ref, scales_ref, out_ref, *, bits):
-    """One tile: codes ``(tb, bytes)`` and scales ``(tb,)`` -> ``(tb, block)`` (or split)."""
+    """One tile: codes ``(tb, bytes)``, scales ``(tb, 1)`` -> ``(tb, block)`` (or all split)."""
     x = _common.decode_tile(values_ref[...], scales_ref[...].astype(jnp.float32), bits,
                             out_ref.shape)
     out_ref[...] = x.astype(out_ref.dtype)
@@ -196,13 +197,15 @@ def dequantize(
     bpb = _common.bytes_per_block(bits, block)
     units = _common.packed_units(values.reshape(nb, bpb), bits)  # bytes or uint32 words
     out_tile = _common.element_tile(tb, block, bits, config, 8 * units.dtype.itemsize)
+    units, unit_tile = _common.unit_view(units, out_tile)  # free reshape
+    rank = len(out_tile)
     out = pl.pallas_call(
         functools.partial(dequantize_kernel, bits=bits),
         out_shape=_common.out_struct((nb, *out_tile[1:]), dtype, values),
         grid=(nb // tb,),
         in_specs=[
-            pl.BlockSpec((tb, units.shape[-1]), _common.index_map(2)),
-            pl.BlockSpec((tb,), _common.index_map(1)),
+            pl.BlockSpec(unit_tile, _common.index_map(units.ndim)),
+            pl.BlockSpec(_common.per_block(tb, rank), _common.index_map(rank)),
         ],
         out_specs=pl.BlockSpec(out_tile, _common.index_map(len(out_tile))),
         compiler_params=_backend.compiler_params(config),
@@ -213,5 +216,5 @@ def dequantize(
         ),
         interpret=interpret,
         name=f"dequantize_int{bits}",
-    )(units, scales.reshape(nb))
+    )(units, scales.reshape(_common.per_block(nb, rank)))
     return out.reshape(*lead, n)
