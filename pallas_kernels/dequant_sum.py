@@ -146,14 +146,14 @@ def dequantize_sum(
     units, unit_tile = _common.unit_view(units, out_tile)  # free reshape
     rank = len(out_tile)
     zeros = (0,) * (rank - 1)
+    chunks = lambda r, j: (r, 0, j, *zeros)  # noqa: E731  all k chunks of tile j of row r
     out = pl.pallas_call(
         functools.partial(dequantize_sum_kernel, bits=bits, k=k),
         out_shape=_common.out_struct((rows, nb, *out_tile[1:]), jnp.float32, values),
         grid=(rows, nb // tb),
         in_specs=[
-            pl.BlockSpec((pl.squeezed, k, *unit_tile), lambda r, j: (r, 0, j, *zeros)),
-            pl.BlockSpec((pl.squeezed, k, *_common.per_block(tb, rank)),
-                         lambda r, j: (r, 0, j, *zeros)),
+            pl.BlockSpec((pl.squeezed, k, *unit_tile), chunks),
+            pl.BlockSpec((pl.squeezed, k, *_common.per_block(tb, rank)), chunks),
         ],
         out_specs=pl.BlockSpec((pl.squeezed, *out_tile), lambda r, j: (r, j, *zeros)),
         compiler_params=_backend.compiler_params(config),
