@@ -6,6 +6,7 @@ import atexit
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -165,6 +166,25 @@ def compile_cache_dir() -> str:
     return path
 
 
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+
+
+def child_env(devices=None):
+    """This process's environment for a JAX script it starts, on the CPU.
+
+    ``XLA_FLAGS`` keeps this process's other flags (conftest's code
+    generation level) but not its 8 devices: ``devices`` if given, else the
+    script chooses (the CLIs from ``--mesh``).
+    """
+    env = dict(os.environ)
+    flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
+    if devices:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
 def run_cli(*args, env_devices=None, timeout=600):
     """Runs a console script module in a fresh process; returns CompletedProcess.
 
@@ -177,11 +197,7 @@ def run_cli(*args, env_devices=None, timeout=600):
     JAX hands one process's compiled binary to its peers instead of each
     compiling its own.
     """
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    if env_devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={env_devices}"
-    env["JAX_PLATFORMS"] = "cpu"
+    env = child_env(env_devices)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     if len(args) > 1 and args[0] == "-m" and args[1] in SINGLE_PROCESS_SCRIPTS:
         env["JAX_COMPILATION_CACHE_DIR"] = compile_cache_dir()

@@ -150,30 +150,54 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_fails_before_compiling(tmp_path, case):
+def _bad_args(case, tmp_path):
+    """The case's flags after the tiny model's (so they override), and its needles."""
     args, env_devices, needles = BAD_INPUTS[case]
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
     args = [a.replace("{empty}", str(empty)) for a in args]
     needles = [n.replace("{empty}", re.escape(str(empty))) for n in needles]
-    # Tiny model flags first: the case's own flags override them.
-    start = time.perf_counter()
-    proc, metrics = _train(
-        tmp_path, case, *TINY_ARGS, "--steps", "3", *args, env_devices=env_devices
-    )
-    elapsed = time.perf_counter() - start
+    metrics = tmp_path / f"{case}.jsonl"
+    argv = ["--no-progress", "--metrics-out", str(metrics), *TINY_ARGS, "--steps", "3", *args]
+    return argv, env_devices, needles, metrics
 
-    assert proc.returncode != 0, f"accepted {args}:\n{proc.stdout}"
-    assert "Traceback" not in proc.stderr, proc.stderr
-    message = _error_lines(proc.stderr)
-    assert message, f"no error line in stderr:\n{proc.stderr}"
+
+def _assert_rejected(argv, needles, stdout, stderr, metrics):
+    message = _error_lines(stderr)
+    assert message, f"no error line in stderr:\n{stderr}"
     for needle in needles:
         assert re.search(needle, message), f"{needle!r} not in {message!r}"
-    assert "zeropp-train: " not in proc.stdout
-    assert "summary:" not in proc.stdout
-    assert not metrics  # no step ran
-    assert elapsed < QUICK_FAILURE_S, f"took {elapsed:.1f}s to reject {args}"
+    assert "zeropp-train: " not in stdout, f"accepted {argv}"
+    assert "summary:" not in stdout
+    assert not metrics.exists() or not read_jsonl(metrics)  # no step ran
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_fails_before_compiling(tmp_path, case, capsys):
+    """``zeropp-train``'s ``main`` in this process (its 8 devices are the forced 8)."""
+    from zeropp_jax.cli import train
+
+    argv, _, needles, metrics = _bad_args(case, tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(argv)
+    assert exit_info.value.code == 2
+    out = capsys.readouterr()
+    _assert_rejected(argv, needles, out.out, out.err, metrics)
+
+
+@pytest.mark.parametrize("case", ["unknown_dtype", "mesh_3x3_on_8_devices"])
+def test_console_script_rejects_bad_input_quickly(tmp_path, case):
+    """The same through the script in its own process: a flag rejected while
+    parsing, before any device is used, and a mesh rejected once they are known.
+    """
+    argv, env_devices, needles, metrics = _bad_args(case, tmp_path)
+    start = time.perf_counter()
+    proc = run_cli(*TRAIN, *argv, env_devices=env_devices)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 2, f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    _assert_rejected(argv, needles, proc.stdout, proc.stderr, metrics)
+    assert elapsed < QUICK_FAILURE_S, f"took {elapsed:.1f}s to reject {argv}"
 
 
 def test_zero_flags_build_the_config_of_their_fields():
@@ -206,7 +230,7 @@ def test_zero_flags_build_the_config_of_their_fields():
 
 
 def test_device_count_follows_mesh_when_not_forced(tmp_path):
-    """Without XLA_FLAGS the CLI asks XLA for NODES*LOCAL host devices.
+    """Without a device count in XLA_FLAGS the CLI asks XLA for NODES*LOCAL host devices.
 
     Plain ZeRO-3 (one compiled step): the device count is the point here.
     """

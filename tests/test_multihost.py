@@ -28,7 +28,7 @@ import time
 import numpy as np
 import pytest
 
-from _util import COMM, TINY_ARGS, TRAIN
+from _util import COMM, TINY_ARGS, TRAIN, child_env
 from zeropp_jax import distributed
 from zeropp_jax.cli._processes import _Output
 
@@ -39,9 +39,12 @@ STEPS = 10
 # zeropp's qgZ warms up at full precision; compress from step 4 on, so both
 # compiled step variants run (and switch) in the multi-process run.
 ZEROPP_ARGS = ("--preset", "zeropp", "--qgz-warmup", "4")
-# Measured: multi-process losses differ from one process by <= 1e-7 relative
-# (gloo sums in another order than the in-process collectives).
-LOSS_RTOL = 1e-6
+# Multi-process losses differ from one process's because gloo sums in another
+# order than the in-process collectives. Measured over 10 steps of the tiny
+# model: zero3 <= 1e-7 relative. 1-bit gradients turn a last-bit difference
+# into a sign flip now and then, which training carries on: zeropp 1e-7 to
+# 1.3e-6 over seeds 0-2 and LLVM levels 0 and 2 (stop 38).
+LOSS_RTOL = {"zero3": 1e-6, "zeropp": 1e-5}
 # Any one subprocess; the launcher's own --timeout is a bit shorter.
 RUN_TIMEOUT_S = 600
 # A lost process must end the whole run within this.
@@ -51,15 +54,11 @@ WORKERS = 3
 
 
 def _env(devices: int | None = None) -> dict[str, str]:
-    env = dict(os.environ)
+    env = child_env(devices)
     for name in (
-        "XLA_FLAGS", distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
-        distributed.ENV_PROCESS_ID,
+        distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID,
     ):
         env.pop(name, None)
-    env["JAX_PLATFORMS"] = "cpu"
-    if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     return env
 
 
@@ -274,7 +273,11 @@ def test_launcher_sets_the_environment_of_each_process():
     coordinators = {e["ZEROPP_COORDINATOR"] for e in envs}
     assert len(coordinators) == 1 and re.fullmatch(r"127\.0\.0\.1:\d+", coordinators.pop())
     assert {e["JAX_PLATFORMS"] for e in envs} == {"cpu"}
-    assert {e["XLA_FLAGS"] for e in envs} == {"--xla_force_host_platform_device_count=2"}
+    # The device count replaces the launcher's own; its other XLA flags pass on.
+    kept = child_env()["XLA_FLAGS"]
+    assert {e["XLA_FLAGS"] for e in envs} == {
+        f"{kept} --xla_force_host_platform_device_count=2".strip()
+    }
     assert {e["PYTHONUNBUFFERED"] for e in envs} == {"1"}
 
 
@@ -282,7 +285,9 @@ def test_launcher_devices_per_process_follows_the_mesh_flag():
     code = "import os; print(os.environ['XLA_FLAGS'])"
     proc = _launch(2, "-c", code, "--mesh", "2x3", timeout=120)
     _ok(proc)
-    assert _lines_of(proc.stdout, 1) == ["--xla_force_host_platform_device_count=3"]
+    assert _lines_of(proc.stdout, 1) == [
+        f"{child_env()['XLA_FLAGS']} --xla_force_host_platform_device_count=3".strip()
+    ]
 
 
 def test_launcher_stops_the_others_when_one_fails():
@@ -452,7 +457,8 @@ def test_multi_process_losses_match_one_process(jobs, name):
     multi, single = (_metrics(_result(jobs, run)) for run in EQUIVALENT_RUNS[name])
     assert [m["step"] for m in multi] == [m["step"] for m in single] == list(range(STEPS))
     np.testing.assert_allclose(
-        [m["loss"] for m in multi], [m["loss"] for m in single], rtol=LOSS_RTOL
+        [m["loss"] for m in multi], [m["loss"] for m in single],
+        rtol=LOSS_RTOL[name.split("-")[0]],
     )
     assert [m["compressed"] for m in multi] == [m["compressed"] for m in single]
     if name.startswith("zeropp"):
