@@ -7,11 +7,19 @@ with the largest layer, not with depth.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
+import pytest
 import zeropp_jax as zp
 
-from _util import compile_step, executions, gpt_step
+from _util import child_env, compile_step, executions, gpt_step
+from conftest import FAST_CODEGEN_FLAG
 
 
 def block_bytes(trainer):
@@ -122,3 +130,34 @@ def test_whole_model_gradient_is_assembled_once_so_memory_is_linear_in_depth():
     temp8 = c8.memory_analysis().temp_size_in_bytes
     model_ratio = t8.layout.padded_numel / t2.layout.padded_numel
     assert temp8 <= 1.25 * model_ratio * temp2, (temp2, temp8, model_ratio)
+
+
+def _hlo_digest(compiled) -> str:
+    """The optimized HLO without op metadata (source lines differ by caller)."""
+    text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+_DIGEST_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+import test_hlo, _util
+print(test_hlo._hlo_digest(_util.gpt_step(2, "zeropp")[1]))
+"""
+
+
+@pytest.mark.slow  # compiles again in a second process
+def test_the_tests_llvm_level_compiles_the_same_hlo_as_the_default():
+    """conftest's LLVM level 0 changes code generation only: the ZeRO++ step's
+    optimized HLO, where every byte count of these tests is read, is the text
+    a user's default level compiles."""
+    assert FAST_CODEGEN_FLAG in os.environ["XLA_FLAGS"]
+    env = child_env(8)
+    env["XLA_FLAGS"] = env["XLA_FLAGS"].replace(FAST_CODEGEN_FLAG, "").strip()
+    tests = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run(
+        [sys.executable, "-c", _DIGEST_SCRIPT.format(tests=tests)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[-1] == _hlo_digest(gpt_step(2, "zeropp")[1])
