@@ -1,9 +1,12 @@
 """End-to-end tests of the console scripts ``zeropp-train`` and ``zeropp-comm``.
 
-Each run is a fresh subprocess (``python -m zeropp_jax.cli.<name>``): the CLI
+Each training run is a fresh subprocess (``python -m zeropp_jax.cli.<name>``): the CLI
 fixes the simulated host device count from ``--mesh`` before JAX starts, which
 cannot happen inside this pytest process (conftest already fixed 8 devices).
-Runs that several assertions share are module-scoped fixtures.
+Runs that several assertions share are module-scoped fixtures. Rejected
+flags are checked by calling ``main`` in this process (they stop before any
+compilation, and the one that depends on the device count expects conftest's
+8), and two of them again through the script.
 """
 
 from __future__ import annotations
