@@ -169,15 +169,21 @@ def compile_cache_dir() -> str:
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
 
-def child_env(devices=None):
+_CODEGEN_LEVEL_FLAG = re.compile(r"--xla_backend_optimization_level=\S*")
+
+
+def child_env(devices=None, default_codegen=False):
     """This process's environment for a JAX script it starts, on the CPU.
 
     ``XLA_FLAGS`` keeps this process's other flags (conftest's code
-    generation level) but not its 8 devices: ``devices`` if given, else the
-    script chooses (the CLIs from ``--mesh``).
+    generation level, unless ``default_codegen``) but not its 8 devices:
+    ``devices`` if given, else the script chooses (the CLIs from ``--mesh``).
     """
     env = dict(os.environ)
-    flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
+    flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", ""))
+    if default_codegen:
+        flags = _CODEGEN_LEVEL_FLAG.sub("", flags)
+    flags = flags.split()
     if devices:
         flags.append(f"--xla_force_host_platform_device_count={devices}")
     env["XLA_FLAGS"] = " ".join(flags)
@@ -185,7 +191,7 @@ def child_env(devices=None):
     return env
 
 
-def run_cli(*args, env_devices=None, timeout=600):
+def run_cli(*args, env_devices=None, default_codegen=False, timeout=600):
     """Runs a console script module in a fresh process; returns CompletedProcess.
 
     A single-process script (``-m`` one of ``SINGLE_PROCESS_SCRIPTS``) reads
@@ -197,7 +203,7 @@ def run_cli(*args, env_devices=None, timeout=600):
     JAX hands one process's compiled binary to its peers instead of each
     compiling its own.
     """
-    env = child_env(env_devices)
+    env = child_env(env_devices, default_codegen)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     if len(args) > 1 and args[0] == "-m" and args[1] in SINGLE_PROCESS_SCRIPTS:
         env["JAX_COMPILATION_CACHE_DIR"] = compile_cache_dir()
