@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import optax
 import zeropp_jax as zp
 from zeropp_jax import data
 from zeropp_jax.analysis.comm_report import comm_report
+from zeropp_jax.cli._processes import with_device_count
 from zeropp_jax.models import gpt
 
 TINY = gpt.GPTConfig(vocab_size=256, seq_len=16, n_layers=2, d_model=32, n_heads=2)
@@ -166,9 +168,6 @@ def compile_cache_dir() -> str:
     return path
 
 
-_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
-
-
 _CODEGEN_LEVEL_FLAG = re.compile(r"--xla_backend_optimization_level=\S*")
 
 
@@ -180,13 +179,10 @@ def child_env(devices=None, default_codegen=False):
     ``devices`` if given, else the script chooses (the CLIs from ``--mesh``).
     """
     env = dict(os.environ)
-    flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", ""))
+    flags = env.get("XLA_FLAGS", "")
     if default_codegen:
         flags = _CODEGEN_LEVEL_FLAG.sub("", flags)
-    flags = flags.split()
-    if devices:
-        flags.append(f"--xla_force_host_platform_device_count={devices}")
-    env["XLA_FLAGS"] = " ".join(flags)
+    env["XLA_FLAGS"] = with_device_count(flags, devices)
     env["JAX_PLATFORMS"] = "cpu"
     return env
 
@@ -250,3 +246,17 @@ def gpt_step(n_layers, preset="zero3", per_layer=True, compress=None, **override
         loss, shapes, config=config, per_layer=per_layer,
         stacked=("blocks",) if per_layer else (), batch=batch, compress=compress,
     )
+
+
+def hlo_digest(compiled) -> str:
+    """A digest of the optimized HLO's program: its header and computations.
+
+    Leaves out the debug information, which depends on the caller's source
+    lines and JAX's traceback settings: op metadata and the tables of files,
+    functions and stack frames between the header and the first computation.
+    """
+    lines = compiled.as_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith(("%", "ENTRY")))
+    text = "\n".join([lines[0], *lines[first:]])
+    text = re.sub(r", metadata=\{[^}]*\}", "", text)
+    return hashlib.sha256(text.encode()).hexdigest()

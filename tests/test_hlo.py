@@ -7,9 +7,7 @@ with the largest layer, not with depth.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import subprocess
 import sys
 
@@ -18,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 import zeropp_jax as zp
 
-from _util import child_env, compile_step, executions, gpt_step
+from _util import child_env, compile_step, executions, gpt_step, hlo_digest
 from conftest import FAST_CODEGEN_FLAG
 
 
@@ -132,17 +130,13 @@ def test_whole_model_gradient_is_assembled_once_so_memory_is_linear_in_depth():
     assert temp8 <= 1.25 * model_ratio * temp2, (temp2, temp8, model_ratio)
 
 
-def _hlo_digest(compiled) -> str:
-    """The optimized HLO without op metadata (source lines differ by caller)."""
-    text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
+# Imports no test module: conftest, imported by one, would set level 0 again.
 _DIGEST_SCRIPT = """
-import sys
+import os, sys
 sys.path.insert(0, {tests!r})
-import test_hlo, _util
-print(test_hlo._hlo_digest(_util.gpt_step(2, "zeropp")[1]))
+import _util
+assert "optimization_level" not in os.environ["XLA_FLAGS"], os.environ["XLA_FLAGS"]
+print(_util.hlo_digest(_util.gpt_step(2, "zeropp")[1]))
 """
 
 
@@ -160,4 +154,4 @@ def test_the_tests_llvm_level_compiles_the_same_hlo_as_the_default():
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split()[-1] == _hlo_digest(gpt_step(2, "zeropp")[1])
+    assert proc.stdout.split()[-1] == hlo_digest(gpt_step(2, "zeropp")[1])

@@ -51,6 +51,15 @@ STALE_EVIDENCE_S = 10.0
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
 
+def with_device_count(xla_flags: str, count: int | None) -> str:
+    """``xla_flags`` with its host device count set to ``count`` (removed if
+    ``None``); every other flag is kept, in order."""
+    flags = _DEVICE_COUNT_FLAG.sub("", xla_flags).split()
+    if count:
+        flags.append(f"--xla_force_host_platform_device_count={count}")
+    return " ".join(flags)
+
+
 def free_port(host: str = HOST) -> int:
     """A TCP port that is free now, for the coordinator to bind.
 
@@ -97,14 +106,12 @@ def process_env(
     # does not know them).
     for name in ("SLURM_NTASKS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE"):
         env.pop(name, None)
-    flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
-    flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
     env.update({
         distributed.ENV_COORDINATOR: coordinator,
         distributed.ENV_NUM_PROCESSES: str(num_processes),
         distributed.ENV_PROCESS_ID: str(process_id),
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": " ".join(flags),
+        "XLA_FLAGS": with_device_count(env.get("XLA_FLAGS", ""), devices_per_process),
         "PYTHONUNBUFFERED": "1",
     })
     return env
