@@ -25,7 +25,7 @@ keeps the CPU the default while the plugin compiles)::
 (the first ``pip`` is a few GB of CUDA libraries, about a minute here).
 
 ``kernels`` compiles every Pallas kernel of ``gpu_kernels.py`` at its
-default configuration (or ``--config TILE/WARPS[s]``) and prints, per
+default configuration (or ``--config TILE/WARPS[s][+bits]``) and prints, per
 kernel, static figures of the code (``gpu_code.py``): from the PTX Triton wrote, instructions
 per thread, threads per program, global loads and stores, shared-memory
 accesses and barriers (a layout change inside the kernel goes through
@@ -37,8 +37,12 @@ instructions. Machine instructions (else PTX statements) per byte the kernel
 must move give an **issue bound**: the bandwidth at which the H200's
 instruction issue (132 SMs x 4 schedulers x 1.98 GHz, one warp instruction
 each per cycle) would be busy with nothing else; a kernel whose bound is
-near the copy's bandwidth cannot reach it. A static count is not a
-measurement: latency, occupancy and memory decide the rest.
+near the copy's bandwidth cannot reach it. It also counts the type
+conversions (``I2F``, ``I2FP``, ``F2I``, ``F2F``, ``FRND``) per element: NVIDIA's
+throughput table gives 16 conversions per clock per SM against 128 float
+adds, so a kernel with several per element may be bound by them before
+issue (``KernelConfig.decode="bits"`` decodes codes without them). A static
+count is not a measurement: latency, occupancy and memory decide the rest.
 
 ``comm`` compiles each preset's step (the example GPT at bf16 on a ``(2, 4)``
 mesh) for two hosts of four target GPUs and for this machine's CPU, and
@@ -97,6 +101,12 @@ device_description_str: "NVIDIA H200"
 TARGETS = {"h200": H200_TARGET}
 # Thread-instructions the H200 can issue per second: SMs x schedulers x lanes x clock.
 H200_ISSUE_PER_S = 132 * 4 * 32 * 1.98e9
+# SASS opcodes of type conversions, and the H200's rate for them: the CUDA C++
+# Programming Guide's throughput table gives 16 conversions per clock per SM
+# (against 128 float32 adds) through compute capability 9.0. Whether I2FP, the
+# int-to-float form new since Ampere, issues at that rate is not documented.
+CONVERSION_OPCODES = ("I2F", "I2FP", "F2I", "F2F", "FRND")
+H200_CONVERSIONS_PER_S = 132 * 16 * 1.98e9
 
 
 def log(message: str) -> None:
@@ -181,6 +191,8 @@ def kernel_rows(devices, elems: int, only: str = "", config=None) -> list[dict]:
         s = stats[0]
         code = machine_code(ptx, s.name)
         sass = sum(code.sass.values()) if code.sass else None
+        conversions = None if code.sass is None else sum(
+            code.sass.get(op, 0) for op in CONVERSION_OPCODES)
         # what tile_elems counts: output elements for dequantize_sum, inputs elsewhere
         tiled = elems // gpu_kernels.K if kind == "dequantize_sum" else elems
         per_program = _common.tile_blocks(tiled // block, block, cfg.tile_elems) * block
@@ -190,11 +202,16 @@ def kernel_rows(devices, elems: int, only: str = "", config=None) -> list[dict]:
         per_byte = per_thread * s.threads * programs / nbytes
         rows.append(dict(
             name=name, kernel=s.name, config=f"{cfg.tile_elems}/{cfg.num_warps}"
-            f"{'s' if cfg.split_bytes else ''}", threads=s.threads,
+            f"{'s' if cfg.split_bytes else ''}{'+bits' if cfg.decode == 'bits' else ''}",
+            threads=s.threads,
             instructions_per_thread=s.instructions, elements_per_program=per_program,
             instructions_per_element=s.instructions * s.threads / per_program,
             sass_per_thread=sass,
             sass_per_element=None if sass is None else sass * s.threads / per_program,
+            conversions_per_element=None if conversions is None
+            else conversions * s.threads / per_program,
+            conversion_bound_gbs=None if not conversions
+            else H200_CONVERSIONS_PER_S * nbytes / (conversions * s.threads * programs) / 1e9,
             instructions_per_byte=per_byte, issue_source="sass" if sass is not None else "ptx",
             issue_bound_gbs=H200_ISSUE_PER_S / per_byte / 1e9,
             global_loads=s.global_loads, global_stores=s.global_stores,
@@ -311,11 +328,13 @@ def _parse_config(text: str | None):
         return None
     from pallas_kernels.config import KernelConfig
 
-    m = re.fullmatch(r"(\d+)/(\d+)(s?)", text)
+    m = re.fullmatch(r"(\d+)/(\d+)(s?)(\+bits)?", text)
     if not m:
-        raise argparse.ArgumentTypeError(f"--config is TILE/WARPS or TILE/WARPSs, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--config is TILE/WARPS[s][+bits] (s: split layout, +bits: decode by bits), "
+            f"e.g. 1024/1s+bits; got {text!r}")
     return KernelConfig(tile_elems=int(m.group(1)), num_warps=int(m.group(2)),
-                        split_bytes=bool(m.group(3)))
+                        split_bytes=bool(m.group(3)), decode="bits" if m.group(4) else "convert")
 
 
 def main(argv=None) -> int:
@@ -379,15 +398,19 @@ def main(argv=None) -> int:
                   f"{r['cpu_inter_at_run_dtypes']:>15}{r['gpu_inter_as_compiled']:>10}"
                   f"{diff:>+11}  {kinds}")
         return 0
-    print(f"PTX for {args.target} (static, per program; issue bound = the bandwidth at which "
-          f"instruction issue alone is saturated)")
-    print(f"{'kernel':<24}{'config':>9}{'thr':>5}{'ptx/el':>7}{'sass/el':>8}{'instr/B':>8}"
-          f"{'issue GB/s':>11}{'shared/el':>10}{'bar':>5}{'regs':>6}")
+    print(f"PTX for {args.target} (static, per program; issue / conv bound = the bandwidth at "
+          f"which instruction issue / type conversions alone are saturated)")
+    print(f"{'kernel':<24}{'config':>13}{'thr':>5}{'ptx/el':>7}{'sass/el':>8}{'conv/el':>8}"
+          f"{'instr/B':>8}{'issue GB/s':>11}{'conv GB/s':>10}{'shared/el':>10}{'bar':>5}"
+          f"{'regs':>6}")
     for r in rows:
         sass = "-" if r["sass_per_element"] is None else f"{r['sass_per_element']:.1f}"
-        print(f"{r['name']:<24}{r['config']:>9}{r['threads']:>5}"
-              f"{r['instructions_per_element']:>7.1f}{sass:>8}{r['instructions_per_byte']:>8.2f}"
-              f"{r['issue_bound_gbs']:>11.0f}{r['shared_per_element']:>10.2f}{r['barriers']:>5}"
+        conv = "-" if r["conversions_per_element"] is None else f"{r['conversions_per_element']:.1f}"
+        bound = "-" if not r["conversion_bound_gbs"] else f"{r['conversion_bound_gbs']:.0f}"
+        print(f"{r['name']:<24}{r['config']:>13}{r['threads']:>5}"
+              f"{r['instructions_per_element']:>7.1f}{sass:>8}{conv:>8}"
+              f"{r['instructions_per_byte']:>8.2f}{r['issue_bound_gbs']:>11.0f}{bound:>10}"
+              f"{r['shared_per_element']:>10.2f}{r['barriers']:>5}"
               f"{r['registers'] if r['registers'] is not None else '-':>6}")
     return 0
 

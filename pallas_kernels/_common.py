@@ -234,7 +234,8 @@ def pack_codes(parts: jax.Array, bits: int) -> jax.Array:
     return jnp.sum(shifted, axis=-1, keepdims=parts.ndim == 3).astype(jnp.uint8)
 
 
-def decode_tile(values: jax.Array, scales: jax.Array, bits: int, shape: tuple[int, ...]) -> jax.Array:
+def decode_tile(values: jax.Array, scales: jax.Array, bits: int, shape: tuple[int, ...],
+                decode: str = "convert") -> jax.Array:
     """Dequantizes one tile in float32, exactly as the reference does.
 
     Args:
@@ -250,6 +251,10 @@ def decode_tile(values: jax.Array, scales: jax.Array, bits: int, shape: tuple[in
       shape: the output tile's shape, ``(tb, block)`` or split
         ``(tb, units, elements per unit)``; with split values and scales in
         that rank, decoding is broadcasting alone (no reshape in the kernel).
+      decode: ``KernelConfig.decode``: codes to float32 by the int-to-float
+        conversion (``"convert"``) or by their bits (``"bits"``:
+        :func:`int8_to_float_bits`, :func:`nibble_to_float_bits`); the same
+        values.
 
     Returns:
       float32 ``shape``: ``code * scale`` (bits 8 and 4) or ``+-scale``
@@ -262,6 +267,8 @@ def decode_tile(values: jax.Array, scales: jax.Array, bits: int, shape: tuple[in
     shifts); a bit is tested against a constant per position.
     """
     if bits == 8:
+        if decode == "bits":
+            return int8_to_float_bits(values) * scales
         return values.astype(jnp.float32) * scales
     unit_bits = 8 * values.dtype.itemsize  # bytes, or 32-bit words (packed_units)
     per_unit = unit_bits // bits
@@ -273,12 +280,57 @@ def decode_tile(values: jax.Array, scales: jax.Array, bits: int, shape: tuple[in
     b = b.reshape(tb, units, 1)  # no-op for split tiles
     position = minor_iota((tb, units, per_unit))  # element j of its byte or word
     s = scales.reshape(tb, 1, 1)  # no-op for split tiles
-    if bits == 4:
+    if bits == 4 and decode == "bits":
+        out = nibble_to_float_bits(b, position) * s
+    elif bits == 4:
         code = (b << (28 - 4 * position)) >> 28  # nibble j, two's complement
         out = code.astype(jnp.float32) * s
     else:
         out = jnp.where((b & (1 << position)) != 0, s, -s)
     return out.reshape(shape)
+
+
+# The float32 2**23 as bits: from it to 2**24, consecutive float32 are 1 apart,
+# so ORing an integer u < 2**23 into its mantissa gives 2**23 + u exactly.
+_TWO_POW_23_BITS = 0x4B000000
+_FLOAT32_MANTISSA_BITS = 23
+
+
+def int8_to_float_bits(values: jax.Array) -> jax.Array:
+    """int8 codes as float32, exactly, without an int-to-float conversion.
+
+    ``code + 128`` in ``[0, 256)`` added to the bits of ``2**23`` is the
+    float32 ``2**23 + 128 + code``; subtracting ``2**23 + 128`` (exact: both
+    are integers below ``2**24``) leaves ``code``.
+    """
+    biased = values.astype(jnp.int32) + (_TWO_POW_23_BITS + 128)
+    return lax.bitcast_convert_type(biased, jnp.float32) - np.float32(2**23 + 128)
+
+
+def nibble_to_float_bits(b: jax.Array, position: jax.Array) -> jax.Array:
+    """Nibble ``position`` of int32 ``b`` as its two's complement code in float32, exactly.
+
+    Without an int-to-float conversion, and without a shift per nibble:
+    nibble ``j`` of the low half-word sits at bits ``4j`` (``j < 4``).
+    Masked in place, with its sign bit flipped, it is ``u * 2**(4j)`` where
+    ``u = code + 8`` is in ``[0, 16)``; as the mantissa of the float32 with
+    exponent ``23 - 4j`` (whose mantissa step is ``2**-4j``) it reads
+    ``2**(23-4j) + u``, and subtracting ``2**(23-4j) + 8`` leaves ``code``
+    (exact: integers below ``2**24``). The high half-word's nibbles
+    (``j >= 4``) are first shifted down by 16, once per word. One bitwise
+    expression and one subtraction per nibble; Triton keeps ``position``'s
+    constants in the instructions (one tile axis is the nibble's position).
+
+    Args:
+      b: int32 bytes or words, broadcastable against ``position``.
+      position: int32 in ``[0, 8)``: which nibble of ``b``, low first.
+    """
+    j = position % 4
+    half = jnp.where(position >= 4, b >> 16, b)
+    exponent = (127 + _FLOAT32_MANTISSA_BITS - 4 * j) << _FLOAT32_MANTISSA_BITS
+    biased = (half & (0xF << (4 * j))) ^ (exponent | (8 << (4 * j)))
+    origin = lax.bitcast_convert_type(exponent, jnp.float32) + 8
+    return lax.bitcast_convert_type(biased, jnp.float32) - origin
 
 
 # ---------------------------------------------------------------------------

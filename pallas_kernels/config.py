@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["KernelConfig", "DEFAULT_CONFIG", "KERNELS", "default_config"]
+__all__ = ["KernelConfig", "DEFAULT_CONFIG", "DECODES", "KERNELS", "default_config"]
+
+
+DECODES = ("convert", "bits")
+"""``KernelConfig.decode``: integer codes to float32 by conversion, or by their bits."""
 
 
 def _is_pow2(v) -> bool:
@@ -41,6 +45,16 @@ class KernelConfig:
         no reshape inside the kernel (on Triton a reshape of a tile may move
         it through shared memory). Same results either way; int8 kernels
         ignore it.
+      decode: how the decoding kernels (``dequantize``, ``dequantize_sum``
+        at 4 and 8 bits) turn integer codes into float32: ``"convert"``
+        with the GPU's int-to-float instruction, or ``"bits"`` by writing
+        the code into the mantissa of a float32 constant and subtracting
+        that constant (bitwise operations and one float subtraction, both
+        exact: :func:`pallas_kernels._common.decode_tile`). Conversions
+        issue at 16 per clock per SM on Hopper against 128 float adds, and
+        ``dequantize_sum`` converts ``k`` codes per output element; which is
+        faster is the GPU sweep's to say. The same values either way; the
+        other kernels ignore it.
 
     Example:
       >>> cfg = KernelConfig(tile_elems=16384, num_warps=8)
@@ -51,6 +65,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     split_bytes: bool = False
+    decode: str = "convert"
 
     def __post_init__(self):
         if not _is_pow2(self.tile_elems) or self.tile_elems < 8:
@@ -70,6 +85,8 @@ class KernelConfig:
             raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}.")
         if not isinstance(self.split_bytes, bool):
             raise ValueError(f"split_bytes must be True or False, got {self.split_bytes!r}.")
+        if self.decode not in DECODES:
+            raise ValueError(f"decode must be one of {DECODES}, got {self.decode!r}.")
 
 
 DEFAULT_CONFIG = KernelConfig()

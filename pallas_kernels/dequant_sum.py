@@ -66,7 +66,7 @@ def dequantize_sum_reference(q: Quantized, *, bits: int, block: int) -> jax.Arra
     return ordered_chunk_sum(_dequantize(q, bits=bits, block=block, dtype=jnp.float32))
 
 
-def dequantize_sum_kernel(values_ref, scales_ref, out_ref, *, bits, k):
+def dequantize_sum_kernel(values_ref, scales_ref, out_ref, *, bits, k, decode="convert"):
     """One tile: ``k`` chunks of codes and scales (``decode_tile``'s, per chunk) -> their sum."""
 
     # Sequential in chunk order from +0.0, as the reference. Unrolled (k is
@@ -75,7 +75,7 @@ def dequantize_sum_kernel(values_ref, scales_ref, out_ref, *, bits, k):
     acc = jnp.zeros(out_ref.shape, jnp.float32)
     for c in range(k):
         scales = scales_ref[c].astype(jnp.float32)
-        acc = acc + _common.decode_tile(values_ref[c], scales, bits, out_ref.shape)
+        acc = acc + _common.decode_tile(values_ref[c], scales, bits, out_ref.shape, decode)
     out_ref[...] = acc
 
 
@@ -148,7 +148,7 @@ def dequantize_sum(
     zeros = (0,) * (rank - 1)
     chunks = lambda r, j: (r, 0, j, *zeros)  # noqa: E731  all k chunks of tile j of row r
     out = pl.pallas_call(
-        functools.partial(dequantize_sum_kernel, bits=bits, k=k),
+        functools.partial(dequantize_sum_kernel, bits=bits, k=k, decode=config.decode),
         out_shape=_common.out_struct((rows, nb, *out_tile[1:]), jnp.float32, values),
         grid=(rows, nb // tb),
         in_specs=[

@@ -149,10 +149,10 @@ def quantize(
     return _common.as_quantized(values, scales, x.shape, bits, block)
 
 
-def dequantize_kernel(values_ref, scales_ref, out_ref, *, bits):
+def dequantize_kernel(values_ref, scales_ref, out_ref, *, bits, decode="convert"):
     """One tile: codes ``(tb, bytes)``, scales ``(tb, 1)`` -> ``(tb, block)`` (or all split)."""
     x = _common.decode_tile(values_ref[...], scales_ref[...].astype(jnp.float32), bits,
-                            out_ref.shape)
+                            out_ref.shape, decode)
     out_ref[...] = x.astype(out_ref.dtype)
 
 
@@ -200,7 +200,7 @@ def dequantize(
     units, unit_tile = _common.unit_view(units, out_tile)  # free reshape
     rank = len(out_tile)
     out = pl.pallas_call(
-        functools.partial(dequantize_kernel, bits=bits),
+        functools.partial(dequantize_kernel, bits=bits, decode=config.decode),
         out_shape=_common.out_struct((nb, *out_tile[1:]), dtype, values),
         grid=(nb // tb,),
         in_specs=[

@@ -13,6 +13,8 @@ Compiled for an H200 (``benchmarks/gpu_aot.py kernels``), that took
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -60,12 +62,27 @@ def _calls(bits: int, config):
     return calls
 
 
-def _kernel_primitives(fn, *args) -> list[str]:
-    """The primitives in the body of the one ``pallas_call`` that ``fn`` makes."""
+def _kernel_eqns(fn, *args) -> list:
+    """The equations in the body of the one ``pallas_call`` that ``fn`` makes."""
     top = jax.make_jaxpr(fn)(*args).jaxpr
     kernels = [e.params["jaxpr"] for e in _eqns(top) if e.primitive.name == "pallas_call"]
     assert len(kernels) == 1, f"expected one pallas_call, found {len(kernels)}"
-    return [e.primitive.name for e in _eqns(kernels[0])]
+    return list(_eqns(kernels[0]))
+
+
+def _kernel_primitives(fn, *args) -> list[str]:
+    """The primitives in the body of the one ``pallas_call`` that ``fn`` makes."""
+    return [e.primitive.name for e in _kernel_eqns(fn, *args)]
+
+
+def _int_to_float_conversions(fn, *args) -> int:
+    """``convert_element_type`` equations from an integer to a float dtype in the kernel."""
+    return sum(
+        1 for e in _kernel_eqns(fn, *args)
+        if e.primitive.name == "convert_element_type"
+        and jnp.issubdtype(e.invars[0].aval.dtype, jnp.integer)
+        and jnp.issubdtype(e.params["new_dtype"], jnp.floating)
+    )
 
 
 @pytest.mark.parametrize("bits", [1, 4, 8])
@@ -87,3 +104,19 @@ def test_the_check_sees_a_reshape():
     """2-D tiles of packed codes regroup bytes and elements: the walk finds those reshapes."""
     for name, (fn, *args) in _calls(1, PLAIN).items():
         assert "reshape" in _kernel_primitives(fn, *args), name
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("layout", [SPLIT, PLAIN], ids=["split", "plain"])
+def test_decode_by_bits_converts_no_integer_to_float(bits, layout):
+    """``KernelConfig(decode="bits")``: the decoding kernels build floats from the codes'
+    bits (on Hopper a conversion issues at 16 per clock per SM, a float add at 128);
+    with the default ``"convert"`` the same kernels do convert, so the check can fail."""
+    decoding = ("dequantize", "dequantize_sum")
+    by_bits = dataclasses.replace(layout, decode="bits")
+    for name, (fn, *args) in _calls(bits, by_bits).items():
+        if name in decoding:
+            assert _int_to_float_conversions(fn, *args) == 0, f"{name} at {bits} bits converts"
+    for name, (fn, *args) in _calls(bits, layout).items():
+        if name in decoding:
+            assert _int_to_float_conversions(fn, *args) > 0, f"{name}: no conversion found"

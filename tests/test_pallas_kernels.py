@@ -390,6 +390,43 @@ def test_dequantize_sum_exact_on_dyadic_inputs(mode, bits, lead, k, m, block, sc
     assert_same(out, pk.dequantize_sum_reference(q, bits=bits, block=block))
 
 
+def every_byte_at_every_position(bits: int, chunks: int = 1) -> jax.Array:
+    """``(chunks, 1024)`` wire values: each of the 256 byte values at each byte of a
+    32-bit word (so every code at every position of the packed units the kernels
+    load); chunk ``c`` rotated by ``c`` bytes. int8 for bits=8 (-128 included),
+    uint8 otherwise."""
+    words = np.arange(256)[:, None] + 64 * np.arange(4)[None, :]  # byte i of word w
+    row = (words % 256).astype(np.uint8).reshape(-1)
+    values = np.stack([np.roll(row, c) for c in range(chunks)])
+    return jnp.asarray(values.view(np.int8) if bits == 8 else values)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "plain"])
+def test_decode_by_bits_matches_reference_on_every_code(mode, bits, split):
+    """``KernelConfig(decode="bits")`` decodes every int8 / int4 code at every
+    position exactly as the reference: ``dequantize`` to the bit, and
+    ``dequantize_sum`` too on scales whose products and sums are exact."""
+    block = 64
+    config = pk.KernelConfig(tile_elems=256, num_warps=1, split_bytes=split, decode="bits")
+    values = every_byte_at_every_position(bits)
+    nb = values.shape[-1] * 8 // bits // block
+    rng = np.random.default_rng(bits)
+    scales = np.abs(rng.normal(size=(1, nb))).astype(np.float32)
+    scales[0, 1] = 0.0
+    q = Quantized(values=values, scales=jnp.asarray(scales))
+    for dtype in (jnp.float32, jnp.bfloat16):
+        out = pk.dequantize(q, bits=bits, block=block, dtype=dtype, config=config,
+                            interpret=_interp(mode))
+        assert_same(out, pk.dequantize_reference(q, bits=bits, block=block, dtype=dtype))
+    k = 5
+    values = every_byte_at_every_position(bits, chunks=k)
+    scales = dyadic_quantized((k, values.shape[-1] * 8 // bits), block, bits, jnp.float32, 7).scales
+    q = Quantized(values=values, scales=scales)
+    out = pk.dequantize_sum(q, bits=bits, block=block, config=config, interpret=_interp(mode))
+    assert_same(out, pk.dequantize_sum_reference(q, bits=bits, block=block))
+
+
 def test_dequantize_sum_order_is_sequential(mode):
     """Chunks are added in order from 0.0: (1e8 + -1e8) + 1 == 1; other orders give 0."""
     block, k = 8, 3
@@ -417,6 +454,7 @@ def test_dequantize_sum_order_is_sequential(mode):
         dict(num_warps=64),
         dict(num_stages=0),
         dict(split_bytes=1),
+        dict(decode="bit"),
     ],
 )
 def test_kernel_config_rejects_bad_values(kwargs):
@@ -511,8 +549,12 @@ def _lower_for_gpu(f, *args):
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("config", [None, pk.KernelConfig(tile_elems=64, split_bytes=True)],
-                         ids=["default", "small-split"])
+@pytest.mark.parametrize(
+    "config",
+    [None, pk.KernelConfig(tile_elems=64, split_bytes=True),
+     pk.KernelConfig(tile_elems=64, decode="bits")],
+    ids=["default", "small-split", "small-bits"],
+)
 def test_kernels_lower_for_gpu(config):
     """Every kernel lowers to the Triton GPU backend; runs on CPU (cross-lowering).
 
