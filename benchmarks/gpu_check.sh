@@ -22,7 +22,8 @@
 #    --hlo-dir on any machine) and its device time per kernel from a
 #    profiler trace of two more steps ($OUT/profile/<variant>.json, for
 #    plain_remat, zero3 and qwz);
-# 6. prints a short summary last: the pytest result line and both tables.
+# 6. prints a short summary last: the pytest result line, both tables and
+#    whether the step meets issue 18's goals (one "goal met / NOT met" line each).
 #
 # Logs and JSON go to $OUT (the device tool's output folder) or
 # /tmp/zeropp_gpu_check. Each stage has its own time limit, so the whole

@@ -261,6 +261,37 @@ def parse_variants(parser, text: str) -> list[str]:
     return variants
 
 
+# Issue 18's goals for the step at 1.2B parameters on one H200: (what, variant,
+# compared with, at most this many times its step time); and the share of the
+# peak the trainer's presets must reach.
+STEP_GOALS = (
+    ("zero3 within 2% of plain jit with per-layer remat", "zero3", "plain_remat", 1.02),
+    ("qwz (default kernels) within 2% of zero3", "qwz", "zero3", 1.02),
+)
+UTILIZATION_GOAL = 0.5
+UTILIZATION_VARIANTS = ("zero3", "qwz")
+
+
+def goals(rows: list[dict]) -> list[dict]:
+    """Each goal that ``rows`` (the probe's, by variant) can answer: the measured
+    ratio or share, the bound, and whether it holds. Variants that failed or
+    were not run are left out."""
+    ok = {r["variant"]: r for r in rows if "error" not in r}
+    out = []
+    for what, variant, base, bound in STEP_GOALS:
+        if variant in ok and base in ok:
+            ratio = ok[variant]["step_s"] / ok[base]["step_s"]
+            out.append(dict(goal=what, value=ratio, bound=bound, met=ratio <= bound,
+                            text=f"{ratio:.3f}x"))
+    for variant in UTILIZATION_VARIANTS:
+        if variant in ok:
+            share = ok[variant]["utilization"]
+            out.append(dict(goal=f"{variant} at least {UTILIZATION_GOAL:.0%} of the peak",
+                            value=share, bound=UTILIZATION_GOAL, met=share >= UTILIZATION_GOAL,
+                            text=f"{share:.1%}"))
+    return out
+
+
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -315,7 +346,7 @@ def main(argv=None) -> int:
                     flops_per_token=gpt.flops_per_token(cfg), attention=attention,
                     shape=dict(layers=args.layers, d_model=args.d_model, heads=args.heads,
                                seq=args.seq, vocab=args.vocab, batch=args.batch),
-                    peak_tflops=args.peak_tflops, variants=rows)
+                    peak_tflops=args.peak_tflops, variants=rows, goals=goals(rows))
 
     rows = []
     for variant in variants:
@@ -346,6 +377,8 @@ def main(argv=None) -> int:
               f"{r['loss_first']:>7.3f}->{r['loss_last']:<6.3f}"
               f"{_fmt(r.get('device_ms_per_step'), '.1f'):>12}"
               f"{_fmt(r.get('traffic_bytes', 0) / 1e9 or None, '.1f'):>10}")
+    for g in goals(rows):
+        print(f"goal {'met' if g['met'] else 'NOT met'}: {g['goal']}: {g['text']}")
     return 0 if len(ok) == len(rows) else 1
 
 

@@ -75,6 +75,20 @@ def test_kernel_times_attribute_a_trace_to_hlo_instructions(bench_modules, tmp_p
         gpu_profile.kernel_times(str(tmp_path / "empty"), "", 1)
 
 
+def test_probe_goals_compare_step_times_and_peak_share():
+    probe = _bench_module("gpu_train_probe")
+    row = lambda v, ms, share: dict(variant=v, step_s=ms / 1e3, utilization=share)  # noqa: E731
+    rows = [row("plain_remat", 100.0, 0.53), row("zero3", 102.5, 0.517),
+            row("qwz", 104.0, 0.499), dict(variant="qwz_pallas", error="boom")]
+    found = {g["goal"]: g for g in probe.goals(rows)}
+    assert [g["met"] for g in found.values()] == [False, True, True, False]
+    zero3 = found["zero3 within 2% of plain jit with per-layer remat"]
+    assert zero3["value"] == pytest.approx(1.025) and zero3["text"] == "1.025x"
+    assert found["qwz (default kernels) within 2% of zero3"]["value"] == pytest.approx(104 / 102.5)
+    assert probe.goals([row("zero3", 100.0, 0.6)]) == [
+        dict(goal="zero3 at least 50% of the peak", value=0.6, bound=0.5, met=True, text="60.0%")]
+
+
 @pytest.mark.slow
 def test_probe_saves_hlo_and_kernel_times(tmp_path):
     cmd = [sys.executable, os.path.join(BENCH, "gpu_train_probe.py"), "--allow-cpu", *TINY,
