@@ -262,9 +262,9 @@ def decode_tile(values: jax.Array, scales: jax.Array, bits: int, shape: tuple[in
 
     Decoding is integer work per element and chunk (``dequantize_sum``
     decodes ``k`` chunks per output element), so each code is extracted in
-    as few operations as possible: a nibble is shifted to the top of an
-    int32 and arithmetically back (extracted and sign-extended in two
-    shifts); a bit is tested against a constant per position.
+    as few operations as possible: with ``"convert"`` a nibble is shifted to
+    the top of an int32 and arithmetically back (extracted and sign-extended
+    in two shifts); a bit is tested against a constant per position.
     """
     if bits == 8:
         if decode == "bits":
@@ -290,10 +290,12 @@ def decode_tile(values: jax.Array, scales: jax.Array, bits: int, shape: tuple[in
     return out.reshape(shape)
 
 
-# The float32 2**23 as bits: from it to 2**24, consecutive float32 are 1 apart,
-# so ORing an integer u < 2**23 into its mantissa gives 2**23 + u exactly.
-_TWO_POW_23_BITS = 0x4B000000
+# float32 fields: an exponent e is stored as e + 127 above 23 mantissa bits. From
+# 2**e to 2**(e+1), consecutive float32 are 2**(e-23) apart, so an integer u <
+# 2**23 in the mantissa of 2**e reads 2**e + u * 2**(e-23), exactly.
+_FLOAT32_EXPONENT_BIAS = 127
 _FLOAT32_MANTISSA_BITS = 23
+_TWO_POW_23_BITS = (_FLOAT32_EXPONENT_BIAS + _FLOAT32_MANTISSA_BITS) << _FLOAT32_MANTISSA_BITS
 
 
 def int8_to_float_bits(values: jax.Array) -> jax.Array:
@@ -327,7 +329,7 @@ def nibble_to_float_bits(b: jax.Array, position: jax.Array) -> jax.Array:
     """
     j = position % 4
     half = jnp.where(position >= 4, b >> 16, b)
-    exponent = (127 + _FLOAT32_MANTISSA_BITS - 4 * j) << _FLOAT32_MANTISSA_BITS
+    exponent = (_FLOAT32_EXPONENT_BIAS + _FLOAT32_MANTISSA_BITS - 4 * j) << _FLOAT32_MANTISSA_BITS
     biased = (half & (0xF << (4 * j))) ^ (exponent | (8 << (4 * j)))
     origin = lax.bitcast_convert_type(exponent, jnp.float32) + 8
     return lax.bitcast_convert_type(biased, jnp.float32) - origin
