@@ -201,9 +201,8 @@ def kernel_rows(devices, elems: int, only: str = "", config=None) -> list[dict]:
         per_thread = sass if sass is not None else s.instructions
         per_byte = per_thread * s.threads * programs / nbytes
         rows.append(dict(
-            name=name, kernel=s.name, config=f"{cfg.tile_elems}/{cfg.num_warps}"
-            f"{'s' if cfg.split_bytes else ''}{'+bits' if cfg.decode == 'bits' else ''}",
-            threads=s.threads,
+            name=name, kernel=s.name,
+            config=gpu_kernels.config_text(gpu_kernels.config_dict(cfg)), threads=s.threads,
             instructions_per_thread=s.instructions, elements_per_program=per_program,
             instructions_per_element=s.instructions * s.threads / per_program,
             sass_per_thread=sass,

@@ -279,18 +279,17 @@ KERNEL_NAMES = {"quantize": "quantize", "dequantize": "dequantize", "onebit": "c
                 "dither": "quantize_dithered", "dequantize_sum": "dequantize_sum"}
 
 
-# Kernels that turn integer codes into floats (KernelConfig.decode), and how
-# many of their fastest configs are timed again with decode="bits".
-DECODING = {("dequantize", 8), ("dequantize", 4), ("dequantize_sum", 8), ("dequantize_sum", 4)}
+# How many of a decoding kernel's fastest configs (pallas_kernels.config.
+# DECODING_KERNELS at 4 and 8 bits) are timed again with the other decode.
 BITS_DECODE_CANDIDATES = 3
 
 
-def _config_dict(cfg) -> dict:
+def config_dict(cfg) -> dict:
     return dict(tile_elems=cfg.tile_elems, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 split_bytes=cfg.split_bytes, decode=cfg.decode)
 
 
-def _config_text(cfg: dict | None) -> str:
+def config_text(cfg: dict | None) -> str:
     """``tile/warps``, ``s`` for the split layout, ``+bits`` for the bits decode:
     e.g. ``4096/8s``, ``1024/1s+bits``."""
     if not cfg:
@@ -388,19 +387,20 @@ def main(argv=None) -> int:
             timed[cfg] = t
             row["configs"].append(dict(config=repr(cfg), ms=t * 1e3, gbs=nbytes / t / 1e9))
             if cfg == configs[0]:
-                row.update(default_config=_config_dict(cfg), default_ms=t * 1e3,
+                row.update(default_config=config_dict(cfg), default_ms=t * 1e3,
                            default_gbs=nbytes / t / 1e9,
                            default_pass=bool(ok and nbytes / t >= 0.8 * 8 * n / t_copy
                                              and t <= 1.02 * t_xla))
 
         for cfg in configs:
             time_config(cfg)
-        if (KERNEL_NAMES[kind], bits) in DECODING:  # the fastest again, with the other decode
-            fastest = sorted(timed, key=timed.get)[:BITS_DECODE_CANDIDATES]
-            for cfg in fastest:
-                other = "bits" if cfg.decode == "convert" else "convert"
-                if dataclasses.replace(cfg, decode=other) not in timed:
-                    time_config(dataclasses.replace(cfg, decode=other))
+        if KERNEL_NAMES[kind] in pk.config.DECODING_KERNELS and bits in (4, 8):
+            # the fastest again, with the other decode
+            for cfg in sorted(timed, key=timed.get)[:BITS_DECODE_CANDIDATES]:
+                other = dataclasses.replace(
+                    cfg, decode="bits" if cfg.decode == "convert" else "convert")
+                if other not in timed:
+                    time_config(other)
         best = min(((t, cfg) for cfg, t in timed.items()), key=lambda p: p[0], default=None)
         del inputs
         if best is None:
@@ -411,7 +411,7 @@ def main(argv=None) -> int:
             row.update(
                 pallas_ms=t * 1e3,
                 pallas_gbs=nbytes / t / 1e9,
-                best_config=_config_dict(cfg),
+                best_config=config_dict(cfg),
                 pass_bw=nbytes / t >= 0.8 * 8 * n / t_copy,
                 pass_xla=t <= 1.02 * t_xla,
             )
@@ -443,10 +443,10 @@ def main(argv=None) -> int:
         lines.append(
             f"{r['kernel']:<22}{'ok' if r['verified'] else 'FAIL':>7}{r['xla_gbs']:>9.0f} | "
             f"{d_gbs:>12.0f}{100 * d_gbs / copy_gbs:>5.0f}%"
-            f"{_ratio(r['xla_ms'], r.get('default_ms')):>7}{_config_text(r.get('default_config')):>14}"
+            f"{_ratio(r['xla_ms'], r.get('default_ms')):>7}{config_text(r.get('default_config')):>14}"
             f"{'PASS' if r.get('default_pass') else 'FAIL':>5} | "
             f"{r['pallas_gbs']:>9.0f}{100 * r['pallas_gbs'] / copy_gbs:>5.0f}%"
-            f"{_ratio(r['xla_ms'], r['pallas_ms']):>7}{_config_text(r['best_config']):>14}"
+            f"{_ratio(r['xla_ms'], r['pallas_ms']):>7}{config_text(r['best_config']):>14}"
             f"{'PASS' if r['pass'] else 'FAIL':>5}"
         )
     print("\n".join(lines), flush=True)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["KernelConfig", "DEFAULT_CONFIG", "DECODES", "KERNELS", "default_config"]
+__all__ = ["KernelConfig", "DEFAULT_CONFIG", "DECODES", "DECODING_KERNELS", "KERNELS",
+           "default_config"]
 
 
 DECODES = ("convert", "bits")
 """``KernelConfig.decode``: integer codes to float32 by conversion, or by their bits."""
+DECODING_KERNELS = ("dequantize", "dequantize_sum")
+"""The kernels whose int8 / int4 decoding follows ``KernelConfig.decode``."""
 
 
 def _is_pow2(v) -> bool:

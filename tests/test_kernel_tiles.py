@@ -112,7 +112,7 @@ def test_decode_by_bits_converts_no_integer_to_float(bits, layout):
     """``KernelConfig(decode="bits")``: the decoding kernels build floats from the codes'
     bits (on Hopper a conversion issues at 16 per clock per SM, a float add at 128);
     with the default ``"convert"`` the same kernels do convert, so the check can fail."""
-    decoding = ("dequantize", "dequantize_sum")
+    decoding = pk.config.DECODING_KERNELS
     by_bits = dataclasses.replace(layout, decode="bits")
     for name, (fn, *args) in _calls(bits, by_bits).items():
         if name in decoding:
