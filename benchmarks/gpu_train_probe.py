@@ -228,6 +228,7 @@ def inspect(variant, hlo, step, state, batch, args) -> dict:
             with open(os.path.join(args.profile_dir, f"{variant}.json"), "w") as f:
                 json.dump(summary, f, indent=1)
             out["device_ms_per_step"] = summary["device_us_per_step"] / 1e3
+            out["profile_source"] = summary["source"]
             log(f"{variant}: {summary['device_us_per_step'] / 1e3:.1f} ms of kernels per step "
                 f"({summary['source']})")
         finally:
@@ -275,14 +276,25 @@ UTILIZATION_VARIANTS = ("zero3", "qwz")
 def goals(rows: list[dict]) -> list[dict]:
     """Each goal that ``rows`` (the probe's, by variant) can answer: the measured
     ratio or share, the bound, and whether it holds. Variants that failed or
-    were not run are left out."""
+    were not run are left out.
+
+    A step-time ratio is of the two medians; ``low``/``high`` are the extremes
+    the timed groups allow (fastest over slowest group and back), and
+    ``settled`` says whether the bound lies outside them, i.e. whether another
+    run with the same spread could give the other verdict."""
     ok = {r["variant"]: r for r in rows if "error" not in r}
     out = []
     for what, variant, base, bound in STEP_GOALS:
         if variant in ok and base in ok:
             ratio = ok[variant]["step_s"] / ok[base]["step_s"]
+            groups, base_groups = (ok[v].get("step_s_all") or [ok[v]["step_s"]]
+                                   for v in (variant, base))
+            low, high = min(groups) / max(base_groups), max(groups) / min(base_groups)
+            settled = not low <= bound < high
             out.append(dict(goal=what, value=ratio, bound=bound, met=ratio <= bound,
-                            text=f"{ratio:.3f}x"))
+                            low=low, high=high, settled=settled,
+                            text=f"{ratio:.3f}x (groups {low:.3f}-{high:.3f}x"
+                                 f"{'' if settled else ', the bound inside: not settled'})"))
     for variant in UTILIZATION_VARIANTS:
         if variant in ok:
             share = ok[variant]["utilization"]
@@ -317,7 +329,14 @@ def main(argv=None) -> int:
                         help="the variants --profile-dir traces (each costs a trace and its "
                              "parsing)")
     parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU (tiny shapes)")
+    parser.add_argument("--table-from", default=None, metavar="JSON",
+                        help="print the table of an earlier run's --json-out file and exit "
+                             "(what gpu_check.sh shows when a time limit cut a run short)")
     args = parser.parse_args(argv)
+    if args.table_from:
+        with open(args.table_from) as f:
+            print(table(json.load(f)))
+        return 0
     variants = parse_variants(parser, args.variants)
     parse_variants(parser, args.profile_variants)
 
@@ -362,24 +381,40 @@ def main(argv=None) -> int:
             with open(args.json_out, "w") as f:
                 json.dump(summary_of(rows), f, indent=1)
     print("JSON " + json.dumps(summary_of(rows)))
+    print(table(summary_of(rows)))
+    ok = [r for r in rows if "error" not in r]
+    return 0 if len(ok) == len(rows) else 1
+
+
+def table(summary: dict) -> str:
+    """The probe's short table from its ``summary`` (the JSON): per variant,
+    step time, model TFLOP/s, share of the peak, time against plain remat,
+    the loss, profiled kernel time and estimated bytes; then one line per
+    goal. Kernel times marked ``h`` were summed from host events (the trace
+    had no device track), not from the GPU's."""
+    rows = summary["variants"]
     ok = {r["variant"]: r for r in rows if "error" not in r}
-    print(f"{dev.device_kind}, {gpt.count_params(cfg) / 1e9:.2f}B params, bf16, attention {attention}")
-    print(f"{'variant':<13}{'ms/step':>9}{'TFLOP/s':>9}{'% peak':>8}{'vs plain_remat':>16}"
-          f"{'loss':>14}{'kernels ms':>12}{'GB moved':>10}")
+    shape = summary["shape"]
+    lines = [f"{summary['device']}, {summary['params'] / 1e9:.2f}B params, bf16, "
+             f"attention {summary['attention']}, batch {shape['batch']} x seq {shape['seq']}",
+             f"{'variant':<13}{'ms/step':>9}{'TFLOP/s':>9}{'% peak':>8}{'vs plain_remat':>16}"
+             f"{'loss':>14}{'kernels ms':>12}{'GB moved':>10}"]
     for r in rows:
         if "error" in r:
-            print(f"{r['variant']:<13}  FAILED {r['error'][:80]}")
+            lines.append(f"{r['variant']:<13}  FAILED {r['error'][:80]}")
             continue
         base = ok.get("plain_remat")
         rel = f"{r['step_s'] / base['step_s']:.3f}x" if base else "-"
-        print(f"{r['variant']:<13}{r['step_s'] * 1e3:>9.1f}{r['model_tflops']:>9.0f}"
-              f"{100 * r['utilization']:>7.1f}%{rel:>16}"
-              f"{r['loss_first']:>7.3f}->{r['loss_last']:<6.3f}"
-              f"{_fmt(r.get('device_ms_per_step'), '.1f'):>12}"
-              f"{_fmt(r.get('traffic_bytes', 0) / 1e9 or None, '.1f'):>10}")
-    for g in goals(rows):
-        print(f"goal {'met' if g['met'] else 'NOT met'}: {g['goal']}: {g['text']}")
-    return 0 if len(ok) == len(rows) else 1
+        kernels = _fmt(r.get("device_ms_per_step"), ".1f")
+        if r.get("profile_source", "").startswith("host"):
+            kernels += "h"
+        lines.append(f"{r['variant']:<13}{r['step_s'] * 1e3:>9.1f}{r['model_tflops']:>9.0f}"
+                     f"{100 * r['utilization']:>7.1f}%{rel:>16}"
+                     f"{r['loss_first']:>7.3f}->{r['loss_last']:<6.3f}{kernels:>12}"
+                     f"{_fmt(r.get('traffic_bytes', 0) / 1e9 or None, '.1f'):>10}")
+    for g in summary.get("goals", []):
+        lines.append(f"goal {'met' if g['met'] else 'NOT met'}: {g['goal']}: {g['text']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
