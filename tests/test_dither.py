@@ -160,6 +160,12 @@ def test_config_refuses_dither_with_error_feedback_or_other_modes():
     assert cfg.describe()["qgz_code"] == "dither" and cfg.qgz_block == 16
     assert zp.ZeroConfig.from_preset("zeropp").qgz_block == 128  # the compact wire's
     assert zp.ZeroConfig.from_preset("qgz").qgz_block == 32
+    # the wire itself names what would be right, should a caller bypass the config
+    from zeropp_jax.wire import kernels, qgz
+
+    with pytest.raises(ValueError, match="1-bit only, got bits=4; use bits=1"):
+        qgz._encode(jnp.ones((2, 16)), None, bits=4, block=8, scale_dtype=jnp.float32,
+                    kernels=kernels.XLA, code="dither")
 
 
 @pytest.mark.slow

@@ -41,7 +41,10 @@ def block_scales(xb: jax.Array, scale_dtype, block_axes: int = 1) -> jax.Array:
 
     The block's max|x|, rounded *up* to ``scale_dtype`` so that ``|x| <= s``
     holds for the scale the receiver sees, or NaN if the block holds inf or
-    NaN. Plain ``jnp`` that the Pallas kernel calls too: non-finite values
+    NaN. A finite block whose max|x| lies above ``scale_dtype``'s largest
+    finite value (bfloat16 rounds up past 3.39e38) gets an infinite scale
+    and decodes to +-inf; so may a float32 scale above about 1.7e38, where
+    the receiver's ``s * (+-1 - xi)`` overflows. Plain ``jnp`` that the Pallas kernel calls too: non-finite values
     are found with ``isfinite`` (GPU max reductions may drop NaN), and the
     bfloat16 round-up is integer arithmetic on the float32 bits (Triton has
     no bfloat16 ``nextafter``): adding ``0xFFFF`` and clearing the low 16 bits

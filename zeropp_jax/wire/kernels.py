@@ -21,7 +21,12 @@ into the quantization.
   run in Pallas' interpreter (slow, for testing), which the name reports.
 
 The choice is never silent: :attr:`Kernels.name` goes into the trainer's
-description and metrics header.
+description and metrics header. :meth:`Kernels.quantize` and
+:meth:`Kernels.dequantize` at 1 bit are the XLA reference in every set: the
+step encodes 1 bit through :meth:`Kernels.compress_1bit_ef` or
+:meth:`Kernels.quantize_dithered` (kernels in the Pallas set), and decodes
+1-bit rows it received (the Hadamard code's) with the reference, one
+elementwise fusion for XLA.
 """
 
 from __future__ import annotations
@@ -79,7 +84,7 @@ class Kernels:
         return self.name == "pallas-interpret"
 
     def quantize(self, x: jax.Array, *, bits: int, block: int, scale_dtype: Any) -> Quantized:
-        """Block-wise ``bits``-bit codes and scales of ``x`` ``(..., n)``."""
+        """Block-wise ``bits``-bit codes and scales of ``x`` ``(..., n)`` (1 bit: XLA)."""
         if self._pallas and bits in (4, 8):
             return pallas_kernels.quantize(
                 x, bits=bits, block=block, scale_dtype=scale_dtype, interpret=self._interpret
@@ -87,7 +92,7 @@ class Kernels:
         return quantization.quantize(x, bits=bits, block=block, scale_dtype=scale_dtype)
 
     def dequantize(self, q: Quantized, *, bits: int, block: int, dtype: Any) -> jax.Array:
-        """Values ``(..., n)`` in ``dtype`` from codes and scales."""
+        """Values ``(..., n)`` in ``dtype`` from codes and scales (1 bit: XLA)."""
         if self._pallas and bits in (4, 8):
             return pallas_kernels.dequantize(
                 q, bits=bits, block=block, dtype=dtype, interpret=self._interpret

@@ -156,6 +156,9 @@ def _encode(
     if code == "sign":
         return _quantize_with_carry(
             g, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels)
+    if code == "dither":
+        raise ValueError(f"the 'dither' code is 1-bit only, got bits={bits}; use bits=1, or "
+                         "code 'sign' or 'hadamard' at 4 or 8 bits.")
     if code != "hadamard":
         raise ValueError(f"code must be 'sign', 'hadamard' or 'dither' (1-bit), got {code!r}.")
     x = g if carry is None else g + carry
