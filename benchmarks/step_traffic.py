@@ -21,7 +21,7 @@ Usage::
 
   python benchmarks/step_traffic.py                                # CPU, ~20 s
   python benchmarks/step_traffic.py --layers 24 --d-model 2048 --heads 16 --seq 1024 --batch 8
-  python benchmarks/step_traffic.py --hlo-dir gpu_out/hlo          # HLO saved on a GPU
+  python benchmarks/step_traffic.py --hlo-dir hlo   # HLO saved on a GPU (gpu_check.sh: tar xzf hlo.tgz)
 """
 
 from __future__ import annotations
