@@ -14,12 +14,16 @@ import tempfile
 # faster. Only code generation changes: the optimized HLO, where collectives,
 # dtypes and replica groups are read, is the same text at every level (checked
 # for the zero3, qwz, hpz and zeropp steps of tests/_util.gpt_step). The
-# scripts the tests start inherit it (``_util.child_env``).
+# scripts the tests start inherit it (``_util.child_env``). Not when the
+# kernels are checked compiled on a GPU (``PALLAS_KERNELS_COMPILED=1``,
+# benchmarks/gpu_check.sh): there the references run as XLA:GPU compiles them
+# for a user, at its default level.
 FAST_CODEGEN_FLAG = "--xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = " ".join([
-    os.environ.get("XLA_FLAGS", ""), FAST_CODEGEN_FLAG,
+_COMPILED_ON_GPU = os.environ.get("PALLAS_KERNELS_COMPILED") == "1"
+os.environ["XLA_FLAGS"] = " ".join(flag for flag in [
+    os.environ.get("XLA_FLAGS", ""), "" if _COMPILED_ON_GPU else FAST_CODEGEN_FLAG,
     "--xla_force_host_platform_device_count=8",
-]).strip()
+] if flag)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
