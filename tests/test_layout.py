@@ -64,3 +64,26 @@ def test_qwz_blocks_never_mix_two_leaves():
         errors[leaf_align] = np.abs(got - bias).max() / 0.013
     assert errors[1] > 0.1  # one step of 1/127 in a block whose absmax is 1
     assert errors[16] < 1e-6  # its own block: the bias is the block's absmax
+
+
+def test_nested_units_without_remainder_round_trip_an_emptied_parent():
+    """Units that take every leaf leave no ``rest`` unit; the dicts they
+    emptied (``enc`` here) come back with them."""
+    from zeropp_jax.layout import join_units, split_units
+
+    tree = {"enc": {"a": np.ones((3,), np.float32), "b": np.zeros((2, 2), np.float32)}}
+    layout = build_layout(tree, n_devices=2, align=8, units=[("enc", "a"), ("enc", "b")])
+    assert layout.names == ("enc/a", "enc/b") and not layout.has_remainder
+    trees = split_units(tree, layout)
+    assert set(trees) == {"enc/a", "enc/b"}
+    back = join_units(trees, layout)
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+
+
+def test_per_layer_needs_string_top_level_keys():
+    params = {0: np.ones((4, 4), np.float32), 1: np.ones((4,), np.float32)}
+    with pytest.raises(ValueError, match=r"must be a string; got the key\(s\) \[0, 1\] of types "
+                                         r"\['int'\]: use string keys \(e.g. \{'0': ...\}\)"):
+        build_layout(params, n_devices=8, align=8, per_layer=True)
+    # the whole model as one unit takes any pytree
+    assert build_layout(params, n_devices=8, align=8, per_layer=False).names == ("params",)

@@ -293,3 +293,72 @@ def test_bad_batches_name_the_leaf():
     for batch, match in cases:
         with pytest.raises(ValueError, match=match):
             trainer.shard_batch(batch)
+
+
+def _mlp():
+    rng = np.random.default_rng(0)
+    params = {"w1": rng.normal(size=(16, 16)).astype(np.float32) * 0.3,
+              "w2": rng.normal(size=(16, 1)).astype(np.float32) * 0.3}
+    x = rng.normal(size=(16, 16)).astype(np.float32)
+    batch = {"x": x, "y": x.sum(axis=1, keepdims=True) * 0.1}
+
+    def loss(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+    return params, batch, loss
+
+
+def test_compress_true_needs_active_qgz():
+    """``step(compress=True)`` / ``lower(compress=True)`` where qgZ has nothing
+    to compress (one node, or qgz off) is an error, not a silent variant."""
+    params, batch, loss = _mlp()
+    cases = [((1, 8), zp.ZeroConfig(qgz="1bit")), ((2, 4), zp.ZeroConfig(hpz=True)),
+             ((2, 4), zp.ZeroConfig())]
+    for shape, config in cases:
+        trainer = zp.make_trainer(loss, optax.sgd(0.1), params, mesh=mesh_of(*shape),
+                                  config=config)
+        state = trainer.init(params)
+        with pytest.raises(ValueError, match=r"compress=True .* qgZ is not active"):
+            trainer.step(state, batch, compress=True)
+        with pytest.raises(ValueError, match=r"compress=True .* qgZ is not active"):
+            trainer.lower(trainer.abstract_state(params), trainer.shard_batch(batch),
+                          compress=True)
+        state, metrics = trainer.step(state, batch, compress=False)
+        assert int(metrics["compressed"]) == 0
+    # where qgZ is active, compress=True forces the compressed variant (also in the warm-up)
+    trainer = zp.make_trainer(loss, optax.sgd(0.1), params, mesh=mesh_of(2, 4),
+                              config=zp.ZeroConfig(qgz="1bit", qgz_warmup_steps=5))
+    _, metrics = trainer.step(trainer.init(params), batch, compress=True)
+    assert int(metrics["compressed"]) == 1
+
+
+def test_init_checks_the_structure_of_stacked_units():
+    layers = 3
+    params = {"blocks": {"a": np.ones((layers, 8, 8), np.float32),
+                         "b": np.ones((layers, 8), np.float32)},
+              "head": np.ones((8, 1), np.float32)}
+
+    def loss(p, b):
+        def f(h, lp):
+            q = zp.gather(lp)
+            return jnp.tanh(h @ q["a"] + q["b"]), None
+        h, _ = zp.scan_layers(f, b["x"], p["blocks"])
+        return jnp.mean((h @ zp.gather(p["head"]) - b["y"]) ** 2)
+
+    trainer = zp.make_trainer(loss, optax.sgd(0.1), params, mesh=mesh_of(2, 4),
+                              per_layer=True, stacked=("blocks",))
+    renamed = dict(params, blocks={"a": params["blocks"]["a"], "c": params["blocks"]["b"]})
+    with pytest.raises(ValueError, match=r"unit 'blocks' have structure .*'c'.*expected .*'b'"):
+        trainer.init(renamed)
+
+
+def test_mesh_sizes_that_do_not_divide_the_devices_name_the_divisors():
+    with pytest.raises(ValueError, match=r"8 devices \(cpu\) do not split into nodes=3: nodes "
+                                         r"must divide 8, one of \[1, 2, 4, 8\]"):
+        zp.make_mesh(nodes=3)
+    with pytest.raises(ValueError, match=r"do not split into local=3: local must divide 8"):
+        zp.make_mesh(local=3)
+    with pytest.raises(ValueError, match="nodes must be a positive integer or None, got 0"):
+        zp.make_mesh(nodes=0)
+    assert zp.make_mesh(nodes=4).devices.shape == (4, 2)
+    assert zp.make_mesh(local=2).devices.shape == (4, 2)

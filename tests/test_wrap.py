@@ -308,3 +308,44 @@ def test_nn_scan_blocks_refresh_hpz_secondary_once_per_step():
         reports[prefetch] = comm_report(compiled, mesh_shape=(2, 4))
     np.testing.assert_allclose(losses[True], losses[False], rtol=1e-6)
     assert reports[True].inter_node_bytes == reports[False].inter_node_bytes
+
+
+def test_every_parameter_inside_a_wrapped_block_leaves_no_remainder_unit():
+    """``Block()(Block()(x))`` with ``wrap=(Block,)``: nothing is left for the
+    remainder, so there is no ``rest`` unit, and the step is optax's step."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.tanh(nn.Dense(8)(x))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return Block()(Block()(x))[:, 0]
+
+    model = Model()
+    x = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+    batch = {"x": x, "y": x.sum(axis=1) * 0.1}
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss(p, b):
+        return jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+    opt = optax.sgd(0.1)
+    trainer = zp.make_trainer(loss, opt, params, mesh=zp.make_mesh(2, 4),
+                              config=zp.ZeroConfig(compute_dtype="float32"),
+                              wrap=(Block,), example_batch=batch)
+    assert sorted(trainer.layout.names) == ["Block_0", "Block_1"]  # no "rest"
+    state, ref, ref_opt = trainer.init(params), params, opt.init(params)
+    for _ in range(2):
+        state, metrics = trainer.step(state, batch)
+        value, g = jax.value_and_grad(loss)(ref, batch)
+        updates, ref_opt = opt.update(g, ref_opt, ref)
+        ref = optax.apply_updates(ref, updates)
+        np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=1e-5)
+    gathered = trainer.gather_params(state)
+    assert jax.tree.structure(gathered) == jax.tree.structure(params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 gathered, ref)

@@ -234,3 +234,29 @@ def test_nnx_wrap_refuses_blocks_it_cannot_find_or_classes_it_does_not_know():
 
         zp.make_trainer(loss_fn, optax.sgd(0.1), params, mesh=mesh_of(2, 4),
                         wrap=(Block, nn.Dense), example_batch=BATCH)
+
+
+class _DropoutLinear(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.lin(x))
+
+
+def test_nnx_loss_reseeds_the_streams_the_module_holds():
+    def total(m, b):
+        return jnp.sum(m(b["x"]))
+
+    x = {"x": np.ones((2, WIDTH), np.float32)}
+    # nnx.Rngs(0) names Dropout's stream "default", not "dropout": a new mask per key anyway
+    for rngs in (nnx.Rngs(0), nnx.Rngs(params=0, dropout=1)):
+        params, loss_fn = zp.nnx_loss(_DropoutLinear(rngs), total)
+        losses = {float(loss_fn(params, x, jax.random.key(k))) for k in (1, 2, 3)}
+        assert len(losses) == 3, losses
+    with pytest.raises(ValueError, match=r"stream\(s\) \['dropout'\].*holds the streams "
+                                         r"\['default'\]"):
+        zp.nnx_loss(_DropoutLinear(nnx.Rngs(0)), total, streams=("dropout",))
+    params, loss_fn = zp.nnx_loss(_DropoutLinear(nnx.Rngs(0)), total, streams=())
+    assert len({float(loss_fn(params, x, jax.random.key(k))) for k in (1, 2)}) == 1

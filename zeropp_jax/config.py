@@ -32,13 +32,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
-from zeropp_jax.config_checks import (
-    HPZ_SECONDARIES, QGZ_CODES, QGZ_SHARES, QGZ_TARGETS, check_hpz_secondary,
-    check_node_replicated, check_onebit_adam, check_qgz_code, check_qgz_schedule,
+# parse_dtype lived here: re-exported for ``from zeropp_jax.config import parse_dtype``.
+from zeropp_jax.config_checks import (  # noqa: F401
+    HPZ_SECONDARIES, QGZ_CODES, QGZ_SHARES, QGZ_TARGETS, QWZ_BITS, SCALE_DTYPES,
+    check_hpz_secondary, check_node_replicated, check_onebit_adam, check_qgz_code,
+    check_qgz_schedule, check_values, parse_dtype,
 )
 
 # 1-bit Adam estimates Adam's second moment in the warm-up and freezes it
@@ -83,10 +85,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "zeropp-max": dict(qwz_bits=0, hpz=False, node_replicated=True, **_COMPACT_ONEBIT_ADAM),
 }
 
-QWZ_BITS = (0, 8, 4)
 QGZ_MODES = ("off", "1bit", "int8", "int4")
 QGZ_BITS = {"off": 0, "1bit": 1, "int8": 8, "int4": 4}
-SCALE_DTYPES = ("float32", "bfloat16")
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
 
 # Default block sizes (elements per scale). int8 / int4: 256 is the smallest
@@ -102,25 +102,6 @@ DEFAULT_QGZ_BLOCK_1BIT = 32
 # blocks cut it; 16 costs 3 bits per value with float32 scales
 # (benchmarks/RESULTS.md).
 DEFAULT_QGZ_BLOCK_DITHER = 16
-
-_DTYPES = {
-    "float32": jnp.float32, "fp32": jnp.float32,
-    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
-    "float16": jnp.float16, "fp16": jnp.float16,
-}
-
-
-def parse_dtype(name: Any) -> Any:
-    """Returns the jnp dtype for a name such as ``"bf16"`` or ``"float32"``."""
-    if not isinstance(name, str):
-        return jnp.dtype(name).type
-    try:
-        return _DTYPES[name.lower()]
-    except KeyError:
-        raise ValueError(
-            f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}"
-        ) from None
-
 
 def _field(
     default: Any,
@@ -236,7 +217,7 @@ class ZeroConfig:
         "same code of each block's randomized Hadamard rotation, which spreads the error "
         "evenly over the block, with random signs of each node's own; a power-of-two block) or dither (1-bit, unbiased, "
         "zeropp_jax.wire.dither; it needs --no-qgz-error-feedback and --qgz-target gradient); "
-        "hadamard in zeropp-max",
+        "hadamard in the zeropp and zeropp-max presets",
         choices=QGZ_CODES,
     )
     qgz_share: str = _field(
@@ -244,15 +225,15 @@ class ZeroConfig:
         "each chunk over nodes, then gather it quantized again: 2(nodes-1)/nodes codes into "
         "each node), gather (gather every node's codes and sum them on each node: nothing "
         "quantized twice, nodes-1 codes into each node) or auto (gather where it moves no "
-        "more bytes: two nodes; zeropp-max)",
+        "more bytes: two nodes; the zeropp and zeropp-max presets)",
         choices=QGZ_SHARES,
     )
     qgz_target: str = _field(
         "gradient", "what qgZ compresses across nodes: the gradient (error feedback on the "
         "gradient; any optax optimizer) or Adam's momentum (1-bit Adam, "
         "zeropp_jax.onebit_adam: error feedback on the momentum, Adam's second moment "
-        "frozen after --qgz-warmup; needs qgZ on, the sign code and a warm-up of at least "
-        "1 step); momentum in the qgz and zeropp presets",
+        "frozen after --qgz-warmup; needs qgZ on, the sign or hadamard code (not dither) "
+        "and a warm-up of at least 1 step); momentum in the qgz, zeropp and zeropp-max presets",
         choices=QGZ_TARGETS,
     )
     qgz_seed: int = _field(
@@ -308,26 +289,15 @@ class ZeroConfig:
         choices=IMPLEMENTATIONS,
     )
 
+    # Fields __post_init__ filled in with a default of the other fields (given
+    # as None): replace() derives them again.
+    _derived: ClassVar[frozenset] = frozenset()
+
     def __post_init__(self):
         if self.preset not in PRESETS:
             raise ValueError(
                 f"unknown preset {self.preset!r}; choose one of {list(PRESETS)}"
             )
-        for name in ("compute_dtype", "reduce_dtype"):
-            value = getattr(self, name)
-            if value is not None:
-                dtype = parse_dtype(value)
-                if not jnp.issubdtype(dtype, jnp.floating):
-                    raise ValueError(f"{name} must be a float dtype, got {value!r}")
-                object.__setattr__(self, name, dtype)
-        scale_dtype = parse_dtype(self.scale_dtype)
-        if jnp.dtype(scale_dtype).name not in SCALE_DTYPES:
-            raise ValueError(
-                f"scale_dtype must be float32 or bfloat16, got {self.scale_dtype!r}"
-            )
-        object.__setattr__(self, "scale_dtype", scale_dtype)
-        if self.qwz_bits not in QWZ_BITS:
-            raise ValueError(f"qwz_bits must be 0 (off), 8 or 4, got {self.qwz_bits!r}")
         if self.qgz not in QGZ_MODES:
             raise ValueError(f"qgz must be one of {QGZ_MODES}, got {self.qgz!r}")
         if self.qgz_block is None:
@@ -337,14 +307,8 @@ class ZeroConfig:
             else:
                 block = DEFAULT_QGZ_BLOCK
             object.__setattr__(self, "qgz_block", block)
-        for name in ("qwz_block", "qgz_block"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 8 or value % 8:
-                raise ValueError(
-                    f"{name} must be a positive multiple of 8, got {value!r}"
-                )
-        if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
-            raise ValueError(f"grad_accum must be an integer >= 1, got {self.grad_accum!r}")
+            object.__setattr__(self, "_derived", frozenset({"qgz_block"}))
+        check_values(self)
         check_qgz_schedule(self)
         check_qgz_code(self)
         check_onebit_adam(self)
@@ -381,7 +345,11 @@ class ZeroConfig:
         return cls(preset=preset, **_preset_fields(preset, given))
 
     def replace(self, **changes: Any) -> "ZeroConfig":
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``, validated again. A field left to its derived
+        default (``qgz_block``: 32 for 1bit, 16 with the dither code, else 256)
+        is derived again from the new values unless given: as if built anew."""
+        derived = {name: None for name in self._derived if name not in changes}
+        return dataclasses.replace(self, **derived, **changes)
 
     @property
     def qgz_bits(self) -> int:

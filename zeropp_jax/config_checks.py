@@ -1,4 +1,4 @@
-"""Checks of :class:`~zeropp_jax.config.ZeroConfig` that span several fields.
+"""Checks of :class:`~zeropp_jax.config.ZeroConfig`: single values, and those that span several fields.
 
 Run once by ``ZeroConfig.__post_init__``; each raises a ``ValueError`` that
 names the fields, the values given and a combination that works.
@@ -6,23 +6,86 @@ names the fields, the values given and a combination that works.
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax.numpy as jnp
+
 QGZ_CODES = ("sign", "hadamard", "dither")
 QGZ_SHARES = ("two-hop", "gather", "auto")
 HPZ_SECONDARIES = ("decoded", "quantized")
 QGZ_TARGETS = ("gradient", "momentum")
+QWZ_BITS = (0, 8, 4)
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+SCALE_DTYPES = ("float32", "bfloat16")
+
+_DTYPES = {
+    "float32": jnp.float32, "fp32": jnp.float32,
+    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+    "float16": jnp.float16, "fp16": jnp.float16,
+}
+
+
+def parse_dtype(name: Any) -> Any:
+    """The jnp dtype type for a name such as ``"bf16"`` or ``"float32"``, or for a
+    dtype (``jnp.bfloat16``, ``np.dtype("float32")``: the same ``jnp.bfloat16``
+    or ``jnp.float32`` as its name); raises ``ValueError`` for anything else."""
+    try:
+        if isinstance(name, str):
+            return _DTYPES[name.lower()]
+        dtype = jnp.dtype(name)
+        return _DTYPES.get(dtype.name, dtype.type)
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown dtype {name!r}; use one of {sorted(_DTYPES)} or a jnp float dtype"
+        ) from None
+
+
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer (a Python ``int``, not ``bool`` nor ``8.0``)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_values(config) -> None:
+    """Single fields: dtypes (stored as jnp types), qwZ bits, block sizes, ``grad_accum``."""
+    for name, allowed in (("compute_dtype", FLOAT_DTYPES), ("reduce_dtype", FLOAT_DTYPES),
+                          ("scale_dtype", SCALE_DTYPES)):
+        value = getattr(config, name)
+        if value is None and name != "scale_dtype":
+            continue
+        try:
+            dtype = parse_dtype(value)
+        except ValueError:
+            dtype = None
+        if dtype is None or jnp.dtype(dtype).name not in allowed:
+            names = [n for n in _DTYPES if jnp.dtype(_DTYPES[n]).name in allowed]
+            raise ValueError(
+                f"{name} must be one of {names} (a name, or the jnp dtype), got {value!r}"
+            )
+        object.__setattr__(config, name, dtype)
+    if not is_int(config.qwz_bits) or config.qwz_bits not in QWZ_BITS:
+        raise ValueError(
+            f"qwz_bits must be the integer 0 (off), 8 or 4, got {config.qwz_bits!r}"
+        )
+    for name in ("qwz_block", "qgz_block"):
+        value = getattr(config, name)
+        if not is_int(value) or value < 8 or value % 8:
+            raise ValueError(f"{name} must be a positive multiple of 8, got {value!r}")
+    if not is_int(config.grad_accum) or config.grad_accum < 1:
+        raise ValueError(f"grad_accum must be an integer >= 1, got {config.grad_accum!r}")
 
 
 def check_qgz_schedule(config) -> None:
     """qgZ's seed, warm-up, gradient-RMS gate and target: values of the right kind."""
-    if isinstance(config.qgz_seed, bool) or not isinstance(config.qgz_seed, int):
+    if not is_int(config.qgz_seed):
         raise ValueError(f"qgz_seed must be an integer, got {config.qgz_seed!r}")
-    if not isinstance(config.qgz_warmup_steps, int) or config.qgz_warmup_steps < 0:
+    if not is_int(config.qgz_warmup_steps) or config.qgz_warmup_steps < 0:
         raise ValueError(
             f"qgz_warmup_steps must be an integer >= 0, got {config.qgz_warmup_steps!r}"
         )
-    if not config.qgz_min_grad_rms >= 0:
+    rms = config.qgz_min_grad_rms
+    if isinstance(rms, bool) or not isinstance(rms, (int, float)) or not rms >= 0:
         raise ValueError(
-            "qgz_min_grad_rms must be >= 0 (0 disables the gate), "
+            "qgz_min_grad_rms must be a number >= 0 (0 disables the gate), "
             f"got {config.qgz_min_grad_rms!r}"
         )
     if config.qgz_target not in QGZ_TARGETS:
@@ -120,8 +183,7 @@ def check_onebit_adam(config) -> None:
                 "with qgz_target='momentum' the global gradient is not formed on "
                 f"compressed steps, so set qgz_min_grad_rms=0 (got {config.qgz_min_grad_rms!r})"
             )
-    if (isinstance(config.qgz_refresh_every, bool) or not isinstance(config.qgz_refresh_every, int)
-            or config.qgz_refresh_every < 0):
+    if not is_int(config.qgz_refresh_every) or config.qgz_refresh_every < 0:
         raise ValueError(
             f"qgz_refresh_every must be an integer >= 0 (0: never), got {config.qgz_refresh_every!r}"
         )

@@ -30,10 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zeropp_jax.tree_paths import cut_paths, paste_paths
-
-WHOLE_MODEL = "params"
-REMAINDER = "rest"
+# split_units / join_units (a parameter tree <-> its units' sub-trees) live
+# with the key-path functions; imported here for their callers.
+from zeropp_jax.tree_paths import (  # noqa: F401
+    REMAINDER, WHOLE_MODEL, cut_paths, join_units, split_units,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,13 +112,22 @@ class ParamLayout:
       paths: with nested units (a wrap policy), the key path of each unit's
         sub-pytree in the parameter tree, in ``units`` order; the
         :data:`REMAINDER` unit's path is ``()``: the whole tree less the
-        other units' sub-pytrees. Empty for top-level units.
+        other units' sub-pytrees, left out (no unit, no path) when that
+        holds no leaf. Empty for top-level units.
+      empty_rest: with nested units and no remainder unit, the structure of
+        the leafless rest (e.g. ``{"encoder": {}}``) the units are pasted into.
     """
 
     units: tuple[UnitLayout, ...]
     whole_model: bool
     n_devices: int
     paths: tuple[tuple[str, ...], ...] = ()
+    empty_rest: Any = None
+
+    @property
+    def has_remainder(self) -> bool:
+        """Whether the first unit is a wrap policy's :data:`REMAINDER`."""
+        return bool(self.paths) and self.paths[0] == ()
 
     def unit(self, name: str) -> UnitLayout:
         for u in self.units:
@@ -205,17 +215,19 @@ def build_layout(
       params: the full parameter pytree (arrays or ``ShapeDtypeStruct``s).
       n_devices: number of devices the shards are spread over.
       align: each device's shard is a multiple of this many elements.
-      per_layer: if ``True``, ``params`` must be a dict and each top-level
-        entry is one unit (gathered when the model calls ``gather`` on it);
-        if ``False`` the whole pytree is one unit, gathered before the loss.
+      per_layer: if ``True``, ``params`` must be a dict with string keys and
+        each top-level entry is one unit (gathered when the model calls
+        ``gather`` on it); if ``False`` the whole pytree is one unit,
+        gathered before the loss.
       stacked: top-level keys whose leaves carry a leading layer axis; each
         layer is gathered separately.
       leaf_align: start every leaf at a multiple of this many elements
         (the qwZ block: then no quantization block mixes two tensors).
       units: key paths of nested sub-pytrees (dicts of dicts), each one
         unit named by its keys joined with ``/``; the rest of the tree is
-        one more unit, :data:`REMAINDER` (a wrap policy's layout); then
-        ``stacked`` holds key paths among them (layers under ``nn.scan``).
+        one more unit, :data:`REMAINDER`, unless it holds no leaf (a wrap
+        policy's layout); then ``stacked`` holds key paths among them
+        (layers under ``nn.scan``).
 
     Returns:
       The :class:`ParamLayout`.
@@ -243,6 +255,14 @@ def build_layout(
             f"entries are the layers (units); got {type(params).__name__}. Use "
             "per_layer=False to gather the whole model at once"
         )
+    named = [k for k in params if not isinstance(k, str)]
+    if named:
+        raise ValueError(
+            f"per-layer gathering names each unit after its top-level parameter key, "
+            f"which must be a string; got the key(s) {named} of types "
+            f"{sorted({type(k).__name__ for k in named})}: use string keys (e.g. "
+            f"{{{str(named[0])!r}: ...}}), or per_layer=False"
+        )
     missing = [k for k in stacked if k not in params]
     if missing:
         raise ValueError(
@@ -251,7 +271,7 @@ def build_layout(
         )
     units = tuple(
         _unit_layout(
-            str(k), v, stacked=k in stacked, n_devices=n_devices, align=align,
+            k, v, stacked=k in stacked, n_devices=n_devices, align=align,
             leaf_align=leaf_align,
         )
         for k, v in params.items()
@@ -263,15 +283,18 @@ def _nested_layout(
     params: Any, paths: list, *, n_devices: int, align: int, leaf_align: int,
     stacked: tuple,
 ) -> ParamLayout:
-    """One unit per nested sub-pytree in ``paths``, plus the remainder."""
+    """One unit per nested sub-pytree in ``paths``, plus the remainder if it has leaves."""
     stacked = {tuple(p) for p in stacked}
     if () in paths or len(set(paths)) < len(paths) or any(a != b and b[: len(a)] == a for a in paths for b in paths):
         raise ValueError(f"nested unit paths must be non-empty and disjoint, got {paths}")
     rest, subtrees = cut_paths(params, paths)
     kw = dict(n_devices=n_devices, align=align, leaf_align=leaf_align)
-    layouts = [_unit_layout(REMAINDER, rest, stacked=False, **kw)]
-    layouts += [_unit_layout("/".join(map(str, p)), t, stacked=p in stacked, **kw)
-                for p, t in zip(paths, subtrees)]
+    layouts = [_unit_layout("/".join(map(str, p)), t, stacked=p in stacked, **kw)
+               for p, t in zip(paths, subtrees)]
+    if not jax.tree_util.tree_leaves(rest):  # every parameter is in a unit
+        empty = jax.tree_util.tree_structure(rest)
+        return ParamLayout(tuple(layouts), False, n_devices, tuple(paths), empty)
+    layouts.insert(0, _unit_layout(REMAINDER, rest, stacked=False, **kw))
     return ParamLayout(tuple(layouts), False, n_devices, ((),) + tuple(paths))
 
 
@@ -369,27 +392,6 @@ def unflatten_unit(flat: jax.Array, unit: UnitLayout, dtype: Any = None) -> Any:
     unit's tree structure.
     """
     return jax.tree_util.tree_unflatten(unit.treedef, unit_leaves(flat, unit, dtype))
-
-
-def split_units(params: Any, layout: ParamLayout) -> dict[str, Any]:
-    """The sub-pytree of each unit, keyed by unit name."""
-    if layout.whole_model:
-        return {WHOLE_MODEL: params}
-    if layout.paths:
-        rest, subtrees = cut_paths(params, layout.paths[1:])
-        return dict(zip(layout.names, [rest] + subtrees))
-    return {u.name: params[u.name] for u in layout.units}
-
-
-def join_units(trees: Mapping[str, Any], layout: ParamLayout) -> Any:
-    """Inverse of :func:`split_units`."""
-    if layout.whole_model:
-        return trees[WHOLE_MODEL]
-    if layout.paths:
-        return paste_paths(
-            trees[REMAINDER], layout.paths[1:], [trees[n] for n in layout.names[1:]]
-        )
-    return {u.name: trees[u.name] for u in layout.units}
 
 
 def params_shapes(layout: ParamLayout) -> Any:

@@ -58,23 +58,35 @@ def make_mesh(
       multi-process run each ``node`` row holds exactly one process's devices.
 
     Raises:
-      ValueError: if the shape does not fit the devices, naming both.
+      ValueError: if the shape does not fit the devices, naming both (with
+        one size given, the divisors of the device count it must be one of).
     """
     devices = list(jax.devices() if devices is None else devices)
     n_dev = len(devices)
     n_proc = len({d.process_index for d in devices})
-    if nodes is None:
-        nodes = n_proc if local is None else max(n_dev // local, 1)
-    if local is None:
-        local = n_dev // nodes if nodes and n_dev % nodes == 0 else -1
-    if nodes < 1 or local < 1 or nodes * local != n_dev:
+    for name, size in (("nodes", nodes), ("local", local)):
+        integer = isinstance(size, (int, np.integer)) and not isinstance(size, bool)
+        if size is not None and not (integer and size >= 1):
+            raise ValueError(f"{name} must be a positive integer or None, got {size!r}")
+    if nodes is None and local is None:
+        nodes = n_proc
+    if (nodes is None) != (local is None):
+        name, size = ("nodes", nodes) if local is None else ("local", local)
+        if n_dev % size:
+            divisors = [d for d in range(1, n_dev + 1) if n_dev % d == 0]
+            raise ValueError(
+                f"{n_dev} devices ({devices[0].platform}) do not split into {name}={size}: "
+                f"{name} must divide {n_dev}, one of {divisors}"
+            )
+        nodes, local = (size, n_dev // size) if local is None else (n_dev // size, size)
+    if nodes * local != n_dev:
         raise ValueError(
-            f"mesh {nodes}x{local} needs {nodes * max(local, 0)} devices but "
+            f"mesh {nodes}x{local} needs {nodes * local} devices but "
             f"{n_dev} are available ({devices[0].platform}); choose NODESxLOCAL "
             f"with NODES*LOCAL == {n_dev}"
             + (
                 f" ({n_proc} processes x {n_dev // n_proc} devices; with zeropp-launch "
-                f"pass --devices-per-process {local})" if n_proc > 1 and local > 0 else ""
+                f"pass --devices-per-process {local})" if n_proc > 1 else ""
             )
         )
     if n_proc > 1:
@@ -105,9 +117,10 @@ def mesh_shape(mesh: Mesh) -> tuple[int, int]:
 def default_mesh_shape() -> tuple[int, int]:
     """The mesh the CLI uses when none is given.
 
-    Multi-process: one node per process. One process with one device: a
-    simulated ``2x4`` (the caller must have asked XLA for 8 host devices).
-    One process with several devices: ``1xN``.
+    Multi-process: one node per process, ``(processes, devices // processes)``.
+    One process: ``(1, devices)``, one node of all its devices (also a single
+    device: ``1x1``). Several simulated nodes on one host must be asked for
+    explicitly (e.g. ``--mesh 2x4`` with XLA set to 8 host devices).
     """
     n_proc = jax.process_count()
     n_dev = jax.device_count()

@@ -22,7 +22,7 @@ def nnx_loss(
     model: nnx.Module,
     criterion: Callable[[nnx.Module, Any], jax.Array],
     *,
-    streams: Sequence[str] = ("dropout",),
+    streams: Sequence[str] | None = None,
 ) -> tuple[Any, Callable[..., jax.Array]]:
     """The parameters of an NNX ``model`` and a loss for :func:`zeropp_jax.make_trainer`.
 
@@ -30,8 +30,14 @@ def nnx_loss(
       model: any NNX module (with ``Rngs``, ``Dropout``, ... ).
       criterion: ``criterion(module, batch) -> scalar``, the mean loss of the
         module on a micro-batch (e.g. ``lambda m, b: mse(m(b["x"]), b["y"])``).
-      streams: the module's random streams to reseed from the trainer's key
-        each step (``Dropout`` uses ``"dropout"``); pass ``rng=`` to
+      streams: the names of the module's random streams to reseed from the
+        trainer's key each step; ``None`` (default): every stream the module
+        holds except ``"params"`` (only read at initialization). The name is
+        the ``nnx.Rngs`` stream a layer drew its own from: ``Dropout`` under
+        ``nnx.Rngs(0, dropout=1)`` holds ``"dropout"``, under ``nnx.Rngs(0)``
+        ``"default"``. A name the module does not hold raises
+        ``ValueError`` (it would never be reseeded: the same mask every
+        step); ``()`` reseeds nothing. Pass ``rng=`` to
         :func:`~zeropp_jax.make_trainer` so the loss gets a key. A stream
         of layers stacked by ``nnx.vmap`` (one key per layer) gets the
         step's key split into one per layer.
@@ -61,6 +67,7 @@ def nnx_loss(
       ...
       nnx.update(model, trainer.gather_params(state))  # trained weights back in the module
     """
+    streams = _streams_to_reseed(model, streams)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(params)
 
@@ -76,3 +83,29 @@ def nnx_loss(
         return criterion(module, batch)
 
     return params, loss_fn
+
+
+def _streams_to_reseed(model: nnx.Module, streams: Sequence[str] | None) -> tuple[str, ...]:
+    """The stream names :func:`nnx_loss` reseeds: ``streams``, checked against
+    the names of the ``nnx.RngStream`` s ``model`` holds, or (``None``) all of
+    those but ``"params"``, sorted."""
+    held = sorted({
+        node.key.tag for _, node in nnx.iter_graph(model) if isinstance(node, nnx.RngStream)
+    })
+    if streams is None:
+        return tuple(tag for tag in held if tag != "params")
+    if isinstance(streams, str):
+        raise TypeError(
+            f"streams must be a sequence of stream names, got the string {streams!r}; "
+            f"pass streams=({streams!r},)"
+        )
+    missing = [s for s in streams if s not in held]
+    if missing:
+        raise ValueError(
+            f"nnx_loss cannot reseed random stream(s) {missing}: the module holds the "
+            f"streams {held} (a layer's stream is named after the nnx.Rngs stream it "
+            f"drew from: nnx.Rngs(0) names it 'default', nnx.Rngs(0, dropout=1) "
+            f"'dropout'); pass streams from {held}, or leave streams out to reseed "
+            f"every stream but 'params'"
+        )
+    return tuple(streams)

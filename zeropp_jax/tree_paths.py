@@ -2,13 +2,20 @@
 
 A wrap policy's layout (:func:`zeropp_jax.layout.build_layout` with
 ``units=``) stores each wrapped module's parameters as its own unit and the
-rest of the tree as one more; these two functions split a parameter tree
-that way and join it again.
+rest of the tree as one more; :func:`cut_paths` and :func:`paste_paths`
+split a parameter tree that way and join it again, :func:`split_units` and
+:func:`join_units` any :class:`~zeropp_jax.layout.ParamLayout`'s units.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
+
+import jax
+
+# Unit names: the whole model as one unit, and a wrap policy's remainder.
+WHOLE_MODEL = "params"
+REMAINDER = "rest"
 
 
 def cut_paths(params: Any, paths: Sequence[tuple[str, ...]]) -> tuple[Any, list]:
@@ -42,3 +49,27 @@ def paste_paths(rest: Any, paths: Sequence[tuple[str, ...]], subtrees: Sequence[
             node = node[key]
         node[path[-1]] = sub
     return tree
+
+
+def split_units(params: Any, layout: Any) -> dict[str, Any]:
+    """The sub-pytree of each unit of a :class:`~zeropp_jax.layout.ParamLayout`,
+    keyed by unit name."""
+    if layout.whole_model:
+        return {WHOLE_MODEL: params}
+    if layout.paths:
+        first = int(layout.has_remainder)
+        rest, subtrees = cut_paths(params, layout.paths[first:])
+        return dict(zip(layout.names, [rest] * first + subtrees))
+    return {u.name: params[u.name] for u in layout.units}
+
+
+def join_units(trees: Mapping[str, Any], layout: Any) -> Any:
+    """Inverse of :func:`split_units`; without a remainder unit the wrapped
+    units are pasted into the layout's leafless ``empty_rest``."""
+    if layout.whole_model:
+        return trees[WHOLE_MODEL]
+    if layout.paths:
+        first = int(layout.has_remainder)
+        rest = trees[REMAINDER] if first else jax.tree_util.tree_unflatten(layout.empty_rest, [])
+        return paste_paths(rest, layout.paths[first:], [trees[n] for n in layout.names[first:]])
+    return {u.name: trees[u.name] for u in layout.units}

@@ -77,7 +77,10 @@ def accumulate(
     Args:
       geo: the step geometry.
       loss_fn: ``loss_fn(params, micro_batch) -> scalar`` (the user's).
-      params: name -> float32 ``([L,] U / D)`` primary shard.
+      params: name -> float32 ``([L,] U / D)`` primary shard, or with
+        ``node_replicated`` ``([L,] U / local)``: this device's ``local``
+        slice of its node's copy (the master parameters ``(nodes, [L,] U)``,
+        ``P("node", [None,] "local")``, with the node axis dropped).
       batch: pytree of ``(B / D, ...)`` arrays.
       step: int32 scalar, the optimizer step (needed with ``key``).
       key: ``None``, or the trainer's key: then ``loss_fn(params,
@@ -117,7 +120,7 @@ def accumulate(
     def loss_of_sinks(sinks, micro_batch, micro_key):
         handles = {u.name: Unit(sources[u.name], sinks[u.name], u, geo.plan_of(u, sum_axes))
                    for u in units}
-        if geo.layout.paths:  # a wrap policy: the remainder is gathered once, whole
+        if geo.layout.has_remainder:  # a wrap policy's remainder: gathered once, whole
             handles[REMAINDER] = gather(handles[REMAINDER])
         tree = join_units(handles, geo.layout)
         if geo.layout.whole_model:

@@ -98,3 +98,12 @@ def place_batch(batch: Any, sharding: NamedSharding, *, per_step: int, n_devices
         return jax.make_array_from_process_local_data(sharding, arr, (global_b,) + arr.shape[1:])
 
     return jax.tree_util.tree_unflatten(treedef, [put(arr) for _, arr in arrays])
+
+
+def global_batch_size_check(batch_size: int, n_devices: int, grad_accum: int) -> None:
+    """Raises a clear error if a batch does not split over the devices."""
+    if batch_size < 1 or batch_size % (n_devices * grad_accum):
+        raise ValueError(
+            f"batch size {batch_size} must be a positive multiple of devices x "
+            f"grad_accum = {n_devices} x {grad_accum} = {n_devices * grad_accum}"
+        )

@@ -338,3 +338,17 @@ def layer_by_layer(geo: StepGeometry, unit: UnitLayout) -> bool:
     cross-node gradient traffic can run per layer in the backward (hpZ's
     reduce-scatter; 1-bit Adam's full-precision all-reduce)."""
     return geo.config.grad_accum == 1 and (unit.stack or 0) >= 2
+
+
+def check_kernel_blocks(geo: StepGeometry) -> None:
+    """Raises ``ValueError`` if the step's Pallas kernels would get a qwZ or qgZ
+    block that is not a power of two (the XLA kernels take any multiple of 8)."""
+    if geo.kernels.name == "xla":
+        return
+    for name in ("qwz_block", "qgz_block"):
+        block = getattr(geo.config, name)
+        if block & (block - 1):
+            raise ValueError(
+                f"the Pallas kernels need power-of-two blocks, but {name}={block}; "
+                "use a power of two or implementation='xla'"
+            )

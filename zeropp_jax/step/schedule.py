@@ -60,6 +60,23 @@ class QgzSchedule:
             self.warmup_steps == 0 and self.min_grad_rms == 0 and not self.refresh_every
         )
 
+    def forced(self, compress: Any) -> bool:
+        """``compress`` (a trainer's ``step(compress=...)``) as a bool, checked.
+
+        Raises:
+          ValueError: for ``compress=True`` where qgZ is not active
+            (``qgz="off"``, or one node): there is no cross-node reduction to
+            compress, and forcing one would quantize without error feedback
+            (one node) or fail to build (hpZ without qgZ).
+        """
+        if compress and not self.active:
+            raise ValueError(
+                "compress=True forces qgZ's compressed cross-node reduction, but qgZ is not "
+                "active on this trainer: it compresses only with qgz '1bit', 'int8' or "
+                "'int4' on more than one node; pass compress=None (the schedule) or False"
+            )
+        return bool(compress)
+
     def compress_at(self, step: Any, grad_rms: Any) -> bool:
         """Whether step ``step`` (0-based) reduces compressed.
 

@@ -37,12 +37,14 @@ class TrainState(NamedTuple):
     Attributes:
       step: int32 ``()``, optimizer steps taken.
       params: dict unit name -> float32 ``(U,)`` or ``(L, U)`` master
-        weights, sharded ``P([None,] ("local", "node"))``.
+        weights, sharded ``P([None,] ("local", "node"))``; with
+        ``ZeroConfig(node_replicated=True)`` one equal copy per node,
+        ``(nodes, [L,] U)`` sharded ``P("node", [None,] "local")``.
       opt_state: :class:`ZeroOptState`.
     """
 
     step: jax.Array  # int32 ()
-    params: dict  # name -> float32 ([L,] U)
+    params: dict  # name -> float32 ([L,] U), or (nodes, [L,] U) node-replicated
     opt_state: ZeroOptState
 
 

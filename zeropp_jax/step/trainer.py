@@ -46,8 +46,9 @@ from zeropp_jax.layout import (
     unflatten_unit,
 )
 from zeropp_jax.mesh import mesh_shape
-from zeropp_jax.step.batch import place_batch
-from zeropp_jax.step.geometry import StepGeometry
+# global_batch_size_check: re-exported (the CLI imports it from here).
+from zeropp_jax.step.batch import global_batch_size_check, place_batch  # noqa: F401
+from zeropp_jax.step.geometry import StepGeometry, check_kernel_blocks
 from zeropp_jax.step.onebit_adam import OneBitAdam
 from zeropp_jax.step.rules import UpdateRule, rule_for
 from zeropp_jax.step.schedule import HostSteps, QgzSchedule
@@ -150,10 +151,13 @@ class Trainer:
           state: the current state (donated: do not use it afterwards).
           batch: the global batch (see :meth:`shard_batch`; placed there
             unless already sharded over all devices).
-          compress: force the qgZ variant; ``None`` follows :attr:`schedule`
-            at the state's step, known on the host for states this trainer
-            returned (:class:`~zeropp_jax.step.schedule.HostSteps`), else read
-            once; only a gradient-RMS gate reads the device every step.
+          compress: ``None`` follows :attr:`schedule` at the state's step,
+            known on the host for states this trainer returned
+            (:class:`~zeropp_jax.step.schedule.HostSteps`), else read once;
+            only a gradient-RMS gate reads the device every step. ``False``
+            forces the full-precision variant, ``True`` the compressed one
+            (``ValueError`` where qgZ is not active: :meth:`QgzSchedule.forced
+            <zeropp_jax.step.schedule.QgzSchedule.forced>`).
 
         Returns:
           ``(new_state, metrics)``: metrics is a dict of scalars ``loss``,
@@ -164,11 +168,12 @@ class Trainer:
             if step is None and not self.schedule.is_static:
                 step = int(state.step)
             compress = self.schedule.compress_at(step, state.opt_state.qgz.grad_rms)
+        compress = self.schedule.forced(compress)
         batch = self.shard_batch(batch)  # no copy for a batch already placed
         if self._one_step_in_flight:
             jax.block_until_ready(state)
         with jax.set_mesh(self.mesh):
-            state, metrics = self._step_variants[bool(compress)](state, batch)
+            state, metrics = self._step_variants[compress](state, batch)
         if step is not None:
             self._host_steps.record(state.step, step + 1)
         return state, metrics
@@ -223,12 +228,12 @@ class Trainer:
 
         ``state`` and ``batch`` may be abstract (``jax.ShapeDtypeStruct`` with
         shardings, e.g. from :meth:`abstract_state`); ``compress=None`` is
-        the compressed variant where qgZ is active.
+        the compressed variant where qgZ is active; ``compress=True`` raises
+        ``ValueError`` where it is not, as in :meth:`step`.
         """
-        if compress is None:
-            compress = self.qgz_active
+        compress = self.schedule.forced(self.qgz_active if compress is None else compress)
         with jax.set_mesh(self.mesh):
-            return self._step_variants[bool(compress)].lower(state, batch)
+            return self._step_variants[compress].lower(state, batch)
 
     def compile_from_shapes(self, params_shapes: Any, batch: Any, *, compress: bool | None = None):
         """Compiles the step from shapes alone: nothing is allocated or run.
@@ -312,7 +317,7 @@ def _check_structure(params: Any, layout: ParamLayout) -> None:
     for u in layout.units:
         leaves = jax.tree_util.tree_leaves(trees[u.name])
         structure = jax.tree_util.tree_structure(trees[u.name])
-        if structure != u.treedef and u.stack is None:
+        if structure != u.treedef:  # per layer and stacked alike
             raise ValueError(
                 f"parameters of unit {u.name!r} have structure {structure}, "
                 f"expected {u.treedef}"
@@ -405,25 +410,9 @@ def make_trainer(
         units=unit_paths,
     )
     geometry = StepGeometry(mesh, config, layout)
-    if geometry.kernels.name != "xla":
-        for name in ("qwz_block", "qgz_block"):
-            block = getattr(config, name)
-            if block & (block - 1):
-                raise ValueError(
-                    f"the Pallas kernels need power-of-two blocks, but {name}={block}; "
-                    "use a power of two or implementation='xla'"
-                )
+    check_kernel_blocks(geometry)
     if rng is not None and not isinstance(rng, jax.Array):
         if isinstance(rng, bool) or not isinstance(rng, (int, np.integer)):
             raise ValueError(f"rng must be an integer seed or a PRNG key, got {rng!r}")
         rng = jax.random.key(int(rng))
     return Trainer(loss_fn, rule, geometry, rng)
-
-
-def global_batch_size_check(batch_size: int, n_devices: int, grad_accum: int) -> None:
-    """Raises a clear error if a batch does not split over the devices."""
-    if batch_size < 1 or batch_size % (n_devices * grad_accum):
-        raise ValueError(
-            f"batch size {batch_size} must be a positive multiple of devices x "
-            f"grad_accum = {n_devices} x {grad_accum} = {n_devices * grad_accum}"
-        )

@@ -3,7 +3,8 @@
 ``make_trainer(..., wrap=(Block,), example_batch=batch)`` makes every
 instance of a listed module class its own unit, and the remaining parameters
 one more unit (:data:`~zeropp_jax.layout.REMAINDER`, gathered whole before
-the loss). The user's loss function is not changed.
+the loss; none when every parameter is inside a wrapped block). The user's
+loss function is not changed.
 
 Flax Linen (classes of ``flax.linen.Module``):
 

@@ -1,0 +1,65 @@
+"""ZeroConfig: defaults derived again by ``replace``; values of the wrong kind rejected."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zeropp_jax.config import ZeroConfig
+
+
+def test_replace_derives_a_defaulted_qgz_block_again():
+    onebit = ZeroConfig(qgz="1bit")
+    assert onebit.qgz_block == 32
+    assert onebit.replace(qgz="int8").qgz_block == ZeroConfig(qgz="int8").qgz_block == 256
+    dither = dict(qgz_code="dither", qgz_error_feedback=False)
+    assert onebit.replace(**dither).qgz_block == ZeroConfig(qgz="1bit", **dither).qgz_block == 16
+    assert ZeroConfig(qgz="int4").replace(qgz="1bit").qgz_block == 32
+    # a block that was given stays, as does one given to replace
+    assert ZeroConfig(qgz="1bit", qgz_block=64).replace(qgz="int8").qgz_block == 64
+    assert onebit.replace(qgz="int8", qgz_block=128).qgz_block == 128
+    assert onebit.replace(qgz="int8", qgz_block=128).replace(qgz="int4").qgz_block == 128
+    # a preset's block is its own (given), so it stays too
+    assert ZeroConfig.from_preset("zeropp").replace(qwz_bits=4).qgz_block == 128
+    # the field values and equality are those of a config built anew
+    assert onebit.replace(qgz="int8") == ZeroConfig(qgz="int8")
+    assert dataclasses.asdict(onebit)["qgz_block"] == 32
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("qwz_bits", 8.0, r"qwz_bits must be the integer 0 \(off\), 8 or 4, got 8.0"),
+    ("qwz_bits", False, "qwz_bits must be the integer .* got False"),
+    ("qgz_block", 32.0, "qgz_block must be a positive multiple of 8, got 32.0"),
+    ("grad_accum", True, "grad_accum must be an integer >= 1, got True"),
+    ("qgz_warmup_steps", 2.0, "qgz_warmup_steps must be an integer >= 0"),
+    ("qgz_min_grad_rms", "x", "qgz_min_grad_rms must be a number >= 0"),
+    ("compute_dtype", np.float64, r"compute_dtype must be one of \['float32', 'fp32', "
+                                  r"'bfloat16', 'bf16', 'float16', 'fp16'\].*float64"),
+    ("compute_dtype", "float64", "compute_dtype must be one of .*got 'float64'"),
+    ("compute_dtype", jnp.int32, "compute_dtype must be one of .*int32"),
+    ("reduce_dtype", "fp64", "reduce_dtype must be one of .*got 'fp64'"),
+    ("scale_dtype", jnp.float16, r"scale_dtype must be one of \['float32', 'fp32', "
+                                 r"'bfloat16', 'bf16'\]"),
+])
+def test_values_of_the_wrong_kind_are_rejected(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroConfig(**{field: value})
+
+
+def test_dtypes_are_accepted_as_names_or_dtypes_alike():
+    for value in ("bf16", "bfloat16", jnp.bfloat16, np.dtype(jnp.bfloat16)):
+        assert ZeroConfig(compute_dtype=value).compute_dtype is jnp.bfloat16
+    assert ZeroConfig(reduce_dtype=np.float32).reduce_dtype is jnp.float32
+    assert ZeroConfig(scale_dtype="bf16").scale_dtype is jnp.bfloat16
+
+
+def test_every_preset_still_builds_and_replaces():
+    from zeropp_jax.config import PRESETS
+
+    for preset in PRESETS:
+        config = ZeroConfig.from_preset(preset)
+        assert config.replace() == config
+        assert config.replace(grad_accum=2).grad_accum == 2
