@@ -154,6 +154,19 @@ BAD_INPUTS = {
     "dither_with_error_feedback": (
         ("--preset", "zeropp", "--qgz-code", "dither"), None, ["dither", "error feedback"]
     ),
+    # Multi-host flags: a usage error naming the flag, not a traceback.
+    "coordinator_without_port": (
+        ("--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"), None,
+        ["--coordinator", "localhost", "HOST:PORT"],
+    ),
+    "process_id_out_of_range": (
+        ("--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "5"),
+        None, ["--process-id", r"\b5\b", r"\[0, 2\)"],
+    ),
+    "two_of_three_multihost_flags": (
+        ("--coordinator", "localhost:1234", "--num-processes", "2"), None,
+        ["--process-id", "missing"],
+    ),
 }
 
 
@@ -185,6 +198,26 @@ def test_bad_input_fails_before_compiling(tmp_path, case, capsys):
     from zeropp_jax.cli import train
 
     argv, _, needles, metrics = _bad_args(case, tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(argv)
+    assert exit_info.value.code == 2
+    out = capsys.readouterr()
+    _assert_rejected(argv, needles, out.out, out.err, metrics)
+
+
+@pytest.mark.parametrize("value, needles", [
+    ("two", [r"ZEROPP_NUM_PROCESSES", "integer", "'two'"]),
+    ("2", [r"ZEROPP_PROCESS_ID", "missing"]),
+])
+def test_bad_launcher_environment_is_a_usage_error(tmp_path, capsys, monkeypatch, value, needles):
+    from zeropp_jax import distributed
+    from zeropp_jax.cli import train
+
+    monkeypatch.setenv(distributed.ENV_COORDINATOR, "localhost:1234")
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, value)
+    monkeypatch.delenv(distributed.ENV_PROCESS_ID, raising=False)
+    metrics = tmp_path / "m.jsonl"
+    argv = ["--no-progress", "--metrics-out", str(metrics), *TINY_ARGS, "--steps", "3"]
     with pytest.raises(SystemExit) as exit_info:
         train.main(argv)
     assert exit_info.value.code == 2
@@ -236,6 +269,31 @@ def test_zero_flags_build_the_config_of_their_fields():
             assert helps[flag[2:].replace("-", "_")] == f.metadata["help"], f.name
 
 
+def test_lr_warmup_applies_to_the_constant_schedule():
+    """--lr-warmup with --lr-schedule constant: linear warm-up, then --lr
+    (optax Adam's first updates; 1-bit Adam's rate per step)."""
+    import jax.numpy as jnp
+
+    from zeropp_jax.cli.common import make_optimizer
+
+    def first_updates(warmup, steps=3):
+        opt = make_optimizer(1.0, schedule="constant", total_steps=100, warmup=warmup)
+        params = {"w": jnp.ones(4)}
+        state, out = opt.init(params), []
+        for _ in range(steps):
+            updates, state = opt.update({"w": jnp.full(4, 0.1)}, state, params)
+            out.append(float(updates["w"][0]))
+        return out
+
+    warm = first_updates(50)
+    assert warm[0] == 0.0 and -0.05 < warm[2] < 0  # lr 0, then 2/50 of the peak
+    assert first_updates(None)[0] == pytest.approx(-1.0, rel=1e-3)  # no warm-up asked
+    onebit = make_optimizer(1.0, schedule="constant", total_steps=100, warmup=50,
+                            qgz_target="momentum")
+    rates = [float(onebit.lr_at(jnp.asarray(c))) for c in (0, 25, 50, 80)]
+    assert rates == pytest.approx([0.0, 0.5, 1.0, 1.0])
+
+
 def test_device_count_follows_mesh_when_not_forced(tmp_path):
     """Without a device count in XLA_FLAGS the CLI asks XLA for NODES*LOCAL host devices.
 
@@ -264,6 +322,20 @@ def comm_runs(tmp_path_factory):
         "table": run_cli(*base, "--preset", "zero3"),
         "hlo_path": hlo,
     }
+
+
+@pytest.mark.parametrize("where, expected", [
+    ("missing/x.hlo", "--dump-hlo .*missing/x.hlo: the directory .* does not exist"),
+    (".", "--dump-hlo .* is a directory; give a file name"),
+])
+def test_comm_refuses_an_unwritable_dump_hlo_before_compiling(tmp_path, capsys, where, expected):
+    from zeropp_jax.cli import comm
+
+    with pytest.raises(SystemExit) as exit_info:
+        comm.main([*TINY_ARGS, "--mesh", "2x4", "--dump-hlo", str(tmp_path / where)])
+    out = capsys.readouterr()
+    assert exit_info.value.code == 2 and re.search(expected, _error_lines(out.err)), out.err
+    assert not out.out  # no report: nothing was compiled
 
 
 def _comm_json(proc) -> dict:
@@ -365,3 +437,49 @@ def test_train_on_npy_token_ids(tmp_path):
     # An untrained model predicts near-uniformly over the 50 ids, not 256.
     assert abs(metrics[0]["loss"] - math.log(vocab)) < 0.3, metrics[0]["loss"]
     assert _summary(proc.stdout)["steps"] == 3
+
+
+# --- 5. zeropp-simulate's flags (in this process; nothing compiles) ----------
+
+
+@pytest.mark.parametrize("flags, shown", [
+    (["--no-prefetch"], "--no-prefetch"),
+    (["--hierarchical"], "--hierarchical"),
+    (["--keep-activations"], "--keep-activations"),
+    (["--implementation", "xla"], "--implementation"),
+    (["--qgz-share", "gather"], "--qgz-share"),  # checked before ZeroConfig's own checks
+    (["--node-replicated"], "--node-replicated"),
+])
+def test_simulate_published_refuses_every_config_flag_it_ignores(flags, shown, capsys):
+    from zeropp_jax.cli import simulate
+
+    with pytest.raises(SystemExit) as exit_info:
+        simulate.main(["--published", *flags])
+    err = _error_lines(capsys.readouterr().err)
+    assert exit_info.value.code == 2 and f"drop {shown}," in err and "qgz_target" not in err, err
+
+
+def test_simulate_refuses_training_flags_and_uses_the_vocabulary_of_data(
+    tmp_path, capsys, monkeypatch
+):
+    from zeropp_jax.analysis import cost_model
+    from zeropp_jax.cli import simulate
+
+    with pytest.raises(SystemExit) as exit_info:
+        simulate.main(["--lr", "0.1", "--lr-schedule", "constant"])
+    err = _error_lines(capsys.readouterr().err)
+    assert exit_info.value.code == 2 and "--lr, --lr-schedule set the training run" in err, err
+
+    ids = np.arange(64, dtype=np.int32)
+    ids[0] = 999  # vocabulary 1000
+    np.save(tmp_path / "ids.npy", ids)
+    seen = []
+
+    def profile_config(config, *, model, **kwargs):
+        seen.append(model.vocab_size)
+        raise ValueError("profiled")  # stop before compiling
+
+    monkeypatch.setattr(cost_model, "profile_config", profile_config)
+    with pytest.raises(SystemExit):
+        simulate.main([*TINY_ARGS, "--data", str(tmp_path / "ids.npy")])
+    assert seen == [1000] and "profiled" in capsys.readouterr().err

@@ -177,3 +177,32 @@ def test_conversion_is_refused_where_it_does_not_fit(tmp_path):
     with pytest.raises(CheckpointMismatchError,
                        match=r"optax state has 0 Adam states .* exactly one"):
         Checkpointer(sgd_dir).restore(trainer("zeropp-max"))
+
+
+def test_export_of_node_replicated_checkpoint_drops_the_node_axis(tmp_path):
+    """zeropp-max stores one equal row per node: the export holds one copy,
+    the model's parameters as they are; copies that differ are refused."""
+    import flax.serialization
+
+    from zeropp_jax.checkpoint import export_params
+    from zeropp_jax.checkpoint.export import _stored_state_dict
+
+    onebit = trainer("zeropp-max")
+    assert onebit.config.node_replicated and onebit.nodes == 2
+    directory = _init_checkpoint(tmp_path / "onebit", onebit)
+    info = export_params(directory, tmp_path / "p.msgpack")
+    assert info["params"] == gpt.count_params(TINY)
+    exported = flax.serialization.msgpack_restore((tmp_path / "p.msgpack").read_bytes())
+    assert jax.tree.structure(exported) == jax.tree.structure(params())
+    jax.tree.map(np.testing.assert_array_equal, exported, jax.device_get(params()))
+    export_params(onebit.init(params()), tmp_path / "live.msgpack", trainer=onebit)
+    assert (tmp_path / "live.msgpack").read_bytes() == (tmp_path / "p.msgpack").read_bytes()
+
+    with Checkpointer(directory, read_only=True) as ckpt:
+        units, meta = ckpt.read_params()
+    name = meta["layout"]["units"][0]["name"]
+    units[name] = np.array(units[name])
+    assert units[name].shape[0] == 2
+    units[name][1, ..., 0] += 1.0
+    with pytest.raises(ValueError, match=rf"unit '{name}' .* node 1's copy differs"):
+        _stored_state_dict(units, meta["layout"], meta["step"])

@@ -470,13 +470,15 @@ def test_only_process_0_prints(jobs):
     _ok(proc)
     main = [line for line in _lines_of(proc.stdout, 0)
             if line.startswith(("zeropp-train:", "summary:"))]
-    # the header, the JSON summary and the summary's bytes line
-    assert [line.split(":")[0] for line in main] == ["zeropp-train", "summary", "zeropp-train"]
+    # the header, the report's compile notice, the JSON summary and its bytes line
+    assert [line.split(":")[0] for line in main] == [
+        "zeropp-train", "zeropp-train", "summary", "zeropp-train"]
     assert "mesh=4x2" in main[0]
+    assert "compiling the step's variants for the communication report" in main[1]
     for i in (1, 2, 3):
         assert not [line for line in _lines_of(proc.stdout, i)
                     if line.startswith(("zeropp-train:", "summary:"))]
-    summary = json.loads(main[1][len("summary: "):])
+    summary = json.loads(main[2][len("summary: "):])
     assert summary["steps"] == STEPS and summary["mesh"] == "4x2"
 
 
@@ -545,3 +547,41 @@ def test_launch_ends_when_a_process_hangs(jobs):
     run = _result(jobs, "frozen")
     _assert_ended_in_time(run)
     assert "FAILED: process 1 stalled (no heartbeat for" in run["stderr"], run["stderr"][-5000:]
+
+
+def test_sigterm_checkpoints_and_stops_every_process(tmp_path):
+    """A preemption notice (SIGTERM to every process, as a scheduler sends it):
+    JAX's notifier catches it, the processes agree on a step, save a
+    checkpoint of it, say so and exit 143 -- no step after it."""
+    metrics, ckpt, err = tmp_path / "m.jsonl", tmp_path / "ckpt", tmp_path / "err"
+    with open(err, "w") as fe:
+        proc = subprocess.Popen(
+            [sys.executable, *LAUNCH, "-n", "2", "--devices-per-process", "4",
+             "--kill-grace", "30", "--", sys.executable,
+             *_train_args("2x4", ("--preset", "zero3"), metrics, steps=100_000,
+                          constant_lr=True), "--checkpoint-dir", str(ckpt)],
+            stdout=subprocess.DEVNULL, stderr=fe, env=_env(),
+        )
+    try:
+        match = _wait_for(lambda: re.search(r"\[0\]=(\d+) \[1\]=(\d+)", err.read_text()), 60,
+                          "the launcher's pids line")
+        _wait_for(lambda: _complete_lines(metrics) >= 3 or proc.poll() is not None,
+                  RUN_TIMEOUT_S - 120, "3 logged steps")
+        assert proc.poll() is None, f"launch ended early:\n{err.read_text()[-5000:]}"
+        for pid in map(int, match.groups()):
+            os.kill(pid, signal.SIGTERM)
+        returncode = proc.wait(timeout=LOST_PROCESS_BOUND_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # its children get SIGKILL (parent-death signal)
+            proc.wait()
+    stderr = err.read_text()
+    assert returncode == distributed.PREEMPTED_EXIT, stderr[-5000:]
+    assert "exited with code 143; others: [0] exited with code 143" in stderr or (
+        "exited with code 143; others: [1] exited with code 143" in stderr), stderr[-5000:]
+    steps = [m["step"] for m in _read_jsonl(metrics)]
+    stop = len(steps)
+    assert steps == list(range(stop)) and stop >= 3
+    assert os.listdir(ckpt) == [str(stop)]
+    assert (f"[0] zeropp-train: stopped at step {stop} of 100000 on a preemption notice "
+            f"(SIGTERM); checkpoint {ckpt}/{stop} holds it") in stderr

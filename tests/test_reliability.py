@@ -169,15 +169,71 @@ def test_cli_stops_before_saving_a_non_finite_state_and_resumes_from_the_last_go
     assert Checkpointer(ckpt).all_steps() == [8, 10] and _steps(metrics) == list(range(10))
 
 
+def test_resume_compares_the_command_with_the_checkpoint_it_restores(tmp_path, capsys):
+    """The newest checkpoint (recorded with another model) is corrupt: the
+    resume falls back to the older one, and the command is compared with
+    that one's run (another --lr: a warning), not the newest's."""
+    ckpt = tmp_path / "ckpt"
+    with Checkpointer(ckpt) as c:
+        c.save(1, state_at(1), trainer(), {"lr": 0.5})
+        c.save(2, state_at(2), trainer(), {"model": {"n_heads": 4}})
+    _tamper_checksum(ckpt / "2", "params")
+    with pytest.warns(UserWarning, match="do not match the checksum"):
+        rc, out, err = _train(["--lr-schedule", "constant", "--checkpoint-dir", str(ckpt),
+                               "--resume", "--steps", "1"], capsys)
+    assert rc == 0 and f"resumed from {ckpt}/1" in out, (out, err)
+    assert "--lr 0.5 -> 0.003" in err and "n_heads" not in err, err
+
+
 def test_cli_flags_that_cannot_work_fail_at_parsing(tmp_path, capsys):
     for argv, expected in (
         (["--lr", "inf"], "expected a finite positive number, got 'inf'"),
         (["--lr", "nan"], "expected a finite positive number, got 'nan'"),
         (["--metrics-out", str(tmp_path / "missing" / "m.jsonl")], "does not exist"),
         (["--metrics-out", str(tmp_path)], "is a directory"),
+        (["--keep", "5"], "--keep needs --checkpoint-dir"),
     ):
         rc, _, err = _train(argv, capsys)
         assert rc == 2 and expected in err and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+def test_cli_checkpoints_and_stops_on_sigterm(tmp_path, capsys, monkeypatch):
+    """A preemption notice (SIGTERM, here sent during step 2's input) stops the
+    run before step 3 with a checkpoint of 3 steps, which --resume continues."""
+    import signal
+
+    from zeropp_jax import distributed
+    from zeropp_jax.cli import train
+
+    local_rows = train._local_rows
+
+    def rows(batches, step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return local_rows(batches, step)
+
+    monkeypatch.setattr(train, "_local_rows", rows)
+    # Without zeropp-train's own handler this one notes the signal, and pytest lives on.
+    ours = lambda *_: None  # noqa: E731
+    previous = signal.signal(signal.SIGTERM, ours)
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    run = ["--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics), "--lr-schedule",
+           "constant"]
+    try:
+        rc, out, err = _train(run + ["--steps", "6"], capsys)
+        assert signal.getsignal(signal.SIGTERM) is ours  # put back as it was
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert rc == distributed.PREEMPTED_EXIT == 143, (out, err)
+    assert f"stopped at step 3 of 6 on a preemption notice (SIGTERM); checkpoint {ckpt}/3" in err
+    assert Checkpointer(ckpt).all_steps() == [3] and _steps(metrics) == [0, 1, 2]
+    assert "summary:" not in out
+    monkeypatch.setattr(train, "_local_rows", local_rows)
+    rc, out, err = _train(run + ["--steps", "4", "--resume"], capsys)
+    assert rc == 0 and f"resumed from {ckpt}/3" in out, (out, err)
+    assert "compiling the step's variants for the communication report" in out
+    assert _steps(metrics) == [0, 1, 2, 3]
 
 
 def test_divergence_rule():

@@ -25,6 +25,10 @@ gloo on CPU, 2 processes, SIGKILL / SIGSTOP in the middle of training):
   turns it into the first case; :func:`exit_now` does the same for a
   deliberate error exit.
 
+SIGTERM is a preemption notice: JAX's notifier catches it in a multi-process
+run, and :class:`PreemptionNotice` tells a training loop when to checkpoint
+and stop (on one process too).
+
 Under ``zeropp-launch``, :func:`initialize` also starts beating to the
 launcher (:mod:`zeropp_jax.heartbeat`): the launcher names a process that
 stalls or never gets here, and the process ends if the launcher dies.
@@ -33,7 +37,9 @@ stalls or never gets here, and the process ends if the launcher dies.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 
 ENV_COORDINATOR = "ZEROPP_COORDINATOR"
 ENV_NUM_PROCESSES = "ZEROPP_NUM_PROCESSES"
@@ -48,6 +54,9 @@ DEFAULT_INIT_TIMEOUT_S = 120
 # writing a file) should make the others wait for it first, e.g. with
 # ``jax.experimental.multihost_utils.sync_global_devices``.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 60
+# Exit status of a run stopped by a preemption notice (PreemptionNotice):
+# 128 + SIGTERM, as if the signal had ended it (the run is not finished).
+PREEMPTED_EXIT = 128 + int(signal.SIGTERM)
 
 
 def _cluster_environment() -> bool:
@@ -92,7 +101,7 @@ def initialize(
 
     Raises:
       ValueError: if only some of the three explicit values are given, or
-        they are inconsistent.
+        they are inconsistent (see :func:`resolve`).
     """
     import jax
 
@@ -100,37 +109,13 @@ def initialize(
 
     heartbeat.start()  # first: the launcher learns that this process got here
 
-    explicit = (coordinator, num_processes, process_id)
-    if all(v is None for v in explicit) and os.environ.get(ENV_COORDINATOR):
-        try:
-            coordinator = os.environ[ENV_COORDINATOR]
-            num_processes = int(os.environ[ENV_NUM_PROCESSES])
-            process_id = int(os.environ[ENV_PROCESS_ID])
-        except (KeyError, ValueError) as e:
-            raise ValueError(
-                f"{ENV_COORDINATOR} is set but {ENV_NUM_PROCESSES} / {ENV_PROCESS_ID} "
-                f"are missing or not integers ({e})"
-            ) from None
-        explicit = (coordinator, num_processes, process_id)
-
-    if any(v is not None for v in explicit):
-        if any(v is None for v in explicit):
-            raise ValueError(
-                "a multi-process run needs all of --coordinator HOST:PORT, "
-                f"--num-processes and --process-id; got coordinator={coordinator!r}, "
-                f"num_processes={num_processes!r}, process_id={process_id!r}"
-            )
-        if num_processes < 1 or not 0 <= process_id < num_processes:
-            raise ValueError(
-                f"--process-id must be in [0, {num_processes}), got {process_id}"
-            )
-        if ":" not in coordinator:
-            raise ValueError(f"--coordinator must be HOST:PORT, got {coordinator!r}")
-        if num_processes == 1:
+    settings = resolve(coordinator, num_processes, process_id)
+    if settings is not None:
+        if settings[1] == 1:
             return False
         where = dict(
-            coordinator_address=coordinator, num_processes=num_processes,
-            process_id=process_id,
+            coordinator_address=settings[0], num_processes=settings[1],
+            process_id=settings[2],
         )
     elif _cluster_environment():
         where = {}
@@ -147,6 +132,68 @@ def initialize(
     if exit_on_uncaught_exception and not _interactive():
         _install_excepthook()
     return True
+
+
+def resolve(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> tuple[str, int, int] | None:
+    """The explicit multi-process setting, checked; needs no JAX.
+
+    The arguments (the flags ``--coordinator``, ``--num-processes``,
+    ``--process-id``), else the ``ZEROPP_*`` environment of
+    ``zeropp-launch`` when none is given.
+
+    Returns:
+      ``(coordinator, num_processes, process_id)``, or ``None`` when neither
+      the arguments nor the environment give any.
+
+    Raises:
+      ValueError: naming the flag (or environment variable) that is missing,
+        not an integer, out of range, or not ``HOST:PORT``.
+    """
+    names = ("--coordinator", "--num-processes", "--process-id")
+    if (coordinator, num_processes, process_id) == (None, None, None):
+        if not os.environ.get(ENV_COORDINATOR):
+            return None
+        names = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+        coordinator = os.environ[ENV_COORDINATOR]
+        num_processes, process_id = _env_int(ENV_NUM_PROCESSES), _env_int(ENV_PROCESS_ID)
+    given = dict(zip(names, (coordinator, num_processes, process_id)))
+    missing = [name for name, value in given.items() if value is None]
+    if missing:
+        raise ValueError(
+            f"a multi-process run needs all of {names[0]} HOST:PORT, {names[1]} and "
+            f"{names[2]}; {' and '.join(missing)} missing (got "
+            + ", ".join(f"{k} {v}" for k, v in given.items() if v is not None) + ")"
+        )
+    if num_processes < 1:
+        raise ValueError(f"{names[1]} must be at least 1, got {num_processes}")
+    if not 0 <= process_id < num_processes:
+        raise ValueError(
+            f"{names[2]} must be in [0, {num_processes}) for {names[1]} {num_processes}, "
+            f"got {process_id}"
+        )
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"{names[0]} must be HOST:PORT with a port in 1..65535 (e.g. "
+            f"{host or coordinator}:1234), got {coordinator!r}"
+        )
+    return coordinator, num_processes, process_id
+
+
+def _env_int(name: str) -> int | None:
+    text = os.environ.get(name)
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"{ENV_COORDINATOR} is set, so {name} must be an integer, got {text!r}"
+        ) from None
 
 
 def exit_now(status: int = 1) -> None:
@@ -202,3 +249,62 @@ def _use_gloo_on_cpu(jax) -> None:
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms.split(",")[0] in ("", "cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+class PreemptionNotice:
+    """Context manager around a training loop: whether a preemption notice
+    (SIGTERM) asks it to checkpoint and stop, on one process or many alike.
+
+    A scheduler (SLURM, Kubernetes, a spot-instance reclaim, ``zeropp-launch``
+    stopping its processes) sends SIGTERM some seconds before it kills a job.
+
+    * multi-process: JAX's preemption notifier catches the SIGTERM of any
+      process, and the processes agree on the step to stop at (the step after
+      the furthest one any of them reached), which each asks for at every step
+      (``jax.experimental.multihost_utils.reached_preemption_sync_point``);
+    * one process: a SIGTERM handler, installed in the ``with`` block (main
+      thread only) and put back after it, notes the signal.
+
+    Every process must call :meth:`reached` at every step, with the same step
+    numbers (they start at the same step). ``zeropp-train`` then saves a
+    checkpoint and exits with :data:`PREEMPTED_EXIT`.
+    """
+
+    def __init__(self) -> None:
+        self._multi = False
+        self._noticed = False
+        self._previous = None
+        self._installed = False
+
+    def __enter__(self) -> "PreemptionNotice":
+        import jax
+
+        self._multi = jax.process_count() > 1
+        if not self._multi and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._note)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None
+                          else signal.SIG_DFL)
+            self._installed = False
+
+    def _note(self, signum, frame) -> None:
+        self._noticed = True
+
+    def reached(self, step: int) -> bool:
+        """Whether to checkpoint and stop before step ``step`` (``step``
+        steps done): a SIGTERM was received (by any process)."""
+        if not self._multi:
+            return self._noticed
+        from jax.experimental import multihost_utils
+
+        try:
+            return multihost_utils.reached_preemption_sync_point(step)
+        except RuntimeError:
+            # JAX's preemption service is off, so JAX does not catch SIGTERM
+            # either: the signal ends the process as it would any program.
+            self._multi = False
+            return False

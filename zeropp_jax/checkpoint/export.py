@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from zeropp_jax.checkpoint.checkpointer import Checkpointer
+from zeropp_jax.checkpoint.errors import CheckpointError
 from zeropp_jax.checkpoint.metadata import flat_with_keys, unit_from_json
 from zeropp_jax.layout import split_units, unit_leaves
 from zeropp_jax.step.trainer import Trainer
@@ -69,7 +70,7 @@ def export_params(
             units, meta = ckpt.read_params(step)
         finally:
             ckpt.close()
-        tree, saved_step = _stored_state_dict(units, meta["layout"]), meta["step"]
+        tree, saved_step = _stored_state_dict(units, meta["layout"], meta["step"]), meta["step"]
     else:
         if trainer is None:
             raise ValueError("exporting an in-memory state needs its trainer")
@@ -108,11 +109,12 @@ def _check_finite(tree: Any, step: int | None) -> None:
             )
 
 
-def _stored_state_dict(units: Mapping[str, np.ndarray], layout_json: dict) -> Any:
+def _stored_state_dict(units: Mapping[str, np.ndarray], layout_json: dict, step: int) -> Any:
     """The state dict of padded host units read from a checkpoint.
 
     The layout and the key paths come from the stored metadata, so no model
-    code is needed.
+    code is needed.  A node-replicated unit (``zeropp-max``) is stored with
+    one equal row per node, ``(nodes, [L,] padded)``: its row 0 is exported.
     """
 
     paths = layout_json.get("paths") or ()
@@ -120,11 +122,34 @@ def _stored_state_dict(units: Mapping[str, np.ndarray], layout_json: dict) -> An
     def items():
         for i, u in enumerate(layout_json["units"]):
             prefix = _prefix(layout_json["whole_model"], paths, i, u["name"])
-            leaves = unit_leaves(np.asarray(units[u["name"]]), unit_from_json(u), "original")
+            unit = unit_from_json(u)
+            flat = _one_copy(np.asarray(units[u["name"]]), unit, step)
+            leaves = unit_leaves(flat, unit, "original")
             for leaf, x in zip(u["leaves"], leaves):
                 yield prefix + leaf["keys"], x
 
     return _nest(items())
+
+
+def _one_copy(x: np.ndarray, unit: Any, step: int) -> np.ndarray:
+    """A stored unit as ``([L,] padded)``: row 0 of node-replicated rows
+    ``(nodes, [L,] padded)``, which must all be equal."""
+    want = tuple(unit.global_shape)
+    if x.shape == want:
+        return x
+    if x.ndim == len(want) + 1 and x.shape[1:] == want:
+        for n in range(1, x.shape[0]):
+            if not np.array_equal(x[n], x[0], equal_nan=True):
+                raise CheckpointError(
+                    f"unit {unit.name!r} of step {step} is stored node-replicated "
+                    f"{x.shape}, but node {n}'s copy differs from node 0's; the copies "
+                    "must be equal (a corrupt checkpoint: export another step)"
+                )
+        return x[0]
+    raise CheckpointError(
+        f"unit {unit.name!r} of step {step} is stored as {x.shape}; its layout "
+        f"needs {want} or one copy per node (nodes, *{want})"
+    )
 
 
 def _gathered_state_dict(trainer: Trainer, state_or_params: Any) -> Any:

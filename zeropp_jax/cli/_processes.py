@@ -32,8 +32,10 @@ from zeropp_jax.heartbeat import Monitor
 
 HOST = "127.0.0.1"
 POLL_S = 0.05
-# A process in a jax.distributed job takes SIGTERM as a preemption notice and
-# keeps running (JAX's preemption notifier catches it), so SIGKILL follows soon.
+# A process in a jax.distributed job takes SIGTERM as a preemption notice (JAX's
+# preemption notifier catches it): zeropp-train then checkpoints at the next
+# step and exits (zeropp_jax.distributed.PreemptionNotice); SIGKILL follows
+# after this grace (a big model's checkpoint may need a longer --kill-grace).
 DEFAULT_KILL_GRACE_S = 5.0
 # Exit status when --timeout expires (as timeout(1) does).
 TIMEOUT_EXIT = 124

@@ -24,7 +24,7 @@ import argparse
 import json
 import sys
 
-from zeropp_jax.cli import common
+from zeropp_jax.cli import common, guards
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = common.parse_and_prepare(build_parser(), argv)
+    parser = build_parser()
+    dump_hlo = parser.parse_args(argv).dump_hlo
+    if dump_hlo is not None:  # before the compile, not after it
+        problem = guards.check_output_file("--dump-hlo", dump_hlo)
+        if problem:
+            parser.error(problem)
+    args = common.parse_and_prepare(parser, argv)
     try:
         result, hlo = report(args)
     except (ValueError, FileNotFoundError) as e:

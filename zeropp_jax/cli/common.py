@@ -91,11 +91,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate")
     g.add_argument(
         "--lr-schedule", default="cosine", choices=("cosine", "constant"),
-        help="cosine: linear warm-up then cosine decay to lr/10 over --steps",
+        help="cosine: linear warm-up then cosine decay to lr/10 over --steps; "
+        "constant: linear warm-up (only with --lr-warmup) then --lr",
     )
     g.add_argument(
         "--lr-warmup", type=non_negative_int, default=None,
-        help="learning-rate warm-up steps (default: 10%% of --steps)",
+        help="linear learning-rate warm-up steps, with either schedule (default: "
+        "10%% of --steps with cosine, none with constant)",
     )
 
     add_config_args(parser.add_argument_group(
@@ -198,7 +200,8 @@ def prepare_devices(args: argparse.Namespace) -> None:
     from zeropp_jax import distributed
 
     nodes, local = parse_mesh_shape(args.mesh or DEFAULT_SIMULATED_MESH)
-    processes = args.num_processes or int(os.environ.get(distributed.ENV_NUM_PROCESSES) or 1)
+    settings = distributed.resolve(args.coordinator, args.num_processes, args.process_id)
+    processes = settings[1] if settings else 1
     count = local if processes > 1 else nodes * local  # one node per process
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
@@ -215,9 +218,21 @@ def parse_and_prepare(parser: argparse.ArgumentParser, argv: list[str] | None) -
     """
     args = parser.parse_args(argv)
     validate_args(parser, args)
+    check_processes(parser, args)
     prepare_devices(args)
     init_distributed(args)
     return args
+
+
+def check_processes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The multi-host flags (or ``ZEROPP_*`` variables) fit together: a usage
+    error naming the flag otherwise, before JAX starts."""
+    from zeropp_jax import distributed
+
+    try:
+        distributed.resolve(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def init_distributed(args: argparse.Namespace) -> None:
@@ -309,14 +324,19 @@ def make_optimizer(
 
     Args:
       lr: peak learning rate.
-      schedule: ``"constant"``, or ``"cosine"``: linear warm-up over
-        ``warmup`` steps (default 10% of ``total_steps``), then cosine decay
-        to ``lr / 10`` at ``total_steps``. Without ``total_steps`` (e.g. for
-        the communication report) the schedule does not matter and a
-        constant rate is used.
+      schedule: ``"constant"``: ``lr`` after a linear warm-up over
+        ``warmup`` steps (default none); or ``"cosine"``: linear warm-up
+        over ``warmup`` steps (default 10% of ``total_steps``), then cosine
+        decay to ``lr / 10`` at ``total_steps``. Without ``total_steps``
+        (e.g. for the communication report) the cosine schedule does not
+        matter and a constant rate is used.
+      total_steps: the run's length (the cosine schedule's).
+      warmup: warm-up steps (see ``schedule``).
     """
     import optax
 
+    if schedule not in ("cosine", "constant"):
+        raise ValueError(f"unknown learning-rate schedule {schedule!r}; use cosine or constant")
     if schedule == "cosine" and total_steps:
         if warmup is None:
             warmup = total_steps // 10
@@ -324,8 +344,8 @@ def make_optimizer(
         lr = optax.warmup_cosine_decay_schedule(
             0.0, lr, warmup_steps=warmup, decay_steps=total_steps, end_value=lr / 10
         )
-    elif schedule not in ("cosine", "constant"):
-        raise ValueError(f"unknown learning-rate schedule {schedule!r}; use cosine or constant")
+    elif schedule == "constant" and warmup:
+        lr = optax.warmup_constant_schedule(0.0, lr, warmup_steps=warmup)
     if qgz_target == "momentum":
         from zeropp_jax.step.onebit_adam import onebit_adam
 

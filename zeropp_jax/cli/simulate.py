@@ -86,28 +86,58 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Flags that --published does not use (it compares fixed settings).
-_NOT_WITH_PUBLISHED = (
+# The target cluster and workload: --published compares fixed ones.
+_TARGET_FLAGS = (
     "sweep_gbps", "nodes", "gpus_per_node", "inter_node_gbps", "intra_node_gbs",
-    "peak_tflops", "efficiency", "params", "tokens_per_gpu", "float_bytes", "preset",
-    "qwz_bits", "qwz_block", "hpz", "qgz", "qgz_error_feedback", "qgz_block", "qgz_warmup",
-    "qgz_min_grad_rms", "qgz_code", "qgz_target", "scale_dtype",
+    "peak_tflops", "efficiency", "params", "tokens_per_gpu", "float_bytes",
 )
+# ZeroConfig flags that every profiled config takes, the baselines' too (preset_config).
+_SHARED_CONFIG_FLAGS = ("dtype", "grad_accum")
+# Training flags: they change no byte of a step's communication.
+_TRAINING_FLAGS = ("lr", "lr_schedule", "lr_warmup", "seed")
+
+
+def _not_with_published() -> tuple[str, ...]:
+    """Flags that --published does not use (it compares fixed settings): the
+    target's, and every ZeroConfig flag but the shared ones."""
+    config = tuple(dest for _, _, dest in common._config_flags()
+                   if dest not in _SHARED_CONFIG_FLAGS)
+    return _TARGET_FLAGS + config
+
+
+def _given(parser: argparse.ArgumentParser, args: argparse.Namespace, names) -> list[str]:
+    """The flags among ``names`` (dests) that the command sets to a non-default value."""
+    out = []
+    for name in names:
+        value = getattr(args, name)
+        if value != parser.get_default(name):
+            out.append(("--no-" if value is False else "--") + name.replace("_", "-"))
+    return out
+
+
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors for flags zeropp-simulate would not use (before any other check)."""
+    given = _given(parser, args, _TRAINING_FLAGS)
+    if given:
+        one = len(given) == 1
+        parser.error(f"{', '.join(given)} {'sets' if one else 'set'} the training run, which "
+                     f"changes no byte of a step's communication; leave {'it' if one else 'them'} "
+                     "out (zeropp-train takes them)")
+    if args.published:
+        given = _given(parser, args, _not_with_published())
+        if given:
+            parser.error(
+                f"--published compares the paper's fixed settings (zero3 vs "
+                f"{_published_zeropp()} on 48x8 V100); drop {', '.join(given)}, or leave out "
+                f"--published to simulate them")
+    if args.efficiency > 1:
+        parser.error(f"--efficiency must be in (0, 1], got {args.efficiency}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    check_flags(parser, parser.parse_args(argv))
     args = common.parse_and_prepare(parser, argv)
-    if args.efficiency > 1:
-        parser.error(f"--efficiency must be in (0, 1], got {args.efficiency}")
-    if args.published:
-        given = [n for n in _NOT_WITH_PUBLISHED if getattr(args, n) != parser.get_default(n)]
-        if given:
-            flags = ", ".join("--" + n.replace("_", "-") for n in given)
-            parser.error(
-                f"--published compares the paper's fixed settings (zero3 vs "
-                f"{_published_zeropp()} on 48x8 V100); drop {flags}, or leave out "
-                f"--published to simulate them")
     try:
         result = simulate(args)
     except ValueError as e:
@@ -139,7 +169,13 @@ def simulate(args: argparse.Namespace) -> dict:
     target_config = common.build_config(args)
     mesh = common.build_mesh(args)
     global_batch_size_check(args.batch_size, mesh.size, args.grad_accum)
-    model = common.build_model(args, data.VOCAB_SIZE_BYTES)
+    vocab = data.VOCAB_SIZE_BYTES
+    if args.data is not None:
+        try:
+            vocab = data.load_tokens(args.data)[1]
+        except ValueError as e:
+            raise ValueError(f"--data {args.data}: {e}") from None
+    model = common.build_model(args, vocab)  # the vocabulary of --data, as zeropp-comm
     step = {"mesh": mesh, "model": model, "batch_size": args.batch_size}
 
     def profile(config, label: str):

@@ -74,9 +74,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.checkpoint_dir is None:
-        for flag, value in (("--save-every", args.save_every), ("--resume", args.resume)):
+        keep = args.keep != parser.get_default("keep")  # a --keep of the default is harmless
+        for flag, value in (("--save-every", args.save_every), ("--resume", args.resume),
+                            ("--keep", keep)):
             if value:
-                parser.error(f"{flag} needs --checkpoint-dir")
+                parser.error(f"{flag} needs --checkpoint-dir (add --checkpoint-dir DIR, "
+                             f"or leave {flag} out)")
     elif os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         parser.error(f"--checkpoint-dir {args.checkpoint_dir} is a file")
     if args.metrics_out is not None:
@@ -90,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     from tqdm import tqdm
 
-    from zeropp_jax import data
+    from zeropp_jax import data, distributed
     from zeropp_jax.models import gpt
 
     try:
@@ -171,23 +174,32 @@ def run(args: argparse.Namespace) -> int:
     # host from the step number; only a gradient-RMS gate reads the previous
     # step's RMS from the state, and only on the steps it decides.
     bar.update(first_step)
+    saved = set(ckpt.all_steps()) if ckpt is not None else set()
+    stopped_at = None  # the step a preemption notice (SIGTERM) stopped the run at
     try:
-        for step in range(first_step, args.steps):
-            batch = trainer.shard_batch(_local_rows(batches, step))
-            compress = trainer.schedule.compress_at(step, state.opt_state.qgz.grad_rms)
-            state, metrics = trainer.step(state, batch, compress=compress)
-            if pending is not None:
-                record(*pending)
-            pending = (step, metrics)
-            done = step + 1
-            periodic = args.save_every and done % args.save_every == 0
-            if ckpt is not None and (periodic or done == args.steps):
-                # Every step up to the save is checked and logged before it.
-                record(*pending)
-                pending = None
-                _save(ckpt, done, state, trainer, record_of_run, args.lr)
+        with distributed.PreemptionNotice() as notice:
+            for step in range(first_step, args.steps):
+                if notice.reached(step):
+                    stopped_at = step
+                    break
+                batch = trainer.shard_batch(_local_rows(batches, step))
+                compress = trainer.schedule.compress_at(step, state.opt_state.qgz.grad_rms)
+                state, metrics = trainer.step(state, batch, compress=compress)
+                if pending is not None:
+                    record(*pending)
+                pending = (step, metrics)
+                done = step + 1
+                periodic = args.save_every and done % args.save_every == 0
+                if ckpt is not None and (periodic or done == args.steps):
+                    # Every step up to the save is checked and logged before it.
+                    record(*pending)
+                    pending = None
+                    _save(ckpt, done, state, trainer, record_of_run, args.lr)
+                    saved.add(done)
         if pending is not None:
             record(*pending)
+        if stopped_at is not None and ckpt is not None and stopped_at not in saved:
+            _save(ckpt, stopped_at, state, trainer, record_of_run, args.lr)
     finally:
         if ckpt is not None:
             ckpt.close()  # waits for the last (asynchronous) save
@@ -195,8 +207,25 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     if metrics_file is not None:
         metrics_file.close()
+    if stopped_at is not None:
+        if is_main:
+            kept = (f"checkpoint {ckpt.step_path(stopped_at)} holds it: the same command "
+                    "with --resume continues" if ckpt is not None else
+                    "no --checkpoint-dir, so the trained steps are not saved")
+            print(f"zeropp-train: stopped at step {stopped_at} of {args.steps} on a "
+                  f"preemption notice (SIGTERM); {kept}", file=sys.stderr, flush=True)
+        return distributed.PREEMPTED_EXIT
 
     diverged = guards.diverged(history)
+    if is_main:
+        print("zeropp-train: compiling the step's variants for the communication report ...",
+              flush=True)
+    # Every process compiles them (no process waits alone at the exit barrier
+    # of jax.distributed, which times out); process 0 reports.
+    from zeropp_jax.analysis import headline
+
+    batch_shape = jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), np.int32)
+    figures = headline.step_bytes(trainer, params_shapes, batch_shape, steps=args.steps)
     if is_main:
         n = len(history)
         tail = history[-max(1, n // 10):]
@@ -212,10 +241,7 @@ def run(args: argparse.Namespace) -> int:
             "seconds": round(elapsed, 2),
             "tokens_per_second": round(n * tokens_per_step / elapsed, 1),
         }
-        from zeropp_jax.analysis import headline
-
-        batch_shape = jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), np.int32)
-        summary.update(headline.step_bytes(trainer, params_shapes, batch_shape, steps=args.steps))
+        summary.update(figures)
         print("summary: " + json.dumps(summary), flush=True)
         print("zeropp-train: " + headline.summary_line(summary, steps=args.steps), flush=True)
         if diverged:
@@ -251,12 +277,12 @@ def _kept(ckpt) -> str:
 def _open_checkpoints(args, trainer, is_main: bool, record_of_run: dict):
     """``(checkpointer or None, restored state or None, its metadata or None)``.
 
-    Before restoring, the command is compared with the run recorded in the
-    newest checkpoint (:func:`~zeropp_jax.cli.guards.resume_changes`).
+    The command is compared with the run recorded in the checkpoint it
+    resumes from (:func:`~zeropp_jax.cli.guards.resume_changes`).
     """
     if args.checkpoint_dir is None:
         return None, None, None
-    from zeropp_jax.checkpoint import CheckpointError, Checkpointer
+    from zeropp_jax.checkpoint import CheckpointError, Checkpointer, CheckpointMismatchError
 
     try:
         ckpt = Checkpointer(args.checkpoint_dir, max_to_keep=args.keep)
@@ -275,16 +301,17 @@ def _open_checkpoints(args, trainer, is_main: bool, record_of_run: dict):
             f"{steps}); pass --resume to continue from the newest, or use another directory"
         )
     try:
-        recorded = ckpt.metadata()
-        errors, changed = guards.resume_changes(
-            recorded.get("extra", {}), args, record_of_run["model"],
-            trainer.config.describe(), recorded["config"],
-        )
-        if errors:
-            raise CheckpointError(
-                f"cannot resume from {ckpt.step_path(recorded['step'])}: " + "; ".join(errors)
-            )
-        state, meta = ckpt.restore_with_metadata(trainer)
+        try:
+            # The newest readable checkpoint: an unreadable newer one is skipped
+            # (and set aside), so the command is compared with ``meta``.
+            state, meta = ckpt.restore_with_metadata(trainer)
+        except CheckpointMismatchError:
+            # The command's own difference (model, schedule) says more.
+            recorded = _newest_readable_meta(ckpt)
+            if recorded is not None:
+                _refuse_changes(ckpt, recorded, args, trainer, record_of_run)
+            raise
+        changed = _refuse_changes(ckpt, meta, args, trainer, record_of_run)
     except (CheckpointError, FileNotFoundError) as e:
         ckpt.close()
         common.fail(str(e))
@@ -298,6 +325,34 @@ def _open_checkpoints(args, trainer, is_main: bool, record_of_run: dict):
             print(f"zeropp-train: warning: the run differs from the checkpoint's: "
                   f"{', '.join(changed)}", file=sys.stderr, flush=True)
     return ckpt, state, meta
+
+
+def _newest_readable_meta(ckpt) -> dict | None:
+    """The metadata of the newest checkpoint whose metadata reads, else ``None``."""
+    from zeropp_jax.checkpoint import CheckpointError
+
+    for step in reversed(ckpt.all_steps()):
+        try:
+            return ckpt.metadata(step)
+        except CheckpointError:
+            continue
+    return None
+
+
+def _refuse_changes(ckpt, meta: dict, args, trainer, record_of_run: dict) -> list[str]:
+    """The command's changes from the run of checkpoint ``meta`` (warnings);
+    raises ``CheckpointError`` for those the state cannot follow."""
+    from zeropp_jax.checkpoint import CheckpointError
+
+    errors, changed = guards.resume_changes(
+        meta.get("extra", {}), args, record_of_run["model"],
+        trainer.config.describe(), meta["config"],
+    )
+    if errors:
+        raise CheckpointError(
+            f"cannot resume from {ckpt.step_path(meta['step'])}: " + "; ".join(errors)
+        )
+    return changed
 
 
 def _open_metrics(path: str | None, first_step: int):
