@@ -238,6 +238,19 @@ def test_wrapped_llama_gathers_each_decoder_layer_twice():
 
 
 @pytest.mark.slow
+def _steps_match_optax(trainer, loss, opt, params, batch, steps):
+    """``steps`` trainer steps, each loss equal to plain optax's on the same
+    parameters; returns the trainer's state and optax's parameters."""
+    state, ref, ref_opt = trainer.init(params), params, opt.init(params)
+    for _ in range(steps):
+        state, metrics = trainer.step(state, batch)
+        value, g = jax.value_and_grad(loss)(ref, batch)
+        updates, ref_opt = opt.update(g, ref_opt, ref)
+        ref = optax.apply_updates(ref, updates)
+        np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=1e-5)
+    return state, ref
+
+
 def _nn_scan_model():
     """``(Block, loss, params, batch)``: three blocks under Linen's ``nn.scan``."""
     import flax.linen as nn
@@ -274,13 +287,7 @@ def test_blocks_under_nn_scan_are_one_stacked_unit():
         config=zp.ZeroConfig(compute_dtype="float32"), wrap=(Block,), example_batch=batch,
     )
     assert [(u.name, u.stack) for u in trainer.layout.units] == [("rest", None), ("blocks", 3)]
-    state, ref, ref_opt = trainer.init(params), params, opt.init(params)
-    for _ in range(4):
-        state, metrics = trainer.step(state, batch)
-        value, g = jax.value_and_grad(loss)(ref, batch)
-        updates, ref_opt = opt.update(g, ref_opt, ref)
-        ref = optax.apply_updates(ref, updates)
-        np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=1e-5)
+    state, _ = _steps_match_optax(trainer, loss, opt, params, batch, 4)
     compiled = trainer.compile_from_shapes(jax.eval_shape(lambda: params), batch)
     gathers = sum(c.count for c in comm_report(compiled, mesh_shape=(2, 4)).collectives
                   if c.kind == "all-gather")
@@ -338,13 +345,7 @@ def test_every_parameter_inside_a_wrapped_block_leaves_no_remainder_unit():
                               config=zp.ZeroConfig(compute_dtype="float32"),
                               wrap=(Block,), example_batch=batch)
     assert sorted(trainer.layout.names) == ["Block_0", "Block_1"]  # no "rest"
-    state, ref, ref_opt = trainer.init(params), params, opt.init(params)
-    for _ in range(2):
-        state, metrics = trainer.step(state, batch)
-        value, g = jax.value_and_grad(loss)(ref, batch)
-        updates, ref_opt = opt.update(g, ref_opt, ref)
-        ref = optax.apply_updates(ref, updates)
-        np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=1e-5)
+    state, ref = _steps_match_optax(trainer, loss, opt, params, batch, 2)
     gathered = trainer.gather_params(state)
     assert jax.tree.structure(gathered) == jax.tree.structure(params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
