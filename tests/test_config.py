@@ -43,6 +43,8 @@ def test_replace_derives_a_defaulted_qgz_block_again():
     ("reduce_dtype", "fp64", "reduce_dtype must be one of .*got 'fp64'"),
     ("scale_dtype", jnp.float16, r"scale_dtype must be one of \['float32', 'fp32', "
                                  r"'bfloat16', 'bf16'\]"),
+    ("hpz", "no", "hpz must be True or False, got 'no'"),
+    ("prefetch", 1, "prefetch must be True or False, got 1"),
 ])
 def test_values_of_the_wrong_kind_are_rejected(field, value, match):
     with pytest.raises(ValueError, match=match):

@@ -6,9 +6,11 @@ names the fields, the values given and a combination that works.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 QGZ_CODES = ("sign", "hadamard", "dither")
 QGZ_SHARES = ("two-hop", "gather", "auto")
@@ -46,7 +48,8 @@ def is_int(value: Any) -> bool:
 
 
 def check_values(config) -> None:
-    """Single fields: dtypes (stored as jnp types), qwZ bits, block sizes, ``grad_accum``."""
+    """Single fields: dtypes (stored as jnp types), qwZ bits, block sizes, ``grad_accum``,
+    and the switches (``bool`` fields)."""
     for name, allowed in (("compute_dtype", FLOAT_DTYPES), ("reduce_dtype", FLOAT_DTYPES),
                           ("scale_dtype", SCALE_DTYPES)):
         value = getattr(config, name)
@@ -72,6 +75,10 @@ def check_values(config) -> None:
             raise ValueError(f"{name} must be a positive multiple of 8, got {value!r}")
     if not is_int(config.grad_accum) or config.grad_accum < 1:
         raise ValueError(f"grad_accum must be an integer >= 1, got {config.grad_accum!r}")
+    for field in dataclasses.fields(config):  # switches: True or False, not any truthy value
+        value = getattr(config, field.name)
+        if field.metadata.get("parse") is bool and not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{field.name} must be True or False, got {value!r}")
 
 
 def check_qgz_schedule(config) -> None:
