@@ -310,6 +310,15 @@ def test_async_collectives_counted_once_at_start():
     assert (rs.computation, rs.operand_bytes, rs.result_bytes) == ("wrapped_rs", 128, 32)
     assert rs.intra_node_bytes_per_device == 8 * 3 * 32
 
+    # the report's totals: the two-type all-gather counts at its compiled widths,
+    # also where a run's float payloads would be narrowed
+    for dtypes in (None, ("bfloat16", "bfloat16")):
+        report = comm_report(_ASYNC_HLO, mesh_shape=MESH_SHAPE, float_dtypes=dtypes)
+        mixed = next(c for c in report.collectives if c.dtype == "f32+bf16")
+        assert report.wire_dtype(mixed) == "f32+bf16" and report.width_ratio(mixed) == 1.0
+        assert report.intra_node_bytes >= ag.intra_node_bytes_per_device
+        assert report.inter_node_bytes >= ar.inter_node_bytes_per_node // 2
+
 
 _COND_HLO = """\
 HloModule cond_test

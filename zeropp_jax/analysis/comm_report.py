@@ -196,8 +196,14 @@ class CommReport:
     float_dtypes: tuple[str, str] | None = None
 
     def wire_dtype(self, c: Collective) -> str:
-        """The element type ``c`` is counted at (its compiled one unless narrowed)."""
-        if payload_role(c) != "float" or self.float_dtypes is None:
+        """The element type ``c`` is counted at (its compiled one unless narrowed).
+
+        A collective of several element types (XLA's combiners merge arrays
+        into one collective; ``c.dtype`` then reads e.g. ``"f32+bf16"``) is
+        counted at its compiled widths: which of its arrays a narrowing would
+        apply to is not known.
+        """
+        if payload_role(c) != "float" or self.float_dtypes is None or "+" in c.dtype:
             return c.dtype
         gathered, reduced = self.float_dtypes
         want = gathered if c.kind in ("all-gather", "collective-permute") else reduced
@@ -205,7 +211,8 @@ class CommReport:
 
     def width_ratio(self, c: Collective) -> float:
         """Counted over compiled element width of ``c`` (1 unless narrowed)."""
-        return float(dtype_bytes(self.wire_dtype(c)) / dtype_bytes(c.dtype))
+        wire = self.wire_dtype(c)
+        return 1.0 if wire == c.dtype else float(dtype_bytes(wire) / dtype_bytes(c.dtype))
 
     def _max_sum(self, per_collective) -> int:
         totals = None
