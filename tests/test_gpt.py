@@ -291,6 +291,17 @@ def test_attention_is_causal_softmax_attention_and_picks_cudnn_only_on_gpu():
     assert gpt.attention_implementation(jnp.bfloat16, 64, "cudnn") == "cudnn"
     assert gpt.attention_implementation(jnp.bfloat16, 64, "xla") is None
     assert gpt.attention_implementation(jnp.float32, 64, "cudnn") is None  # 16-bit only
+    # "auto" on GPUs: cuDNN from compute capability 8.0, XLA before it and off CUDA
+    import types
+    from unittest import mock
+
+    for capability, want in (("9.0", "cudnn"), ("8.0", "cudnn"), ("7.0", None), (None, None)):
+        gpu = types.SimpleNamespace(platform="gpu")
+        if capability is not None:
+            gpu.compute_capability = capability
+        with mock.patch.object(gpt.jax, "default_backend", return_value="gpu"), \
+                mock.patch.object(gpt.jax, "devices", return_value=[gpu]):
+            assert gpt.attention_implementation(jnp.bfloat16, 64) == want, capability
     with pytest.raises(ValueError, match="multiple of 8 up to 128"):
         gpt.GPTConfig(d_model=640, n_heads=4, attention="cudnn")  # head dim 160
     with pytest.raises(ValueError, match="GPTConfig.attention must be one of"):

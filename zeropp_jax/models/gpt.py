@@ -136,14 +136,28 @@ class LayerNorm(nn.Module):
 # multiples of 8 up to 128 (jax.nn.dot_product_attention's cudnn checks).
 _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _CUDNN_MAX_HEAD_DIM = 128
+_CUDNN_MIN_COMPUTE_CAPABILITY = 8  # cuDNN's fused attention: Ampere (8.0) and newer
+
+
+def _default_gpu_runs_cudnn_attention() -> bool:
+    """Whether the default backend is a GPU of CUDA compute capability 8.0 or
+    newer (not a V100's 7.0, nor a GPU without one, e.g. ROCm's)."""
+    if jax.default_backend() != "gpu":
+        return False
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        return int(str(capability).split(".")[0]) >= _CUDNN_MIN_COMPUTE_CAPABILITY
+    except ValueError:
+        return False
 
 
 def attention_implementation(dtype, head_dim: int, choice: str = "auto") -> str | None:
     """The ``implementation`` passed to ``jax.nn.dot_product_attention``.
 
     ``"cudnn"`` (a fused flash-attention kernel) for 16-bit compute when
-    ``choice`` is ``"cudnn"``, or ``"auto"`` on a GPU default backend, and
-    cuDNN takes the head dimension (a multiple of 8 up to 128). Otherwise
+    ``choice`` is ``"cudnn"``, or ``"auto"`` on a default backend of NVIDIA
+    GPUs of compute capability 8.0 or newer, and cuDNN takes the head
+    dimension (a multiple of 8 up to 128). Otherwise
     ``None``: JAX's XLA implementation (two einsums and a float32 softmax),
     which every backend runs; so float32 attention (the parameters' init, a
     float32 run) is XLA's under every choice. Both compute the softmax in
@@ -158,7 +172,7 @@ def attention_implementation(dtype, head_dim: int, choice: str = "auto") -> str 
             f"attention='cudnn' needs a head dimension that is a multiple of 8 up to "
             f"{_CUDNN_MAX_HEAD_DIM}, got {head_dim}; use attention='auto' or 'xla'."
         )
-    wanted = choice == "cudnn" or (choice == "auto" and jax.default_backend() == "gpu")
+    wanted = choice == "cudnn" or (choice == "auto" and _default_gpu_runs_cudnn_attention())
     if wanted and head_fits and jnp.dtype(dtype) in _CUDNN_DTYPES:
         return "cudnn"
     return None
