@@ -51,6 +51,13 @@ def test_values_of_the_wrong_kind_are_rejected(field, value, match):
         ZeroConfig(**{field: value})
 
 
+def test_numpy_numbers_count_as_numbers():
+    config = ZeroConfig(qwz_bits=np.int64(8), qgz="int8", qgz_min_grad_rms=np.float32(0.1))
+    assert config.qwz_bits == 8 and config.qgz_min_grad_rms == np.float32(0.1)
+    with pytest.raises(ValueError, match="qwz_bits must be the integer"):
+        ZeroConfig(qwz_bits=np.bool_(True))
+
+
 def test_dtypes_are_accepted_as_names_or_dtypes_alike():
     for value in ("bf16", "bfloat16", jnp.bfloat16, np.dtype(jnp.bfloat16)):
         assert ZeroConfig(compute_dtype=value).compute_dtype is jnp.bfloat16

@@ -43,8 +43,9 @@ def parse_dtype(name: Any) -> Any:
 
 
 def is_int(value: Any) -> bool:
-    """Whether ``value`` is an integer (a Python ``int``, not ``bool`` nor ``8.0``)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """Whether ``value`` is an integer (a Python or NumPy integer; not ``bool``
+    nor ``8.0``)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def check_values(config) -> None:
@@ -90,7 +91,8 @@ def check_qgz_schedule(config) -> None:
             f"qgz_warmup_steps must be an integer >= 0, got {config.qgz_warmup_steps!r}"
         )
     rms = config.qgz_min_grad_rms
-    if isinstance(rms, bool) or not isinstance(rms, (int, float)) or not rms >= 0:
+    if isinstance(rms, (bool, np.bool_)) or not isinstance(rms, (int, float, np.number)) \
+            or not rms >= 0:
         raise ValueError(
             "qgz_min_grad_rms must be a number >= 0 (0 disables the gate), "
             f"got {config.qgz_min_grad_rms!r}"

@@ -17,6 +17,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
+from zeropp_jax.config_checks import is_int
+
 NODE = "node"
 LOCAL = "local"
 AXES = (NODE, LOCAL)
@@ -65,8 +67,7 @@ def make_mesh(
     n_dev = len(devices)
     n_proc = len({d.process_index for d in devices})
     for name, size in (("nodes", nodes), ("local", local)):
-        integer = isinstance(size, (int, np.integer)) and not isinstance(size, bool)
-        if size is not None and not (integer and size >= 1):
+        if size is not None and not (is_int(size) and size >= 1):
             raise ValueError(f"{name} must be a positive integer or None, got {size!r}")
     if nodes is None and local is None:
         nodes = n_proc

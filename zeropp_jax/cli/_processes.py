@@ -339,7 +339,8 @@ def _fail(procs, i: int, cause: str, running, kill_grace_s, say, status: int) ->
     say(f"process {i} (pid {procs[i].pid}) {cause}"
         + (f"; stopping the other {len(others)} process(es)" if others else ""))
     _stop(procs, kill_grace_s)
-    stopped = (-signal.SIGTERM, -signal.SIGKILL)
+    # killed by the signal, or (zeropp-train) stopped on it as a preemption notice
+    stopped = (-signal.SIGTERM, -signal.SIGKILL, 128 + signal.SIGTERM)
     summary = [
         f"[{j}] {describe_status(procs[j].returncode)}"
         + (" (stopped by zeropp-launch)" if j in running and procs[j].returncode in stopped else "")

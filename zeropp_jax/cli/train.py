@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     record_of_run = guards.run_record(args, dataclasses.asdict(model_cfg))
-    ckpt, state, saved = _open_checkpoints(args, trainer, is_main, record_of_run)
+    ckpt, state, restored_meta = _open_checkpoints(args, trainer, is_main, record_of_run)
     if state is None:
         params = gpt.init_params(model_cfg, jax.random.key(args.seed))
         state = trainer.init(params)
@@ -174,10 +174,14 @@ def run(args: argparse.Namespace) -> int:
     # host from the step number; only a gradient-RMS gate reads the previous
     # step's RMS from the state, and only on the steps it decides.
     bar.update(first_step)
-    saved = set(ckpt.all_steps()) if ckpt is not None else set()
+    # The newest saved step, from what every process knows alike (not from a
+    # listing of the directory, which may differ between processes).
+    last_saved = first_step if restored_meta is not None else None  # resumed from it
     stopped_at = None  # the step a preemption notice (SIGTERM) stopped the run at
-    try:
-        with distributed.PreemptionNotice() as notice:
+    # The notice covers the loop and the saves after it: a second SIGTERM while
+    # the preemption checkpoint is written is noted again, not fatal.
+    with distributed.PreemptionNotice() as notice:
+        try:
             for step in range(first_step, args.steps):
                 if notice.reached(step):
                     stopped_at = step
@@ -195,14 +199,14 @@ def run(args: argparse.Namespace) -> int:
                     record(*pending)
                     pending = None
                     _save(ckpt, done, state, trainer, record_of_run, args.lr)
-                    saved.add(done)
-        if pending is not None:
-            record(*pending)
-        if stopped_at is not None and ckpt is not None and stopped_at not in saved:
-            _save(ckpt, stopped_at, state, trainer, record_of_run, args.lr)
-    finally:
-        if ckpt is not None:
-            ckpt.close()  # waits for the last (asynchronous) save
+                    last_saved = done
+            if pending is not None:
+                record(*pending)
+            if stopped_at is not None and ckpt is not None and stopped_at != last_saved:
+                _save(ckpt, stopped_at, state, trainer, record_of_run, args.lr)
+        finally:
+            if ckpt is not None:
+                ckpt.close()  # waits for the last (asynchronous) save
     bar.close()
     elapsed = time.perf_counter() - start
     if metrics_file is not None:
