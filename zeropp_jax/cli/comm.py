@@ -45,12 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    dump_hlo = parser.parse_args(argv).dump_hlo
-    if dump_hlo is not None:  # before the compile, not after it
-        problem = guards.check_output_file("--dump-hlo", dump_hlo)
-        if problem:
-            parser.error(problem)
-    args = common.parse_and_prepare(parser, argv)
+    args = common.parse_and_prepare(parser, argv, check=_check_dump_hlo)
     try:
         result, hlo = report(args)
     except (ValueError, FileNotFoundError) as e:
@@ -69,20 +64,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _check_dump_hlo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--dump-hlo``'s path, checked before the compile, not after it."""
+    if args.dump_hlo is not None:
+        problem = guards.check_output_file("--dump-hlo", args.dump_hlo)
+        if problem:
+            parser.error(problem)
+
+
 def report(args: argparse.Namespace) -> tuple[dict, str]:
     """Compiles the step variants and returns ``(json_dict, main_hlo_text)``."""
     import jax
 
-    from zeropp_jax import data
     from zeropp_jax.analysis import headline
     from zeropp_jax.analysis.comm_report import comm_report
     from zeropp_jax.models import gpt
 
-    vocab = data.VOCAB_SIZE_BYTES
-    if args.data is not None:
-        _, vocab = data.load_tokens(args.data)
     mesh = common.build_mesh(args)
-    model_cfg = common.build_model(args, vocab)
+    model_cfg = common.build_model(args, common.data_vocab(args))
     shapes = jax.eval_shape(lambda k: gpt.init_params(model_cfg, k), jax.random.key(args.seed))
     trainer = common.build_trainer(args, mesh, model_cfg, shapes)
     batch = jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jax.numpy.int32)

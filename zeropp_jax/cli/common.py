@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from zeropp_jax.config import ZeroConfig
 
@@ -210,13 +210,20 @@ def prepare_devices(args: argparse.Namespace) -> None:
         )
 
 
-def parse_and_prepare(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+def parse_and_prepare(
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    check: Callable[[argparse.ArgumentParser, argparse.Namespace], None] | None = None,
+) -> argparse.Namespace:
     """Parses and validates the flags, then sets up devices and processes.
 
     Everything that can be checked without JAX fails here, before any device
-    or compilation work.
+    or compilation work: first ``check(parser, args)``, the command's own
+    flags (usage errors through ``parser.error``), then the shared ones.
     """
     args = parser.parse_args(argv)
+    if check is not None:
+        check(parser, args)
     validate_args(parser, args)
     check_processes(parser, args)
     prepare_devices(args)
@@ -271,6 +278,19 @@ def build_config(args: argparse.Namespace) -> ZeroConfig:
     preset = overrides.pop("preset")
     # --seed seeds the data, the model and the dithered code's noise alike.
     return ZeroConfig.from_preset(preset, qgz_seed=args.seed, **overrides)
+
+
+def data_vocab(args: argparse.Namespace) -> int:
+    """The vocabulary of ``--data`` (its largest id + 1), or the byte
+    vocabulary of the bundled data; raises ``ValueError`` naming the flag."""
+    from zeropp_jax import data
+
+    if args.data is None:
+        return data.VOCAB_SIZE_BYTES
+    try:
+        return data.load_tokens(args.data)[1]
+    except ValueError as e:
+        raise ValueError(f"--data {args.data}: {e}") from None
 
 
 def build_model(args: argparse.Namespace, vocab_size: int):

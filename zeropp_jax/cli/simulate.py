@@ -136,8 +136,7 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    check_flags(parser, parser.parse_args(argv))
-    args = common.parse_and_prepare(parser, argv)
+    args = common.parse_and_prepare(parser, argv, check=check_flags)
     try:
         result = simulate(args)
     except ValueError as e:
@@ -153,8 +152,6 @@ def main(argv: list[str] | None = None) -> int:
 def simulate(args: argparse.Namespace) -> dict:
     """Profiles the steps and returns every prediction as plain data."""
     from zeropp_jax.analysis import cost_model as cm
-    from zeropp_jax import data
-
     from zeropp_jax.step.trainer import global_batch_size_check
 
     # Everything that can be wrong in the flags fails before compiling.
@@ -169,13 +166,7 @@ def simulate(args: argparse.Namespace) -> dict:
     target_config = common.build_config(args)
     mesh = common.build_mesh(args)
     global_batch_size_check(args.batch_size, mesh.size, args.grad_accum)
-    vocab = data.VOCAB_SIZE_BYTES
-    if args.data is not None:
-        try:
-            vocab = data.load_tokens(args.data)[1]
-        except ValueError as e:
-            raise ValueError(f"--data {args.data}: {e}") from None
-    model = common.build_model(args, vocab)  # the vocabulary of --data, as zeropp-comm
+    model = common.build_model(args, common.data_vocab(args))  # --data's vocabulary
     step = {"mesh": mesh, "model": model, "batch_size": args.batch_size}
 
     def profile(config, label: str):

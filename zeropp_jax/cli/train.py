@@ -67,9 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    _check_checkpoint_args(parser, parser.parse_args(argv))
-    args = common.parse_and_prepare(parser, argv)
-    return run(args)
+    return run(common.parse_and_prepare(parser, argv, check=_check_checkpoint_args))
 
 
 def _check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
