@@ -299,6 +299,7 @@ def _local_update(
       batch: pytree of ``(B / D, ...)`` arrays.
       count, v_count: int32 scalars (steps taken; the step of ``v``'s last update).
       step: int32 scalar, the optimizer step (names the loss's keys).
+      compress: the compressed variant (only where qgZ is active: ``QgzSchedule.forced``).
       key: the trainer's key for the loss, or ``None``.
 
     Returns:
@@ -310,7 +311,6 @@ def _local_update(
     replicated = cfg.node_replicated
     if replicated:
         params = {name: p[0] for name, p in params.items()}
-    compress = compress and geo.qgz_active
     # full precision: summed over nodes per layer where the unit's plan takes NODE
     summed = () if compress else (NODE,)
     acc, losses = accumulate(geo, loss_fn, params, batch, step=step, key=key, sum_axes=summed)

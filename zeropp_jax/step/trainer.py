@@ -37,6 +37,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.config import ZeroConfig
+from zeropp_jax.config_checks import is_int
 from zeropp_jax.layout import (
     ParamLayout,
     build_layout,
@@ -412,7 +413,7 @@ def make_trainer(
     geometry = StepGeometry(mesh, config, layout)
     check_kernel_blocks(geometry)
     if rng is not None and not isinstance(rng, jax.Array):
-        if isinstance(rng, bool) or not isinstance(rng, (int, np.integer)):
+        if not is_int(rng):
             raise ValueError(f"rng must be an integer seed or a PRNG key, got {rng!r}")
         rng = jax.random.key(int(rng))
     return Trainer(loss_fn, rule, geometry, rng)
