@@ -46,29 +46,42 @@ def gpt_loss(cfg=TINY, per_layer=True):
     return functools.partial(gpt.loss_fn, cfg=cfg)
 
 
-def reference_run(loss_fn, params, opt, batches, steps):
-    """Plain single-device training with the same optax optimizer."""
+def reference_run(loss_fn, params, opt, batches, steps, grad_norms=None):
+    """Plain single-device training with the same optax optimizer.
+
+    ``grad_norms``, a list, gets each step's gradient norm (before the
+    optimizer, as a trainer's ``metrics["grad_norm"]``) appended.
+    """
 
     @jax.jit
     def step(p, s, b):
         loss, g = jax.value_and_grad(loss_fn)(p, b)
         updates, s = opt.update(g, s, p)
-        return optax.apply_updates(p, updates), s, loss
+        return optax.apply_updates(p, updates), s, loss, optax.tree.norm(g)
 
     state = opt.init(params)
     losses = []
     for i in range(steps):
-        params, state, loss = step(params, state, jax.tree.map(jnp.asarray, batches.batch_at(i)))
+        params, state, loss, norm = step(
+            params, state, jax.tree.map(jnp.asarray, batches.batch_at(i)))
         losses.append(float(loss))
+        if grad_norms is not None:
+            grad_norms.append(float(norm))
     return np.array(losses), jax.device_get(params)
 
 
-def zero_run(trainer, params, batches, steps):
+def zero_run(trainer, params, batches, steps, grad_norms=None):
+    """Losses of ``steps`` steps from ``params``, and the final state.
+
+    ``grad_norms``, a list, gets each step's ``metrics["grad_norm"]`` appended.
+    """
     state = trainer.init(params)
     losses = []
     for i in range(steps):
         state, metrics = trainer.step(state, batches.batch_at(i))
         losses.append(float(metrics["loss"]))
+        if grad_norms is not None:
+            grad_norms.append(float(metrics["grad_norm"]))
     return np.array(losses), state
 
 

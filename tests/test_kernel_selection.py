@@ -1,5 +1,7 @@
 """The step runs the Pallas kernels (interpret mode on CPU) like the XLA path."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from zeropp_jax.wire.kernels import XLA, Kernels, select
 from zeropp_jax.models import gpt
 
 from _util import TINY, gpt_loss, mesh_of, optimizer, tiny_batches, zero_run
+from test_kernel_tiles import _eqns
 
 
 def test_selection_is_explicit():
@@ -37,18 +40,40 @@ def test_layer_decode_runs_in_xla_where_selected(xla_layer_decode):
     np.testing.assert_array_equal(decode_payload(plan, payload), want)
 
 
+def _pallas_calls(trainer, params, batch, *, compress):
+    """The names of the ``pallas_call``s in the step's jaxpr (tracing only)."""
+    update = functools.partial(trainer.rule.update, trainer.geometry, trainer.loss_fn,
+                               compress=compress, key=trainer.key)
+    with jax.set_mesh(trainer.mesh):
+        jaxpr = jax.make_jaxpr(update)(trainer.abstract_state(params), trainer.shard_batch(batch))
+    return {e.params["name"] for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"}
+
+
+# qwZ's and hpZ's int8 (or int4) codes, both ways, in every step
+QWZ8, QWZ4 = {"quantize_int8", "dequantize_int8"}, {"quantize_int4", "dequantize_int4"}
+
+
 @pytest.mark.parametrize(
-    "overrides, steps",
+    "overrides, steps, compressed_kernels",
     [
-        ({}, 3), ({"qgz": "int4", "qwz_bits": 4}, 3),
-        ({"qgz_code": "dither", "qgz_error_feedback": False}, 3),
+        # the preset's hadamard code decodes its 1-bit rows with the reference
+        ({}, 3, QWZ8 | {"compress_1bit_ef"}),
+        # at 4 bits the code is "sign": the received chunks decode in one sum
+        ({"qgz": "int4", "qwz_bits": 4}, 3, QWZ4 | {"dequantize_sum_4bit"}),
+        ({"qgz_code": "dither", "qgz_error_feedback": False}, 3, QWZ8 | {"quantize_dithered"}),
         # 1-bit Adam's two hops; v from 2 warm-up steps (from 1 it is so poor an
         # estimate that float rounding differences grow to 2e-4)
-        ({"qgz_target": "momentum", "qgz_warmup_steps": 2}, 5),
+        ({"qgz_target": "momentum", "qgz_warmup_steps": 2}, 5, QWZ8 | {"compress_1bit_ef"}),
     ],
 )
 @pytest.mark.slow
-def test_pallas_step_matches_xla_step(overrides, steps):
+def test_pallas_step_matches_xla_step(overrides, steps, compressed_kernels):
+    """Same losses with either set, and the Pallas set really runs its kernels.
+
+    The losses alone would also match if the Pallas set silently ran the XLA
+    references, so the step's jaxpr must hold a ``pallas_call`` for every
+    operation the config uses (none with the XLA set).
+    """
     params = gpt.init_params(TINY, jax.random.key(0))
     losses = {}
     for impl in ("xla", "pallas"):
@@ -62,6 +87,12 @@ def test_pallas_step_matches_xla_step(overrides, steps):
             per_layer=True, stacked=("blocks",),
         )
         assert trainer.describe()["kernels"] == {"xla": "xla", "pallas": "pallas-interpret"}[impl]
+        pallas = impl == "pallas"
+        batch = tiny_batches().batch_at(0)
+        assert _pallas_calls(trainer, params, batch, compress=True) == (
+            compressed_kernels if pallas else set())
+        assert _pallas_calls(trainer, params, batch, compress=False) == (
+            (QWZ4 if overrides.get("qwz_bits") == 4 else QWZ8) if pallas else set())
         losses[impl], _ = zero_run(trainer, params, tiny_batches(), steps)
     np.testing.assert_allclose(losses["pallas"], losses["xla"], rtol=1e-5)
 

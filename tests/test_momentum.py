@@ -37,7 +37,13 @@ def _trainer(preset="zeropp", opt=None, **overrides):
 
 
 def test_warmup_steps_are_clipped_adam_exactly():
-    """Full-precision steps: the same numbers as zero3 with optax's clip + Adam."""
+    """Full-precision steps: the same numbers as zero3 with optax's clip + Adam.
+
+    Losses and parameters cannot tell a mean gradient from a sum (clipped
+    Adam is nearly scale-invariant); the gradient norms, taken before
+    clipping, can (zero3's are checked against one device in
+    tests/test_train.py).
+    """
     trainer, params = _trainer("hpz", qgz="1bit", qgz_warmup_steps=100, grad_accum=2)
     reference = zp.make_trainer(
         gpt_loss(), optimizer(), params, mesh=mesh_of(2, 4),
@@ -45,9 +51,11 @@ def test_warmup_steps_are_clipped_adam_exactly():
         per_layer=True, stacked=("blocks",),
     )
     batches = tiny_batches(batch_size=32)
-    losses, state = zero_run(trainer, params, batches, 4)
-    ref_losses, ref_state = zero_run(reference, params, batches, 4)
+    norms, ref_norms = [], []
+    losses, state = zero_run(trainer, params, batches, 4, grad_norms=norms)
+    ref_losses, ref_state = zero_run(reference, params, batches, 4, grad_norms=ref_norms)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
     got, want = trainer.gather_params(state), reference.gather_params(ref_state)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, atol=1e-5)
@@ -107,6 +115,19 @@ def test_compressed_steps_share_one_momentum_and_keep_what_they_lose():
     for name in inner.m:
         assert np.abs(carries[name]).max() > 0 and np.abs(inner.receiver_carry[name]).max() > 0
     assert losses[-1] < losses[0] - 0.5 and np.all(np.isfinite(losses))
+    # the receiver carry feeds the next share: step 5 from a copy of the state
+    # with it zeroed shares other momenta (the share's own accounting:
+    # tests/test_rotation.py::test_two_hops_keep_what_they_lose)
+    host, shardings = jax.device_get(state), jax.tree.map(lambda x: x.sharding, state)
+    dropped = host._replace(opt_state=host.opt_state._replace(inner=inner._replace(
+        receiver_carry=jax.tree.map(np.zeros_like, inner.receiver_carry))))
+    m_next = {}
+    for label, start in (("kept", host), ("dropped", dropped)):
+        placed = jax.tree.map(jax.device_put, start, shardings)
+        stepped, _ = trainer.step(placed, batches.batch_at(5))
+        m_next[label] = jax.device_get(stepped.opt_state.inner.m)
+    for name in inner.m:
+        assert not np.array_equal(m_next["kept"][name], m_next["dropped"][name]), name
 
 
 @pytest.mark.slow

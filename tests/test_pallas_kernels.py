@@ -47,6 +47,8 @@ from pallas_kernels.references import packing
 from pallas_kernels.references import quantization as qz
 from pallas_kernels.references.quantization import Quantized
 
+from test_kernel_tiles import _eqns
+
 pytestmark = pytest.mark.slow  # the kernels run in the Pallas interpreter on CPU
 
 try:  # The GPU image may lack hypothesis; the property test is then skipped.
@@ -462,11 +464,43 @@ def test_kernel_config_rejects_bad_values(kwargs):
         pk.KernelConfig(**kwargs)
 
 
+def _launch(fn, *args) -> tuple[int, int]:
+    """``(programs, num_warps)`` of the one ``pallas_call`` that ``fn`` makes (tracing only)."""
+    calls = [e for e in _eqns(jax.make_jaxpr(fn)(*args).jaxpr) if e.primitive.name == "pallas_call"]
+    assert len(calls) == 1, calls
+    params = calls[0].params
+    return int(np.prod(params["grid_mapping"].grid)), params["compiler_params"].num_warps
+
+
 def test_default_config_per_kernel():
-    """``config=None`` is the kernel's measured default; unknown names are refused."""
+    """``config=None`` is the kernel's measured default: the config the
+    kernels look up, and each kernel's launch (programs over a 256-block
+    array, warps); unknown names are refused."""
     for kernel in pk.config.KERNELS:
         for bits in (1, 4, 8):
             assert isinstance(pk.default_config(kernel, bits), pk.KernelConfig)
+            assert _common.get_config(None, kernel, bits) == pk.default_config(kernel, bits)
+    block, n = 64, 4096
+    nb = 4 * n // block  # blocks of x (4, n), and of each of dequantize_sum's chunks (4 n)
+    x = jnp.zeros((4, n), jnp.float32)
+    launches = {("compress_1bit_ef", 1): (lambda a: pk.compress_1bit_ef(a, a, block=block,
+                                                                        interpret=True), x),
+                ("quantize_dithered", 1): (lambda a: pk.quantize_dithered(a, a, block=block,
+                                                                          interpret=True), x)}
+    for bits in (8, 4):
+        q = pk.quantize_reference(x, bits=bits, block=block)
+        launches["quantize", bits] = (
+            lambda a, bits=bits: pk.quantize(a, bits=bits, block=block, interpret=True), x)
+        launches["dequantize", bits] = (lambda v, s, bits=bits: pk.dequantize(
+            Quantized(v, s), bits=bits, block=block, interpret=True), *q)
+    for bits in (1, 4, 8):
+        chunks = pk.quantize_reference(jnp.zeros((4, 4 * n), jnp.float32), bits=bits, block=block)
+        launches["dequantize_sum", bits] = (lambda v, s, bits=bits: pk.dequantize_sum(
+            Quantized(v, s), bits=bits, block=block, interpret=True), *chunks)
+    for (kernel, bits), (fn, *args) in launches.items():
+        cfg = pk.default_config(kernel, bits)
+        want = (nb // _common.tile_blocks(nb, block, cfg.tile_elems), cfg.num_warps)
+        assert _launch(fn, *args) == want, (kernel, bits)
     with pytest.raises(ValueError, match="unknown kernel"):
         pk.default_config("quantise", 8)
     x = make_x((4, 512), 64, seed=1)

@@ -146,28 +146,62 @@ def test_gather_mean_is_every_nodes_decoded_codes_averaged_on_every_node(code):
     np.testing.assert_allclose(mean.reshape(2, 4, width)[0], by_node.mean(0), rtol=1e-5, atol=1e-5)
 
 
-def test_hadamard_two_hops_keep_what_they_lose():
-    """Reduce then share with the hadamard code: the carries, unrotated, hold the rest."""
-    block, width = 16, 2 * 64
-    x = jax.random.normal(jax.random.key(5), (8, width))
-    wire = dict(bits=1, block=block, scale_dtype=jnp.float32, code="hadamard")
+@pytest.mark.parametrize("code", [pytest.param("sign", marks=pytest.mark.slow), "hadamard"])
+def test_two_hops_keep_what_they_lose(code):
+    """Reduce then share (1-bit Adam's two hops), with non-zero carries at both.
 
-    def run(x):
-        summed, carry, sent = cross_node_reduce(
-            x[0], jnp.zeros_like(x[0]), reduce_dtype=jnp.float32, compress=True, **wire)
-        shared, received = cross_node_share(summed, jnp.zeros_like(summed), **wire)
-        pad = jnp.zeros((width - summed.shape[-1],))
-        return jnp.stack([sent + carry, shared, jnp.concatenate([summed - received, pad])])[None]
+    Each hop's codes are decoded here, independently of the library, as its
+    sender coded them (with the hadamard code: rotated with the sending
+    node's pattern, and unrotated): the receivers sum exactly what the
+    senders' codes say, the share hands every node every node's decoded
+    ``summed + carry``, and each hop's new carry is what its codes lost of
+    ``value + old carry``.
+    """
+    block, width, nodes = 16, 2 * 64, 2
+    chunk = width // nodes
+    x = jax.random.normal(jax.random.key(5), (8, width)) * jnp.logspace(-2, 1, width)[None]
+    carry = 0.3 * jax.random.normal(jax.random.key(6), (8, width))
+    receiver_carry = 0.3 * jax.random.normal(jax.random.key(7), (8, chunk))
+    wire = dict(bits=1, block=block, scale_dtype=jnp.float32, code=code)
 
-    out = _on_mesh(run, x)
-    np.testing.assert_allclose(out[:, 0], np.asarray(x), rtol=1e-5, atol=1e-5)  # sent + carry = x
-    shared = out[:, 1].reshape(2, 4, width)
-    np.testing.assert_array_equal(shared[1], shared[0])
-    # node n's chunk of a local slice is what its device kept, re-quantized
-    kept = out[:, 2, : width // 2].reshape(2, 4, width // 2)  # (node, local, chunk)
-    for node in range(2):
-        np.testing.assert_allclose(shared[0][:, node * width // 2:(node + 1) * width // 2],
-                                   kept[node], rtol=1e-5, atol=1e-5)
+    def run(x, c, rc):
+        summed, new_carry, sent = cross_node_reduce(
+            x[0], c[0], reduce_dtype=jnp.float32, compress=True, **wire)
+        shared, new_receiver = cross_node_share(summed, rc[0], **wire)
+        return jnp.stack([sent, new_carry, shared,
+                          jnp.concatenate([summed, new_receiver])])[None]
+
+    out = _on_mesh(run, x, carry, receiver_carry)  # device = node * 4 + local
+    sent, new_carry, shared = out[:, 0], out[:, 1], out[:, 2]
+    summed, new_receiver = out[:, 3, :chunk], out[:, 3, chunk:]
+
+    def decoded(v, node):  # what node `node`'s 1-bit codes of `v` decode to
+        if code == "hadamard":
+            v = rotation.rotate(v, block, node, nodes)
+        v = dequantize(quantize(v, bits=1, block=block), bits=1, block=block, dtype=jnp.float32)
+        return np.asarray(rotation.unrotate(v, block, node, nodes) if code == "hadamard" else v)
+
+    def per_node(v):  # each node's rows (its 4 devices') decoded as it codes them
+        return np.concatenate([decoded(v[4 * n:4 * (n + 1)], n) for n in range(nodes)])
+
+    total = np.asarray(x + carry)
+    want_sent = per_node(total)
+    np.testing.assert_allclose(sent, want_sent, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(new_carry, total - want_sent, rtol=1e-5, atol=1e-5)
+    # device (k, l) sums chunk k of what the devices (n, l) sent, over n
+    by_sender = want_sent.reshape(nodes, 4, nodes, chunk)  # (node, local, chunk k, ·)
+    want_summed = np.stack([by_sender[:, local, k].sum(0)
+                            for k in range(nodes) for local in range(4)])
+    np.testing.assert_allclose(summed, want_summed, rtol=1e-5, atol=1e-5)
+    # the share: every node gets node k's decoded summed + receiver carry as chunk k
+    held = summed + np.asarray(receiver_carry)
+    want_chunks = per_node(held)
+    want_shared = want_chunks.reshape(nodes, 4, chunk).transpose(1, 0, 2).reshape(4, width)
+    for node in range(nodes):
+        np.testing.assert_allclose(shared.reshape(nodes, 4, width)[node], want_shared,
+                                   rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(new_receiver, held - want_chunks, rtol=1e-5, atol=1e-5)
+    assert np.abs(new_carry).max() > 0 and np.abs(new_receiver).max() > 0
 
 
 def test_with_two_nodes_the_one_hop_moves_the_same_bytes_as_two():

@@ -30,8 +30,10 @@ FP32 = dict(compute_dtype="float32")
 @pytest.fixture(scope="module")
 def reference():
     params = gpt.init_params(TINY, jax.random.key(0))
-    losses, final = reference_run(gpt_loss(per_layer=False), params, optimizer(), tiny_batches(), STEPS)
-    return params, losses, final
+    norms = []
+    losses, final = reference_run(gpt_loss(per_layer=False), params, optimizer(), tiny_batches(),
+                                  STEPS, grad_norms=norms)
+    return params, losses, final, np.array(norms)
 
 
 @pytest.mark.parametrize(
@@ -46,7 +48,7 @@ def reference():
     ],
 )
 def test_matches_single_device(reference, shape, preset, per_layer):
-    params, ref_losses, ref_final = reference
+    params, ref_losses, ref_final, _ = reference
     trainer = zp.make_trainer(
         gpt_loss(per_layer=per_layer), optimizer(), params, mesh=mesh_of(*shape),
         config=zp.ZeroConfig.from_preset(preset, **FP32), per_layer=per_layer,
@@ -58,14 +60,23 @@ def test_matches_single_device(reference, shape, preset, per_layer):
 
 
 def test_grad_accumulation_is_exact_mean(reference):
-    params, ref_losses, _ = reference
+    """Three micro-batches per device: the losses of one-device training, and
+    the gradient is the mean over devices and micro-batches, not their sum.
+
+    The losses alone cannot tell a mean from a sum: clipped Adam's update is
+    (nearly) the same for a gradient 3x too large. The steps' ``grad_norm``
+    (taken before clipping) can: the norms of the one-device gradients.
+    """
+    params, ref_losses, _, ref_norms = reference
     trainer = zp.make_trainer(
         gpt_loss(), optimizer(), params, mesh=mesh_of(2, 4),
         config=zp.ZeroConfig.from_preset("zero3", grad_accum=3, **FP32),
         per_layer=True, stacked=("blocks",),
     )
-    losses, _ = zero_run(trainer, params, tiny_batches(), 5)
+    norms = []
+    losses, _ = zero_run(trainer, params, tiny_batches(), 5, grad_norms=norms)
     np.testing.assert_allclose(losses, ref_losses[:5], rtol=1e-5)
+    np.testing.assert_allclose(norms, ref_norms[:5], rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -14,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import zeropp_jax as zp
 from zeropp_jax.models import gpt
 from zeropp_jax.wire.qgz import cross_node_reduce
+from pallas_kernels.references.quantization import dequantize, quantize
 
 from _util import TINY, gpt_loss, gpt_step, mesh_of, optimizer, tiny_batches, zero_run
 
@@ -54,6 +56,36 @@ def test_qwz_gathers_carry_int8_codes_and_scales_only():
         c.count for c in report("zero3").collectives if c.kind == "all-gather"]
     want = _gathered_bytes(report("zero3")) / 4 * (1 + 4 / 256)
     assert _gathered_bytes(rep) == pytest.approx(want, rel=0.01)
+
+
+@pytest.mark.parametrize("bits", [8, pytest.param(4, marks=pytest.mark.slow)])
+def test_qwz_computes_with_each_shards_decoded_codes(bits):
+    """The weights a qwZ step computes with are ``dequantize(quantize(w))``,
+    block by block within each device's shard, decoded exactly as the
+    reference decodes them: the first loss of a linear loss is that of the
+    decoded weights, which differs from the loss of ``w`` itself by far more
+    than the tolerance (so a gather that skipped or coarsened qwZ fails)."""
+    config = zp.ZeroConfig.from_preset("qwz", qwz_bits=bits, compute_dtype="float32")
+    n = 8 * 2 * config.qwz_block  # two blocks per device's shard
+    rng = np.random.default_rng(1)
+    w = (rng.normal(size=(n,)) * np.logspace(-2, 1, n)).astype(np.float32)
+    rows = rng.normal(size=(16, n)).astype(np.float32)
+
+    def loss(p, batch):
+        return jnp.mean(batch @ zp.gather(p["w"]))
+
+    trainer = zp.make_trainer(loss, optax.sgd(0.1), {"w": w}, mesh=mesh_of(2, 4), config=config,
+                              per_layer=True)
+    _, metrics = trainer.step(trainer.init({"w": w}), rows)
+    wire = dict(bits=bits, block=config.qwz_block)
+    decoded = dequantize(quantize(jnp.asarray(w), scale_dtype=config.scale_dtype, **wire),
+                         dtype=jnp.float32, **wire)
+    mean_row = rows.astype(np.float64).mean(0)
+    want, unquantized = mean_row @ np.asarray(decoded, np.float64), mean_row @ w
+    # two float32 roundings of the largest sum the dot product could reach
+    tolerance = 2 * np.finfo(np.float32).eps * (np.abs(mean_row) @ np.abs(w))
+    assert abs(want - unquantized) > 100 * tolerance, (want, unquantized, tolerance)
+    assert abs(float(metrics["loss"]) - want) < tolerance, (float(metrics["loss"]), want)
 
 
 def test_qwz_int4_gathers_packed_bytes():
@@ -213,6 +245,43 @@ def test_error_feedback_loses_nothing():
     assert np.abs(carry).max() > 0
 
 
+def test_trainer_error_feedback_loses_nothing():
+    """Gradient qgZ through the trainer: what SGD moved plus the final carry
+    is the sum of the true mean gradients, so each step's carry was sent.
+
+    A linear loss, whose gradient (the batch's mean row) does not depend on
+    the parameters, and SGD at learning rate 1: the parameters move by minus
+    the decoded sums over ``devices``; the carries, summed over nodes, hold
+    what the codes have not sent yet, in the same units.
+    """
+    rng = np.random.default_rng(0)
+    n, steps, devices = 300, 4, 8
+    params = {"w": np.zeros((n,), np.float32), "b": np.zeros((3, 5), np.float32)}
+    rows = [rng.normal(size=(16, n + 15)).astype(np.float32) * np.logspace(-2, 1, n + 15)
+            for _ in range(steps)]
+
+    def loss(p, batch):
+        return jnp.mean(batch @ jnp.concatenate([p["w"], p["b"].reshape(-1)]))
+
+    config = zp.ZeroConfig.from_preset("qgz", compute_dtype="float32", qgz_warmup_steps=0,
+                                       **GRADIENT)
+    trainer = zp.make_trainer(loss, optax.sgd(1.0), params, mesh=mesh_of(2, 4), config=config)
+    state = trainer.init(params)
+    for batch in rows:
+        state, metrics = trainer.step(state, batch)
+        assert int(metrics["compressed"]) == 1
+    moved = trainer.gather_params(state)  # minus the sum of the sent mean gradients
+    carries = {name: c.sum(0) / devices for name, c in state.opt_state.qgz.carry.items()}
+    pending = trainer.gather_params(carries)
+    total = sum(r.mean(0) for r in rows)
+    truth = {"w": total[:n], "b": total[n:].reshape(3, 5)}
+    for name, want in truth.items():
+        np.testing.assert_allclose(pending[name] - moved[name], want, rtol=1e-5,
+                                   atol=1e-5 * np.abs(total).max(), err_msg=name)
+        # and the codes lost something (the carry is not zero)
+        assert np.abs(pending[name]).max() > 1e-3 * np.abs(want).max(), name
+
+
 def _train(preset, steps, **overrides):
     params = gpt.init_params(TINY, jax.random.key(0))
     config = zp.ZeroConfig.from_preset(preset, compute_dtype="float32", **overrides)
@@ -232,7 +301,11 @@ def test_compressed_presets_track_zero3():
     for name, overrides in runs.items():
         trainer, params = _train(name.split("-")[0], 15, **overrides)
         losses[name], _ = zero_run(trainer, params, tiny_batches(), 15)
-    np.testing.assert_allclose(losses["qwz"], losses["zero3"], rtol=5e-3)
+    # int8 weights: within 2x the gap measured over these 15 steps (9.5e-4),
+    # and not zero3's losses (qwZ applied); its exact decode:
+    # test_qwz_computes_with_each_shards_decoded_codes
+    np.testing.assert_allclose(losses["qwz"], losses["zero3"], rtol=2e-3)
+    assert not np.allclose(losses["qwz"], losses["zero3"], rtol=1e-4, atol=0)
     # 1-bit compression lags a little early on (benchmarks/presets.py
     # measures 400 steps) but must train clearly
     for name in ("zeropp", "zeropp-gradient"):
