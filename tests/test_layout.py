@@ -87,3 +87,26 @@ def test_per_layer_needs_string_top_level_keys():
         build_layout(params, n_devices=8, align=8, per_layer=True)
     # the whole model as one unit takes any pytree
     assert build_layout(params, n_devices=8, align=8, per_layer=False).names == ("params",)
+
+
+def test_split_and_join_keep_the_mapping_types():
+    """A ``FrozenDict`` tree (or a dict holding one) comes back with the same
+    mapping types: nested units with and without a remainder, and top-level units."""
+    from flax.core import freeze
+
+    from zeropp_jax.layout import join_units, split_units
+
+    def leaf(n):
+        return np.arange(n, dtype=np.float32)
+
+    enc = {"b0": {"k": leaf(3)}, "b1": {"k": leaf(5)}}
+    trees = [freeze({"embed": {"w": leaf(4)}, "enc": enc}),
+             {"embed": {"w": leaf(4)}, "enc": freeze(enc)}]
+    for tree in trees:
+        for kw in (dict(units=[("enc", "b0"), ("enc", "b1")]),
+                   dict(units=[("enc", "b0"), ("enc", "b1"), ("embed",)]),
+                   dict(per_layer=True)):
+            layout = build_layout(tree, n_devices=2, align=8, **kw)
+            back = join_units(split_units(tree, layout), layout)
+            assert jax.tree.structure(back) == jax.tree.structure(tree), (type(tree), kw)
+            assert type(back) is type(tree) and type(back["enc"]) is type(tree["enc"])

@@ -6,6 +6,7 @@ norm and the head form the remainder unit. Models are built from configs
 (nothing is downloaded).
 """
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -350,3 +351,155 @@ def test_every_parameter_inside_a_wrapped_block_leaves_no_remainder_unit():
     assert jax.tree.structure(gathered) == jax.tree.structure(params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                  gathered, ref)
+
+
+def _linen_model(block_body, x_width=8, **scan_axes):
+    """``(Block, model)``: two ``Block``s under ``nn.scan`` of ``nn.remat``
+    (``scan_axes``: the scan's ``variable_axes`` beyond ``params``), then one
+    under ``nn.remat`` alone; ``block_body(h) -> h`` is the block's body."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _=None):
+            return block_body(h), None
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(nn.remat(Block), variable_axes={"params": 0, **scan_axes},
+                           split_rngs={"params": True, "dropout": True}, length=2)
+            h, _ = scan(name="blocks")(nn.Dense(16)(x), None)
+            h, _ = nn.remat(Block)(name="last")(h)
+            return nn.Dense(1)(h)[:, 0]
+
+    return Block, Model()
+
+
+def _linen_batch():
+    x = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+    return {"x": x, "y": np.sin(x.sum(axis=1))}
+
+
+def _dropout_trainer(rate, opt):
+    """A wrapped trainer of blocks with dropout under ``nn.scan``/``nn.remat``,
+    whose loss passes ``rngs=``; ``(trainer, loss(p, b, key), params, batch)``."""
+    import flax.linen as nn
+
+    def body(h):
+        return h + nn.Dropout(rate, deterministic=False)(jnp.tanh(nn.Dense(16)(h)))
+
+    Block, model = _linen_model(body)
+    batch = _linen_batch()
+    params = jax.jit(model.init)({"params": jax.random.key(0), "dropout": jax.random.key(1)},
+                                 batch["x"])["params"]
+
+    def loss(p, b, key):
+        return jnp.mean((model.apply({"params": p}, b["x"], rngs={"dropout": key}) - b["y"]) ** 2)
+
+    trainer = zp.make_trainer(loss, opt, params, mesh=zp.make_mesh(2, 4), rng=0,
+                              config=zp.ZeroConfig(compute_dtype="float32"),
+                              wrap=(Block,), example_batch=batch)
+    assert [(u.name, u.stack) for u in trainer.layout.units] == [
+        ("rest", None), ("blocks", 2), ("last", None)]
+    return trainer, loss, params, batch
+
+
+def test_linen_blocks_under_scan_and_remat_take_the_loss_rngs():
+    """The blocks' dropout keys (``make_rng`` under ``nn.scan``/``nn.remat``:
+    tracers of those transforms) enter each layer as its inputs, not captured
+    by its backward: new masks each step, the same again from the same state."""
+    trainer, _, params, batch = _dropout_trainer(0.5, optax.sgd(0.0))
+    losses = []
+    for _ in range(2):
+        state = trainer.init(params)
+        for _ in range(2):
+            state, metrics = trainer.step(state, batch)
+            losses.append(float(metrics["loss"]))
+    assert np.all(np.isfinite(losses)) and losses[0] != losses[1], losses
+    assert losses[:2] == losses[2:], losses
+
+
+@pytest.mark.slow
+def test_linen_blocks_under_scan_and_remat_train_like_optax():
+    """The same with dropout at rate 0 (the keys are drawn, the masks are
+    ones): the steps are plain optax's on one device."""
+    opt = optax.sgd(0.1)
+    trainer, loss, params, batch = _dropout_trainer(0.0, opt)
+    _steps_match_optax(trainer, jax.jit(lambda p, b: loss(p, b, jax.random.key(5))), opt,
+                       params, batch, 2)
+
+
+def test_wrapped_linen_blocks_read_frozen_batch_stats():
+    """Blocks with ``BatchNorm`` in eval mode read ``batch_stats`` (sliced by
+    ``nn.scan`` for the stacked ones): the collection enters each layer."""
+    import flax.linen as nn
+
+    def body(h):
+        return h + nn.BatchNorm(use_running_average=True)(jnp.tanh(nn.Dense(16)(h)))
+
+    Block, model = _linen_model(body, batch_stats=0)
+    batch = _linen_batch()
+    variables = jax.jit(model.init)(jax.random.key(0), batch["x"])
+    params = variables["params"]
+    stats = jax.tree.map(lambda s: s + np.float32(0.5), variables["batch_stats"])
+
+    def loss(p, b):
+        out = model.apply({"params": p, "batch_stats": stats}, b["x"])
+        return jnp.mean((out - b["y"]) ** 2)
+
+    opt = optax.sgd(0.1)
+    trainer = zp.make_trainer(loss, opt, params, mesh=zp.make_mesh(2, 4),
+                              config=zp.ZeroConfig(compute_dtype="float32"),
+                              wrap=(Block,), example_batch=batch)
+    assert trainer.layout.names == ("rest", "blocks", "last")
+    _steps_match_optax(trainer, jax.jit(loss), opt, params, batch, 2)
+
+
+def test_a_loss_returning_loss_and_aux_is_refused():
+    params = {"w": np.ones((8, 1), np.float32)}
+
+    def loss(p, b):  # jax.value_and_grad(has_aux=True)'s idiom
+        value = jnp.mean((b["x"] @ p["w"])[:, 0] - b["y"]) ** 2
+        return value, {"mse": value}
+
+    trainer = zp.make_trainer(loss, optax.sgd(0.1), params, mesh=zp.make_mesh(2, 4))
+    with pytest.raises(ValueError, match=r"got a \(loss, aux\) tuple.*return the scalar loss only"):
+        trainer.step(trainer.init(params), _linen_batch())
+
+
+def _hf_decay_mask(params):
+    """Weight decay everywhere but biases and LayerNorm scales, the way
+    Hugging Face's Flax examples build it (by key path)."""
+    from flax import traverse_util
+
+    flat = traverse_util.flatten_dict(params)
+    return traverse_util.unflatten_dict(
+        {k: k[-1] != "bias" and k[-2:] not in (("ln_1", "scale"), ("ln_2", "scale"),
+                                               ("ln_f", "scale")) for k in flat})
+
+
+@pytest.mark.parametrize("optimizer, refused", [
+    (optax.adamw(1e-3, mask=_hf_decay_mask), True),
+    (optax.multi_transform({"train": optax.adam(1e-3), "freeze": optax.set_to_zero()},
+                           lambda p: jax.tree_util.tree_map_with_path(
+                               lambda k, _: "freeze" if "wte" in str(k) else "train", p)), True),
+    (optax.adamw(1e-3), False),
+    (optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, mask=lambda p: jax.tree.map(
+        lambda _: True, p))), False),
+], ids=["adamw-hf-mask", "multi_transform-freeze", "adamw", "clip-adamw-uniform-mask"])
+def test_per_leaf_optimizer_choices_are_refused_not_silently_unit_wide(optimizer, refused):
+    """The trainer's optimizer runs on flat units, so a per-leaf weight-decay
+    mask or label would decay (or freeze) every parameter of a unit alike:
+    it is refused at make_trainer, naming two leaves it moves differently;
+    an optimizer that treats every leaf alike, uniform masks included, is
+    accepted."""
+    module, shapes = gpt2(2, init=False)
+    build = functools.partial(zp.make_trainer, loss_of(module), optimizer, shapes,
+                              mesh=zp.make_mesh(2, 4), wrap=(FlaxGPT2Block,),
+                              example_batch=batch_shapes())
+    if refused:
+        with pytest.raises(ValueError, match=r"treats parameter leaves differently.*\['"):
+            build()
+    else:
+        build()

@@ -260,3 +260,27 @@ def test_nnx_loss_reseeds_the_streams_the_module_holds():
         zp.nnx_loss(_DropoutLinear(nnx.Rngs(0)), total, streams=("dropout",))
     params, loss_fn = zp.nnx_loss(_DropoutLinear(nnx.Rngs(0)), total, streams=())
     assert len({float(loss_fn(params, x, jax.random.key(k))) for k in (1, 2)}) == 1
+
+
+def test_export_keeps_the_int_keys_of_nnx_list_items(tmp_path):
+    """``nnx_loss`` keys ``nnx.List`` items by ``int``; the export keeps them
+    (whole model and wrap, from memory and from a checkpoint, the same
+    bytes), so ``nnx.update`` takes the exported tree back."""
+    import flax.serialization
+
+    from zeropp_jax.checkpoint import Checkpointer, export_params
+
+    model = Model(2, nnx.Rngs(0, dropout=1))
+    for name, kwargs in [("whole", {}), ("wrap", dict(wrap=(Block,), example_batch=BATCH))]:
+        trainer, params, _ = trainer_of(model, **kwargs)
+        assert list(params["blocks"]) == [0, 1]
+        state = trainer.init(params)
+        with Checkpointer(tmp_path / name, async_save=False) as ckpt:
+            ckpt.save(0, state, trainer)
+        export_params(state, tmp_path / f"{name}.msgpack", trainer=trainer)
+        export_params(tmp_path / name, tmp_path / f"{name}_dir.msgpack")
+        data = (tmp_path / f"{name}.msgpack").read_bytes()
+        assert (tmp_path / f"{name}_dir.msgpack").read_bytes() == data, name
+        tree = flax.serialization.msgpack_restore(data)
+        assert jax.tree.structure(tree) == jax.tree.structure(params), name
+        nnx.update(model, tree)

@@ -114,8 +114,9 @@ class ParamLayout:
         :data:`REMAINDER` unit's path is ``()``: the whole tree less the
         other units' sub-pytrees, left out (no unit, no path) when that
         holds no leaf. Empty for top-level units.
-      empty_rest: with nested units and no remainder unit, the structure of
-        the leafless rest (e.g. ``{"encoder": {}}``) the units are pasted into.
+      empty_rest: the structure of the leafless rest the units are pasted
+        into: with nested units and no remainder unit (e.g. ``{"encoder": {}}``),
+        and with top-level units (the empty top-level mapping, of its type).
     """
 
     units: tuple[UnitLayout, ...]
@@ -276,7 +277,8 @@ def build_layout(
         )
         for k, v in params.items()
     )
-    return ParamLayout(units, False, n_devices)
+    empty = jax.tree_util.tree_structure(cut_paths(params, [(k,) for k in params])[0])
+    return ParamLayout(units, False, n_devices, empty_rest=empty)
 
 
 def _nested_layout(

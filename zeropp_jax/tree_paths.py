@@ -9,6 +9,7 @@ split a parameter tree that way and join it again, :func:`split_units` and
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -18,36 +19,62 @@ WHOLE_MODEL = "params"
 REMAINDER = "rest"
 
 
+def _same_mapping(like: Mapping, items: dict) -> Mapping:
+    """``items`` as a mapping of ``like``'s type (a ``FrozenDict`` stays one)."""
+    if type(like) is dict:
+        return items
+    if isinstance(like, collections.defaultdict):
+        return type(like)(like.default_factory, items)
+    try:
+        return type(like)(items)
+    except TypeError as e:
+        raise TypeError(
+            f"cannot rebuild a parameter mapping of type {type(like).__name__} from a "
+            f"dict ({e}); nested units need mappings built as type(m)(dict) (dict, "
+            "FrozenDict, OrderedDict)"
+        ) from None
+
+
+def _cut(node: Any, path: tuple, depth: int) -> tuple[Mapping, Any]:
+    """``(node less the sub-pytree at path[depth:], that sub-pytree)``."""
+    key = path[depth]
+    if not isinstance(node, Mapping) or key not in node:
+        raise ValueError(f"no parameter sub-tree at {'/'.join(map(str, path[: depth + 1]))}")
+    items = dict(node)
+    if depth + 1 == len(path):
+        sub = items.pop(key)
+    else:
+        items[key], sub = _cut(items[key], path, depth + 1)
+    return _same_mapping(node, items), sub
+
+
+def _paste(node: Mapping, path: tuple, sub: Any) -> Mapping:
+    """``node`` with ``sub`` at key path ``path``."""
+    items = dict(node)
+    items[path[0]] = sub if len(path) == 1 else _paste(items[path[0]], path[1:], sub)
+    return _same_mapping(node, items)
+
+
 def cut_paths(params: Any, paths: Sequence[tuple[str, ...]]) -> tuple[Any, list]:
     """``(rest, subtrees)``: ``params`` less the sub-pytrees at ``paths``.
 
-    The dicts along each path are copied (the caller's tree is unchanged);
-    a dict emptied by the cut stays in ``rest`` as ``{}``.
+    The mappings along each path are copied into new ones of the same type
+    (a ``FrozenDict`` stays one; the caller's tree is unchanged); a mapping
+    emptied by the cut stays in ``rest``, empty.
     """
-    rest = dict(params)
-    subtrees = []
+    rest, subtrees = params, []
     for path in paths:
-        node = rest
-        for i, key in enumerate(path[:-1]):
-            if not isinstance(node.get(key), Mapping):
-                raise ValueError(f"no parameter sub-tree at {'/'.join(map(str, path[: i + 1]))}")
-            node[key] = dict(node[key])
-            node = node[key]
-        if path[-1] not in node:
-            raise ValueError(f"no parameter sub-tree at {'/'.join(map(str, path))}")
-        subtrees.append(node.pop(path[-1]))
+        rest, sub = _cut(rest, tuple(path), 0)
+        subtrees.append(sub)
     return rest, subtrees
 
 
 def paste_paths(rest: Any, paths: Sequence[tuple[str, ...]], subtrees: Sequence[Any]) -> Any:
-    """Inverse of :func:`cut_paths` (copies the dicts along each path)."""
-    tree = dict(rest)
+    """Inverse of :func:`cut_paths` (copies the mappings along each path,
+    keeping their types)."""
+    tree = rest
     for path, sub in zip(paths, subtrees):
-        node = tree
-        for key in path[:-1]:
-            node[key] = dict(node[key])
-            node = node[key]
-        node[path[-1]] = sub
+        tree = _paste(tree, tuple(path), sub)
     return tree
 
 
@@ -65,11 +92,15 @@ def split_units(params: Any, layout: Any) -> dict[str, Any]:
 
 def join_units(trees: Mapping[str, Any], layout: Any) -> Any:
     """Inverse of :func:`split_units`; without a remainder unit the wrapped
-    units are pasted into the layout's leafless ``empty_rest``."""
+    units are pasted into the layout's leafless ``empty_rest``, and top-level
+    units are put in a mapping of its type (a ``FrozenDict`` stays one)."""
     if layout.whole_model:
         return trees[WHOLE_MODEL]
     if layout.paths:
         first = int(layout.has_remainder)
         rest = trees[REMAINDER] if first else jax.tree_util.tree_unflatten(layout.empty_rest, [])
         return paste_paths(rest, layout.paths[first:], [trees[n] for n in layout.names[first:]])
-    return {u.name: trees[u.name] for u in layout.units}
+    items = {u.name: trees[u.name] for u in layout.units}
+    if layout.empty_rest is None:
+        return items
+    return _same_mapping(jax.tree_util.tree_unflatten(layout.empty_rest, []), items)

@@ -10,15 +10,20 @@ needs neither this library nor the model code::
   # or, to get the original container types back from a template pytree:
   params = flax.serialization.from_bytes(template_params, data)
 
-The tree is the parameters' ``flax.serialization.to_state_dict`` form: dicts
-stay dicts with ``str`` keys (Flax parameters come back exactly), lists and
-tuples become dicts keyed ``"0"``, ``"1"``, ..., named fields are keyed by
-name.  Units appear in the layout's order, leaves in tree order.
+The tree is nested dicts keyed as the parameters are: dict keys keep their
+type (Flax Linen's ``str`` keys, and the ``int`` keys of ``nnx.List`` items in
+``zp.nnx_loss`` parameters, so ``nnx.update(model, params)`` takes the tree
+back), lists and tuples become dicts keyed by ``int`` index, named fields are
+keyed by name.  ``from_bytes`` with a template needs ``str`` keys throughout
+(it looks keys up as ``str``), e.g. Flax Linen parameters.  Export from a
+checkpoint directory and from memory give the same tree.  Units appear in the
+layout's order, leaves in tree order.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Iterable, Mapping
 
 import jax
@@ -26,7 +31,7 @@ import numpy as np
 
 from zeropp_jax.checkpoint.checkpointer import Checkpointer
 from zeropp_jax.checkpoint.errors import CheckpointError
-from zeropp_jax.checkpoint.metadata import flat_with_keys, unit_from_json
+from zeropp_jax.checkpoint.metadata import key_name, unit_from_json
 from zeropp_jax.layout import split_units, unit_leaves
 from zeropp_jax.step.trainer import Trainer
 
@@ -126,7 +131,7 @@ def _stored_state_dict(units: Mapping[str, np.ndarray], layout_json: dict, step:
             flat = _one_copy(np.asarray(units[u["name"]]), unit, step)
             leaves = unit_leaves(flat, unit, "original")
             for leaf, x in zip(u["leaves"], leaves):
-                yield prefix + leaf["keys"], x
+                yield prefix + _stored_keys(leaf, u["name"]), x
 
     return _nest(items())
 
@@ -161,13 +166,45 @@ def _gathered_state_dict(trainer: Trainer, state_or_params: Any) -> Any:
     def items():
         for i, u in enumerate(layout.units):
             prefix = _prefix(layout.whole_model, layout.paths, i, u.name)
-            for keys, x in flat_with_keys(trees[u.name]).items():
-                yield prefix + list(keys), x
+            for path, x in jax.tree_util.tree_flatten_with_path(trees[u.name])[0]:
+                yield prefix + [_export_key(k) for k in path], x
 
     return _nest(items())
 
 
-def _prefix(whole_model: bool, paths: Any, index: int, name: str) -> list[str]:
+def _export_key(key: Any) -> str | int:
+    """A key path entry as the export keys it: a ``str`` or ``int`` dict key
+    as it is (``nnx.List`` items keep ``int`` keys), a sequence index as its
+    ``int``, any other as :func:`~zeropp_jax.checkpoint.metadata.key_name`
+    names it (a ``str``)."""
+    if isinstance(key, jax.tree_util.DictKey) and type(key.key) in (str, int):
+        return key.key
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return key.idx
+    return key_name(key)
+
+
+# One entry of a stored leaf path (``jax.tree_util.keystr``): ``['name']``,
+# ``[0]`` (an int dict key or a sequence index), ``.field``, ``[<flat index 0>]``.
+_ENTRY = re.compile(r"""\[(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^\]]*)\]|\.[^.\[]+""")
+
+
+def _stored_keys(leaf: Mapping, unit: str) -> list[str | int]:
+    """A stored leaf's key path inside its unit, keyed as :func:`_export_key`
+    keys it: its stored ``keys`` (``str``), as ``int`` where its stored path
+    (``keystr``) shows an ``int`` (``[0]``, not ``['0']``)."""
+    entries = _ENTRY.findall(leaf["path"])
+    if "".join(entries) != leaf["path"] or len(entries) != len(leaf["keys"]):
+        raise CheckpointError(
+            f"unit {unit!r}: the stored leaf path {leaf['path']!r} does not split into its "
+            f"{len(leaf['keys'])} stored keys {leaf['keys']}; the metadata should hold "
+            "jax.tree_util.keystr of the path and one key per entry (a corrupt checkpoint?)"
+        )
+    return [int(k) if re.fullmatch(r"\[-?\d+\]", e) else k
+            for e, k in zip(entries, leaf["keys"])]
+
+
+def _prefix(whole_model: bool, paths: Any, index: int, name: str) -> list[str | int]:
     """Key path of unit ``index``'s sub-tree: nested units (a wrap policy)
     have their own path, top-level units their name, the whole model none."""
     if whole_model:
@@ -175,7 +212,7 @@ def _prefix(whole_model: bool, paths: Any, index: int, name: str) -> list[str]:
     return list(paths[index]) if paths else [name]
 
 
-def _nest(items: Iterable[tuple[list[str], np.ndarray]]) -> Any:
+def _nest(items: Iterable[tuple[list[str | int], np.ndarray]]) -> Any:
     """Nested dicts from ``(key path, leaf)`` pairs, in their order.
 
     A single leaf with an empty key path (the whole model is one array) is

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from zeropp_jax.layout import REMAINDER, join_units
 from zeropp_jax.step.gather import Unit, gather, secondary_payload
@@ -97,7 +98,8 @@ def accumulate(
       device.
 
     Raises:
-      ValueError: if ``loss_fn`` does not return a scalar.
+      ValueError: if ``loss_fn`` does not return a scalar array (e.g. a
+        ``(loss, aux)`` tuple).
     """
     cfg = geo.config
     accum = cfg.grad_accum
@@ -129,6 +131,13 @@ def accumulate(
             loss = loss_fn(tree, micro_batch)
         else:
             loss = loss_fn(tree, micro_batch, micro_key)
+        if not isinstance(loss, (jax.Array, np.ndarray, np.generic)):
+            kind = "a (loss, aux) tuple" if isinstance(loss, tuple) else type(loss).__name__
+            raise ValueError(
+                f"loss_fn must return a scalar array (the loss), got {kind}; aux outputs "
+                "(jax.value_and_grad's has_aux) are not supported: return the scalar loss "
+                "only, and compute other metrics outside the step"
+            )
         if jnp.shape(loss) != ():
             raise ValueError(f"loss_fn must return a scalar, got shape {jnp.shape(loss)}")
         return loss.astype(jnp.float32)

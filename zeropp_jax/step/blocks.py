@@ -61,6 +61,24 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
+def keys_as_data(leaves: Sequence[Any]) -> tuple[list, list]:
+    """Typed PRNG keys among ``leaves`` as their raw ``uint32`` key data,
+    which a layer can take as an input (a typed key cannot cross the layer's
+    ``custom_vjp``): ``(data, impls)``, ``impls[i]`` the key's implementation
+    or None for a leaf that is not a typed key (kept as it is)."""
+    impls = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
+    return [jax.random.key_data(x) if i else x for x, i in zip(leaves, impls)], impls
+
+
+def keys_from_data(data: Sequence[Any], impls: Sequence[Any]) -> list:
+    """:func:`keys_as_data` undone: the typed keys again."""
+    return [jax.random.wrap_key_data(x, impl=i) if i else x for x, i in zip(data, impls)]
+
+
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def as_layer(fn: Callable, unit: Unit, args: tuple, kwargs: dict, state: Any = None) -> Any:
     """``fn(gather(unit), state, *args, **kwargs)`` as one ``layer``.
 

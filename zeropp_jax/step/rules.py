@@ -12,11 +12,20 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
 from zeropp_jax.config import ZeroConfig
 from zeropp_jax.step.geometry import StepGeometry
 from zeropp_jax.step.gradient_rule import GradientRule
 from zeropp_jax.step.onebit_adam import OneBitAdam, OneBitAdamRule
 from zeropp_jax.step.state import TrainState, ZeroOptState
+
+# How far apart two leaves' stand-in updates may be and still count as the
+# same (float32 rounding of one Adam step of 1.0).
+_UNIFORM_RTOL = 1e-5
 
 
 class UpdateRule(Protocol):
@@ -56,3 +65,39 @@ def rule_for(optimizer: Any, config: ZeroConfig) -> UpdateRule:
             "(with qgz on), or pass an optax optimizer such as optax.adam"
         )
     return OneBitAdamRule(optimizer) if is_onebit else GradientRule(optimizer)
+
+
+def check_leaf_uniform(optimizer: optax.GradientTransformation, params: Any) -> None:
+    """Refuses an optax optimizer that treats the model's leaves differently.
+
+    The trainer runs the optimizer on flat float32 units, not on the model's
+    leaves, so a per-leaf mask or label (``optax.adamw(mask=...)``,
+    ``optax.masked``, ``optax.multi_transform``) or a transform of each
+    matrix as a matrix would act on whole units instead: silently on all
+    parameters or on none. The check runs one step of the optimizer on a
+    stand-in of ``params`` (same tree, each leaf a single 1.0 of the leaf's
+    rank, gradients 1.0), where an optimizer that treats every element alike
+    moves every leaf by the same amount.
+
+    Args:
+      optimizer: an optax ``GradientTransformation``.
+      params: the full parameters (arrays or ``jax.ShapeDtypeStruct``).
+
+    Raises:
+      ValueError: naming two leaves the optimizer moves differently.
+    """
+    ones = jax.tree.map(lambda x: jnp.ones((1,) * len(jnp.shape(x)), jnp.float32), params)
+    updates, _ = optimizer.update(ones, optimizer.init(ones), ones)
+    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(updates)[0]) or ((), ())
+    moves = np.array([float(np.asarray(u).reshape(-1)[0]) for u in leaves])
+    if moves.size and not np.allclose(moves, moves[0], rtol=_UNIFORM_RTOL, atol=0.0):
+        other = int(np.argmax(~np.isclose(moves, moves[0], rtol=_UNIFORM_RTOL, atol=0.0)))
+        raise ValueError(
+            "the optimizer treats parameter leaves differently (a per-leaf mask or label, "
+            "or a transform of each matrix): on a stand-in step it moves "
+            f"{jax.tree_util.keystr(paths[0])} by {moves[0]:.3g} and "
+            f"{jax.tree_util.keystr(paths[other])} by {moves[other]:.3g}. The trainer runs "
+            "the optimizer on flat units, where such a choice would silently hold for all "
+            "leaves or none: use one setting for every leaf (e.g. optax.adamw without "
+            "mask), or train without the trainer"
+        )

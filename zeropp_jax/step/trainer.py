@@ -51,7 +51,7 @@ from zeropp_jax.mesh import mesh_shape
 from zeropp_jax.step.batch import global_batch_size_check, place_batch  # noqa: F401
 from zeropp_jax.step.geometry import StepGeometry, check_kernel_blocks
 from zeropp_jax.step.onebit_adam import OneBitAdam
-from zeropp_jax.step.rules import UpdateRule, rule_for
+from zeropp_jax.step.rules import UpdateRule, check_leaf_uniform, rule_for
 from zeropp_jax.step.schedule import HostSteps, QgzSchedule
 from zeropp_jax.step.state import TrainState, ZeroOptState
 from zeropp_jax.step import wrap as wrap_policy
@@ -351,7 +351,9 @@ def make_trainer(
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss over the
         micro-batch it is given.
-      optimizer: an optax ``GradientTransformation``; with
+      optimizer: an optax ``GradientTransformation`` that treats every
+        parameter leaf alike (it runs on flat units; a per-leaf mask or label
+        is refused: :func:`~zeropp_jax.step.rules.check_leaf_uniform`); with
         ``config.qgz_target="momentum"``, :func:`zeropp_jax.onebit_adam`.
       params: the parameter pytree, or its shapes (``jax.eval_shape``).
       mesh: a ``(node, local)`` mesh from :func:`zeropp_jax.make_mesh`.
@@ -394,6 +396,8 @@ def make_trainer(
     """
     config = config or ZeroConfig()
     rule = rule_for(optimizer, config)
+    if not isinstance(optimizer, OneBitAdam):
+        check_leaf_uniform(optimizer, params)
     nodes, local = mesh_shape(mesh)
     unit_paths = ()
     if wrap:

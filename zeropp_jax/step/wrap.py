@@ -17,7 +17,10 @@ Flax Linen (classes of ``flax.linen.Module``):
    at the block's path (flax never reads it, the call is intercepted first),
    and the block is applied as a fresh top-level module to ``gather(unit)``
    inside :func:`~zeropp_jax.step.gather.layer`, so it is gathered when called
-   and gathered again in the backward.
+   and gathered again in the backward. Its PRNG keys (one ``make_rng`` per
+   stream) and its other variable collections (read only: frozen
+   ``batch_stats``) are the layer's inputs; a block called with mutable
+   collections is refused.
 
 A block under ``nn.scan`` sees one layer's slice of its stacked parameters;
 :func:`discover` notices the extra leading axis and the layout makes that
@@ -39,7 +42,9 @@ import jax
 import numpy as np
 
 from zeropp_jax.step import wrap_nnx
-from zeropp_jax.step.blocks import as_layer, depth, inside_block, subtree, trace_calls
+from zeropp_jax.step.blocks import (
+    as_layer, depth, inside_block, keys_as_data, keys_from_data, subtree, trace_calls,
+)
 from zeropp_jax.step.gather import Unit
 
 
@@ -150,13 +155,25 @@ def discover(
 
 
 def _apply_block(module: Any, unit: Unit, args: tuple, kwargs: dict, rngs: dict) -> Any:
-    """A Linen ``module(*args, **kwargs)`` on ``gather(unit)``, as one ``layer``."""
+    """A Linen ``module(*args, **kwargs)`` on ``gather(unit)``, as one ``layer``.
+
+    The block's PRNG keys (``rngs``: stream name -> key, typed keys as raw
+    ``uint32`` key data) and its other variable collections (read only, e.g.
+    frozen ``batch_stats``) enter the layer as its inputs, not closed over:
+    under ``nn.scan`` or ``nn.remat`` they are tracers of that transform,
+    which the layer's backward (a ``custom_vjp``) must not capture.
+    """
     top = module.clone(parent=None, name=None)
+    names = sorted(rngs)
+    data, impls = keys_as_data([rngs[n] for n in names])
+    others = {c: v for c, v in module.variables.items() if c != "params"}
 
-    def apply(params, _, *a, **kw):
-        return top.apply({"params": params}, *a, rngs=rngs or None, **kw)
+    def apply(params, state, *a, **kw):
+        data, variables = state
+        keys = dict(zip(names, keys_from_data(data, impls)))
+        return top.apply({**variables, "params": params}, *a, rngs=keys or None, **kw)
 
-    return as_layer(apply, unit, args, kwargs)
+    return as_layer(apply, unit, args, kwargs, state=(data, others))
 
 
 def wrap_loss(loss_fn: Callable, classes: Sequence[type]) -> Callable:

@@ -42,17 +42,15 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from zeropp_jax.step.blocks import as_layer, depth, inside_block, trace_calls
+from zeropp_jax.step.blocks import (
+    as_layer, depth, inside_block, keys_as_data, keys_from_data, trace_calls,
+)
 from zeropp_jax.step.gather import Unit
 from zeropp_jax.tree_paths import cut_paths, paste_paths
 
 
 def _is_unit(x: Any) -> bool:
     return isinstance(x, Unit)
-
-
-def _is_key(x: Any) -> bool:
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 @contextlib.contextmanager
@@ -271,15 +269,13 @@ def wrap_loss(loss_fn: Callable, classes: Sequence[type], paths: Sequence[tuple]
     def apply(call, module, unit, args, kwargs):
         graphdef, _, other = nnx.split(module, nnx.Param, ...)
         leaves, treedef = jax.tree.flatten(other)
-        impls = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
+        impls = keys_as_data(leaves)[1]
 
         def encode(state):
-            return [jax.random.key_data(x) if i else x
-                    for x, i in zip(jax.tree.leaves(state), impls)]
+            return keys_as_data(jax.tree.leaves(state))[0]
 
         def decode(data):
-            return jax.tree.unflatten(treedef, [
-                jax.random.wrap_key_data(x, impl=i) if i else x for x, i in zip(data, impls)])
+            return jax.tree.unflatten(treedef, keys_from_data(data, impls))
 
         def run(params, data, *a, **kw):
             block = nnx.merge(graphdef, params, decode(data))
