@@ -201,8 +201,11 @@ def main(argv=None) -> int:
                     bench = run_workload(d_model, batch, seq, bench_flags, out_dir)
                     commands.append(bench["command"])
                     table.extend(rows(d_model, batch, seq, bench))
-    result = {"command": sys.argv, "bench_commands": commands, "rows": table}
-    text = json.dumps(result, indent=1)
+    from zeropp_jax import provenance
+
+    result = {"command": sys.argv, "bench_commands": commands, "rows": table,
+              "provenance": provenance.record()}
+    text = json.dumps(result)
     print(text)
     if options.json:
         with open(options.json, "w") as f:

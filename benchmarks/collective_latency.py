@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     # zeropp-launch prefixes each line with the process index.
     line = next(l for l in two.stdout.splitlines() if l.startswith("[0] {"))
     single, multi = json.loads(one.stdout.strip().splitlines()[-1]), json.loads(line[4:])
+    from zeropp_jax import provenance
+
     print(json.dumps({
         "what": "milliseconds per tiled all-gather of SIZE float32 elements per device, "
                 f"chains of {CHAIN}, mean of {CALLS} calls",
@@ -96,7 +98,8 @@ def main(argv=None) -> int:
         "rows": [{"axis": k.split("/")[0], "elements_per_device": int(k.split("/")[1]),
                   "one_process_ms": round(single[k], 3),
                   "process_per_node_gloo_ms": round(multi[k], 3)} for k in single],
-    }, indent=1))
+        "provenance": provenance.record(),
+    }))
     return 0
 
 

@@ -360,8 +360,6 @@ def main(argv=None) -> int:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + " --xla_force_host_platform_device_count=8").strip()
 
-    import jax
-
     if args.what == "comm":
         rows = comm_rows(args.presets.split(","), args.target)
     elif args.what == "overlap":
@@ -372,7 +370,9 @@ def main(argv=None) -> int:
         rows = overlap_rows(args.presets.split(","), cfg, batch, args.target)
     else:
         rows = kernel_rows(target_devices(args.target), args.elems, args.only, config)
-    result = dict(jax=jax.__version__, target=args.target, what=args.what, rows=rows)
+    from zeropp_jax import provenance
+
+    result = dict(provenance=provenance.record(), target=args.target, what=args.what, rows=rows)
     print("JSON " + json.dumps(result))
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -370,7 +370,9 @@ def main(argv=None) -> int:
     del src
 
     results = []
-    summary = dict(jax=jax.__version__, device=dev.device_kind, elems=n, k=K,
+    from zeropp_jax import provenance
+
+    summary = dict(provenance=provenance.record(), device=dev.device_kind, elems=n, k=K,
                    copy_ms=t_copy * 1e3, copy_gbs=copy_gbs, kernels=results)
     only = [s for s in args.only.split(",") if s]
     for name, kind, bits, block, make, pallas_for, ref_fn, nbytes in cases(n):
@@ -458,7 +460,7 @@ def table(summary: dict) -> str:
     XLA."""
     copy_gbs, results = summary["copy_gbs"], summary["kernels"]
     lines = [
-        f"{summary['device']}, jax {summary['jax']}, {summary['elems'] / 2**20:.0f}M elements; "
+        f"{summary['device']}, jax {summary.get('provenance', summary).get('jax')}, {summary['elems'] / 2**20:.0f}M elements; "
         f"copy {copy_gbs:.0f} GB/s (goal: >= {0.8 * copy_gbs:.0f} GB/s and <= 1.02x XLA time)",
         f"{'kernel':<22}{'verify':>7}{'xla GB/s':>9} | {'default GB/s':>12}{'%copy':>6}"
         f"{'vs xla':>7}{'config':>14}{'ok':>5} | {'best GB/s':>9}{'%copy':>6}{'vs xla':>7}"

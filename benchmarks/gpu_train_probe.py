@@ -360,8 +360,12 @@ def main(argv=None) -> int:
                                dtype=jnp.int32)
     optimizer = optax.adam(1e-4)
 
+    from zeropp_jax import provenance
+
+    origin = provenance.record()
+
     def summary_of(rows):
-        return dict(jax=jax.__version__, device=dev.device_kind, params=gpt.count_params(cfg),
+        return dict(provenance=origin, device=dev.device_kind, params=gpt.count_params(cfg),
                     flops_per_token=gpt.flops_per_token(cfg), attention=attention,
                     shape=dict(layers=args.layers, d_model=args.d_model, heads=args.heads,
                                seq=args.seq, vocab=args.vocab, batch=args.batch),

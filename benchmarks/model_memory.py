@@ -114,8 +114,11 @@ def main(argv=None) -> int:
     ok = last["ratio"] <= TARGET_RATIO
     print(f"{'PASS' if ok else 'FAIL'}: at {last['layers']} layers zero3 (per_layer=False) temp is "
           f"{last['ratio']:.2f}x plain + one model (target <= {TARGET_RATIO})")
+    from zeropp_jax import provenance
+
     print(json.dumps({"rows": rows, "targets": {"whole_model_ratio": {
-        "value": last["ratio"], "limit": TARGET_RATIO, "pass": ok}}}))
+        "value": last["ratio"], "limit": TARGET_RATIO, "pass": ok}},
+        "provenance": provenance.record()}))
     return 0
 
 

@@ -174,7 +174,10 @@ def main(argv=None) -> None:
     for r in rows:
         gap = "-" if r["vs_adam"] is None else f"{100 * r['vs_adam']:+.2f}%"
         print(f"| {r['variant']} | {r['warmup'] or '-'} | {r['loss']:.4f} | {gap} |")
-    print(json.dumps(dict(steps=args.steps, block=args.block, seed=args.seed, clip=args.clip, rows=rows)))
+    from zeropp_jax import provenance
+
+    print(json.dumps(dict(steps=args.steps, block=args.block, seed=args.seed, clip=args.clip,
+                          rows=rows, provenance=provenance.record())))
 
 
 if __name__ == "__main__":

@@ -27,10 +27,16 @@ name               flags
 and measures
 
 a. **communication** per optimizer step, read from the compiled step by
-   :func:`zeropp_jax.cli.comm.report` (nothing runs): inter-node bytes per
-   node, intra-node bytes per device and per-device argument/temp memory, at
-   ``--grad-accum 1`` (batch 16) and ``--grad-accum 4`` (batch 64, so each
-   micro-batch is the same 2 sequences per device), with ratios vs ``zero3``;
+   :func:`zeropp_jax.cli.comm.report` (nothing runs) with ``--dtype bf16``
+   (full-precision payloads at the 2 bytes a GPU run sends; XLA:CPU compiles
+   them as f32 and the report counts them at bf16): inter-node bytes per node
+   (two-level), averaged over a ``--steps`` run of each preset's qgZ schedule
+   (its full-precision warm-up and refresh steps included; also the
+   compressed step alone and 1-bit Adam's refresh-cycle mean), intra-node
+   bytes per device (each device's own transfers as compiled) and per-device
+   argument/temp memory, at ``--grad-accum 1`` (batch 16) and ``--grad-accum
+   4`` (batch 64, so each micro-batch is the same 2 sequences per device),
+   with ratios vs ``zero3``;
 b. **convergence**: ``--steps`` optimizer steps of ``zeropp-train`` per
    variant and seed (``--seeds``), each in its own process (same seed, same
    data, the CLI's default optimizer and learning-rate schedule, and each
@@ -38,7 +44,7 @@ b. **convergence**: ``--steps`` optimizer steps of ``zeropp-train`` per
    ``zero3`` with the same seed, and its mean and standard deviation over
    the seeds (the loss targets are checked on the mean: single-seed gaps of
    quantized variants swing by about 1%, benchmarks/RESULTS.md);
-c. **overhead**: time per step of every variant, all trainers built in THIS
+c. **overhead** (XLA:CPU at the CLI's float32): time per step of every variant, all trainers built in THIS
    process on the same 8 simulated devices, compiled and warmed up, then timed
    round-robin (the order rotates each round) with ``jax.block_until_ready``
    after every step; the median step time vs ``zero3``. qgZ variants are timed
@@ -102,6 +108,7 @@ CONFIG_KEYS = (
     "qgz_warmup_steps", "qgz_min_grad_rms", "qgz_refresh_every", "scale_dtype",
 )
 ACCUMS = (1, 4)
+COMM_DTYPE = "bf16"  # what a GPU run sends: the byte figures are counted at it
 MICRO_BATCH = 16  # global sequences per micro-batch (the CLI's default batch)
 
 # Targets: name -> (description, limit).
@@ -117,27 +124,6 @@ LIMITS = {
 }
 
 
-def code_version() -> dict:
-    """Where ``zeropp_jax`` was imported from, and its git commit if any."""
-    import zeropp_jax
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(zeropp_jax.__file__)))
-    out = {"zeropp_jax": os.path.dirname(os.path.abspath(zeropp_jax.__file__)), "git": None}
-    try:
-        head = subprocess.run(
-            ["git", "-C", root, "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", root, "status", "--porcelain", "--", "zeropp_jax"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()
-        out["git"] = head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return out
-
-
 def log(message: str) -> None:
     print(f"[presets] {message}", file=sys.stderr, flush=True)
 
@@ -151,12 +137,14 @@ def _ensure_devices() -> None:
         )
 
 
-def _cli_args(parser: argparse.ArgumentParser, name: str, accum: int = 1) -> argparse.Namespace:
+def _cli_args(parser: argparse.ArgumentParser, name: str, accum: int = 1,
+              *extra: str) -> argparse.Namespace:
     argv = [
         "--mesh", MESH,
         "--grad-accum", str(accum),
         "--batch-size", str(MICRO_BATCH * accum),
         *VARIANTS[name],
+        *extra,
     ]
     args = parser.parse_args(argv)
     from zeropp_jax.cli import common
@@ -170,24 +158,30 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 # ---------------------------------------------------------------- a. comm
-def measure_comm(variants: list[str]) -> dict:
+def measure_comm(variants: list[str], steps: int) -> dict:
+    """Each variant's bytes at bf16 for a ``steps``-step run, by grad-accum."""
     from zeropp_jax.cli import comm
 
     parser = comm.build_parser()
-    out: dict = {}
+    out: dict = {"dtype": COMM_DTYPE, "steps": steps}
     for accum in ACCUMS:
         rows: dict = {}
         for name in variants:
             t0 = time.perf_counter()
-            result, _ = comm.report(_cli_args(parser, name, accum))
+            result, _ = comm.report(_cli_args(parser, name, accum,
+                                              "--dtype", COMM_DTYPE, "--steps", str(steps)))
             memory = result.get("memory") or {}
             cfg = result["trainer"]["config"]
             rows[name] = {
                 "config": {k: cfg.get(k) for k in CONFIG_KEYS},
-                # steady state: the compressed step, or the mean over 1-bit
-                # Adam's refresh cycle where it has one
-                "inter_node_bytes": int(result.get("mean_inter_node_bytes", result["inter_node_bytes"])),
-                "intra_node_bytes": int(result.get("mean_intra_node_bytes", result["intra_node_bytes"])),
+                # the mean over the run's schedule (warm-up and refreshes
+                # included); the compressed step and the refresh cycle beside
+                "inter_node_bytes": round(result["schedule"]["inter_node_bytes"]),
+                "intra_node_bytes": round(result["schedule"]["intra_node_bytes"]),
+                "full_precision_steps": result["schedule"]["full_precision_steps"],
+                "compressed_inter_node_bytes": int(result["inter_node_bytes"]),
+                "cycle_inter_node_bytes": (round(result["cycle_inter_node_bytes"])
+                                           if "cycle_inter_node_bytes" in result else None),
                 "argument_bytes": memory.get("argument_bytes"),
                 "temp_bytes": memory.get("temp_bytes"),
                 "variants": {
@@ -406,8 +400,10 @@ def check_targets(comm: dict | None, conv: dict | None, timing: dict | None) -> 
 
 
 TARGET_TEXT = {
-    "zeropp_inter_node_ratio_accum1": "zeropp inter-node bytes / zero3, accum 1 <= 1/5",
-    "zeropp_inter_node_ratio_accum4": "zeropp inter-node bytes / zero3, accum 4 <= 1/16",
+    "zeropp_inter_node_ratio_accum1": "zeropp inter-node bytes / zero3, accum 1 <= 1/5 "
+                                      "(bf16, mean over the run's schedule)",
+    "zeropp_inter_node_ratio_accum4": "zeropp inter-node bytes / zero3, accum 4 <= 1/16 "
+                                      "(bf16, mean over the run's schedule)",
     "zeropp_loss_rel_diff": "zeropp last-10% loss within 1% of zero3 (mean over the seeds)",
     "qwz_loss_rel_diff": "qwz last-10% loss within 0.5% of zero3 (mean over the seeds)",
     "hpz_loss_rel_diff": "hpz last-10% loss within 0.5% of zero3 (mean over the seeds)",
@@ -453,12 +449,21 @@ def format_report(result: dict) -> str:
             lines += [
                 f"## Communication per optimizer step, grad-accum {accum} (batch {block['batch_size']})",
                 "",
-                "| preset | inter-node KiB/node | vs zero3 | intra-node KiB/dev | vs zero3 | argument KiB/dev | temp KiB/dev |",
-                "|---|---:|---:|---:|---:|---:|---:|",
+                f"Inter-node: two-level, per node, full-precision payloads at {comm['dtype']}, "
+                f"the mean over a {comm['steps']}-step run (warm-up and refreshes included; "
+                "the compressed step and 1-bit Adam's refresh-cycle mean beside it). "
+                "Intra-node: each device's own transfers as compiled, the run's mean.",
+                "",
+                f"| preset | inter-node KiB/node, {comm['steps']}-step mean | vs zero3 "
+                "| compressed step | refresh cycle | intra-node KiB/dev | vs zero3 "
+                "| argument KiB/dev | temp KiB/dev |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
             ]
             for name, row in block["presets"].items():
                 lines.append(
                     f"| {name} | {_kib(row['inter_node_bytes'])} | {_x(row['inter_ratio_vs_zero3'])} "
+                    f"| {_kib(row['compressed_inter_node_bytes'])} "
+                    f"| {_kib(row['cycle_inter_node_bytes'])} "
                     f"| {_kib(row['intra_node_bytes'])} | {_x(row['intra_ratio_vs_zero3'])} "
                     f"| {_kib(row['argument_bytes'])} | {_kib(row['temp_bytes'])} |"
                 )
@@ -541,19 +546,21 @@ def main(argv: list[str] | None = None) -> int:
     variants = [BASELINE] + [v for v in dict.fromkeys(variants) if v != BASELINE]
 
     _ensure_devices()
+    from zeropp_jax import provenance
+
     started = time.perf_counter()
     result: dict = {
         "mesh": MESH,
         "steps": args.steps,
         "seeds": seeds,
         "variants": {k: " ".join(VARIANTS[k]) for k in variants},
-        "code": code_version(),
+        "code": provenance.record(),
     }
 
     comm = None
     if not args.skip_comm:
         log("a. communication (compile only)")
-        comm = measure_comm(variants)
+        comm = measure_comm(variants, args.steps)
         result["params"] = comm.pop("params")
         result["comm"] = comm
     timing = None

@@ -278,7 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     print("\n".join(lines), flush=True)
 
+    from zeropp_jax import provenance
+
     out = {
+        "provenance": provenance.record(),
         "steps": args.steps,
         "seed": args.seed,
         "model": {"layers": args.layers, "d_model": args.d_model, "heads": args.heads},

@@ -96,7 +96,10 @@ def main(argv=None) -> int:
         resumed, l3, _, _ = run(trainer, resumed, batches, half, args.steps, False, progress)
         again = trainer.gather_params(resumed)
     compressed = c1 + c2
+    from zeropp_jax import provenance
+
     out = {
+        "provenance": provenance.record(),
         "steps": args.steps,
         "mesh": "2x4",
         "full_precision_steps": compressed.count(0),

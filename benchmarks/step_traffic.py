@@ -108,7 +108,9 @@ def main(argv=None) -> int:
     base = next((r for r in rows if r["variant"] == "plain_remat"), None)
     for r in rows:
         r["vs_plain_remat"] = r["bytes"] / base["bytes"] if base else None
-    result = dict(jax=jax.__version__, params=params,
+    from zeropp_jax import provenance
+
+    result = dict(provenance=provenance.record(), params=params,
                   shape=dict(layers=args.layers, d_model=args.d_model, heads=args.heads,
                              seq=args.seq, vocab=args.vocab, batch=args.batch),
                   variants=rows)

@@ -279,10 +279,69 @@ def test_record_separates_compressed_and_refresh_steps():
     assert none["cycle_step_time_s"] is None
 
 
+def test_record_averages_a_run_of_the_presets_own_schedule():
+    """A warm-up of 100 steps and a refresh every 40: 107 of a 400-step run's
+    steps at full precision (steps 0-99, then 139, 179, ..., 379), the other
+    293 compressed; without a full-precision timing no run figure, without
+    qgZ the median step."""
+    measured = {"step_times_s": [1.0, 3.0, 1.2, 0.8, 3.4], "compressed": [1, 0, 1, 1, 0],
+                "link_rx_bytes": [[100, 100], [900, 900], [100, 100], [100, 100], [900, 900]]}
+    assert cluster_report.RUN_STEPS == 400
+    r = cluster_report.record("zeropp", 50.0, [measured], 10, 40, warmup=100)
+    assert r["warmup_steps"] == 100 and r["refresh_every"] == 40
+    assert r["run_steps_total"] == 400 and r["run_full_precision_steps"] == 107
+    assert r["run_step_time_s"] == pytest.approx((293 * 1.0 + 107 * 3.2) / 400)
+    untimed = cluster_report.record("zeropp-int4", 50.0, [{**measured, "compressed": [1] * 5}],
+                                    10, 0, warmup=100)
+    assert untimed["run_step_time_s"] is None and untimed["step_time_s"] == 1.2
+    plain = cluster_report.record("zero3-2level", 50.0, [{**measured, "compressed": [0] * 5}], 10)
+    assert plain["run_step_time_s"] == plain["step_time_s"] == 1.2
+    assert plain["warmup_steps"] == 0 and plain["run_full_precision_steps"] == 0
+    records = [plain, r, untimed]
+    cluster_report.add_speedups(records)
+    assert r["run_speedup_vs_zero3_2level"] == pytest.approx(1.2 / r["run_step_time_s"])
+    assert untimed["run_speedup_vs_zero3_2level"] is None
+    head, base_row, zeropp_row, _ = cluster_report.format_table(records).splitlines()
+    assert "x 2level cycle  x 2level run" in head
+    column = head.index("x 2level run") + len("x 2level run")
+    assert zeropp_row[:column].endswith(f"{1.2 / r['run_step_time_s']:.2f}")
+    assert base_row[:column].endswith("1.00")
+
+
+def test_the_figure_draws_a_run_speedup_beside_the_step_speedup(monkeypatch, tmp_path):
+    """A hollow marker for a preset whose 400-step run differs from its step,
+    none for one whose run is its step."""
+    import matplotlib.figure
+
+    drawn = {}
+
+    def savefig(fig, path, **kwargs):
+        for ax in fig.axes:
+            drawn[ax.get_title()] = [(line.get_label(), line.get_markerfacecolor())
+                                     for line in ax.get_lines()
+                                     if not line.get_label().startswith("_")]
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    records = [{"preset": p, "rate_mbit": 50.0, "step_time_s": s, "run_step_time_s": run}
+               for p, s, run in (("zero3-2level", 2.0, 2.0), ("hpz", 1.5, 1.5),
+                                 ("zeropp", 0.5, 0.8))]
+    cluster_report.add_speedups(records)
+    cluster_report.draw(records, str(tmp_path / "f.png"))
+    (lines,) = drawn.values()
+    labels = [label for label, _ in lines]
+    assert labels == ["hpz measured", "zeropp measured", "zeropp over a 400-step run"]
+    assert lines[2][1] == "none" and lines[1][1] != "none"
+
+
 def test_the_bench_times_refresh_steps_of_1bit_adam_presets():
     flags = cluster_bench.train_command_flags("zeropp-max", [], 10, probe_refresh=True)
     assert flags[flags.index("--qgz-refresh-every") + 1] == str(cluster_bench.REFRESH_PROBE_EVERY)
     assert cluster_bench.refresh_every("zeropp-max", []) == 40  # the preset's own cycle
+    # the preset's own warm-up, not the runs' one step; the user's flags count
+    assert "--qgz-warmup" in flags and cluster_bench.warmup_steps("zeropp-max", []) == 100
+    assert cluster_bench.warmup_steps("zeropp", ["--qgz-warmup", "50"]) == 50
+    assert cluster_bench.warmup_steps("zero3-2level", []) == 0
+    assert cluster_bench.warmup_steps("zeropp-int4", []) == 100
     assert "--qgz-refresh-every" not in cluster_bench.train_command_flags(
         "zeropp-int4", [], 10, probe_refresh=True)  # gradient qgZ: no refreshes
 
@@ -442,8 +501,10 @@ def test_the_model_counts_a_bf16_run_at_the_bytes_its_link_carries():
 
 def test_the_readmes_pooled_sweeps_report_its_speedups(tmp_path):
     """The six sweeps behind the README's d_model 256 table, pooled again:
-    zeropp 3.27x the two-level zero3 at 50 Mbit/s (3.14x over its cycle),
-    0.99x unlimited, and the probes' payload rates per link rate."""
+    zeropp 3.27x the two-level zero3 at 50 Mbit/s (3.14x over its cycle,
+    2.23x over a 400-step run with its 100-step warm-up: the files hold no
+    run figures, the pooling recomputes them), 0.99x unlimited, and the
+    probes' payload rates per link rate."""
     import pathlib
 
     data = sorted((pathlib.Path(__file__).parent.parent / "benchmarks" / "data"
@@ -454,6 +515,13 @@ def test_the_readmes_pooled_sweeps_report_its_speedups(tmp_path):
     by = {(r["preset"], r["rate_mbit"]): r for r in records}
     assert by["zeropp", 50]["speedup_vs_zero3_2level"] == pytest.approx(3.27, abs=0.005)
     assert by["zeropp", 50]["cycle_speedup_vs_zero3_2level"] == pytest.approx(3.14, abs=0.005)
+    zeropp = by["zeropp", 50]
+    assert zeropp["warmup_steps"] == 100 and zeropp["run_full_precision_steps"] == 107
+    assert zeropp["run_step_time_s"] == pytest.approx(
+        (293 * zeropp["step_time_s"] + 107 * zeropp["full_precision_step_time_s"]) / 400)
+    assert zeropp["run_speedup_vs_zero3_2level"] == pytest.approx(2.23, abs=0.005)
+    assert by["zero3-2level", 50]["run_step_time_s"] == by["zero3-2level", 50]["step_time_s"]
+    assert by["zeropp-int4", 50]["run_step_time_s"] is None  # its warm-up was not timed
     assert by["zeropp", 0]["speedup_vs_zero3_2level"] == pytest.approx(0.99, abs=0.005)
     assert by["zeropp", 50]["run_steps"] == [13] * 8  # eight runs of 13 timed steps
     probes = {rate: len(by["zeropp", rate]["link_probes"]) for rate in (50, 200, 1000, 0)}

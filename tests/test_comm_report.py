@@ -501,3 +501,41 @@ def test_zero3_figure_from_the_model_size():
         config=types.SimpleNamespace(reduce_dtype=None, grad_accum=2))
     # 3 passes x 2 micro-batches x 800 x 2 B, of which 3/4 held on other nodes.
     assert zero3_inter_node_bytes(trainer) == 3 * 2 * 800 * 2 * 3 // 4
+
+
+@pytest.mark.slow  # four compiled steps
+def test_closing_figures_of_a_float32_run_are_also_given_at_bfloat16():
+    """``zeropp-train``'s closing figures (``headline.step_bytes``): a float32
+    run (the CPU's default) is counted at float32 and, under ``at_bf16``, at
+    the 2 bytes a GPU run sends. The compressed step's 1-bit codes and bf16
+    scales do not change; zero3's figure halves; the schedule mean (100
+    full-precision warm-up steps of 120) falls with the full-precision
+    step's floats. A bfloat16 run has no second set."""
+    import zeropp_jax as zp
+    from _util import TINY, gpt_loss, mesh_of, optimizer
+    from zeropp_jax.analysis import headline
+    from zeropp_jax.models import gpt
+
+    shapes = jax.eval_shape(lambda k: gpt.init_params(TINY, k), jax.random.key(0))
+    batch = jax.ShapeDtypeStruct((8, TINY.seq_len + 1), jnp.int32)
+
+    def figures(dtype):
+        config = zp.ZeroConfig.from_preset("zeropp-max", compute_dtype=dtype)
+        trainer = zp.make_trainer(gpt_loss(), optimizer(config), shapes, mesh=mesh_of(2, 4),
+                                  config=config, per_layer=True, stacked=("blocks",))
+        return headline.step_bytes(trainer, shapes, batch, steps=120)
+
+    f32 = figures("float32")
+    bf16 = f32["at_bf16"]
+    assert f32["dtype"] == "float32" and f32["full_precision_steps"] == 100
+    assert bf16["inter_node_bytes"] == f32["inter_node_bytes"]  # codes and scales only
+    assert bf16["zero3_inter_node_bytes"] * 2 == f32["zero3_inter_node_bytes"]
+    assert f32["inter_node_bytes"] < bf16["schedule_inter_node_bytes"]
+    assert bf16["schedule_inter_node_bytes"] < f32["schedule_inter_node_bytes"]
+    lines = headline.summary_line(f32, steps=120).splitlines()
+    assert len(lines) == 2 and "float32" in lines[0] and "bfloat16" in lines[1]
+    # A bf16 run's own figures equal the float32 program's counted at bf16.
+    native = figures("bfloat16")
+    assert "at_bf16" not in native and native["dtype"] == "bfloat16"
+    assert native["schedule_inter_node_bytes"] == bf16["schedule_inter_node_bytes"]
+    assert len(headline.summary_line(native, steps=120).splitlines()) == 1

@@ -7,12 +7,16 @@ full-precision payloads at the run's compute and reduce dtypes, for each
 compiled variant of the step and averaged over a whole qgZ schedule (the
 warm-up's and refreshes' full-precision steps included). Beside it, what a
 two-level ZeRO-3 of the same model moves (:func:`zero3_inter_node_bytes`),
-so ``zeropp-train``'s closing summary shows the saving.
+so ``zeropp-train``'s closing summary shows the saving; a run that does not
+compute in bfloat16 (float32 on a CPU) also gets its figures at bfloat16,
+the dtype a GPU run sends (:func:`gpu_float_dtypes`).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import jax.numpy as jnp
 
 from zeropp_jax.analysis.comm_report import CommReport, comm_report, hlo_dtype
 from zeropp_jax.analysis.hlo import dtype_bytes
@@ -21,6 +25,8 @@ __all__ = [
     "float_dtypes",
     "report_dtypes",
     "full_precision_steps",
+    "compile_variants",
+    "gpu_float_dtypes",
     "schedule_mean",
     "step_bytes",
     "step_reports",
@@ -50,8 +56,16 @@ def report_dtypes(trainer) -> dict[str, Any]:
     return {"float_dtypes": float_dtypes(trainer)}
 
 
-def step_reports(trainer, params_shapes: Any, batch: Any) -> dict[str, CommReport]:
-    """Compiles a trainer's step variants from shapes and reports each.
+def gpu_float_dtypes(trainer) -> tuple[Any, Any]:
+    """:func:`float_dtypes` of the same run on a GPU, where ``--dtype auto``
+    computes in bfloat16: bf16 gathers, and bf16 reductions unless the config
+    names a reduce dtype."""
+    reduce = trainer.config.reduce_dtype
+    return jnp.bfloat16, jnp.bfloat16 if reduce is None else reduce
+
+
+def compile_variants(trainer, params_shapes: Any, batch: Any) -> dict[str, Any]:
+    """Compiles a trainer's step variants (:func:`step_variants`) from shapes.
 
     Args:
       trainer: a :class:`zeropp_jax.Trainer`.
@@ -59,15 +73,34 @@ def step_reports(trainer, params_shapes: Any, batch: Any) -> dict[str, CommRepor
       batch: the global batch's shapes and dtypes.
 
     Returns:
-      ``{"compressed": ..., "full_precision": ...}`` when qgZ is active,
-      else ``{"step": ...}``; reports count payloads at :func:`report_dtypes`.
+      ``{name: jax.stages.Compiled}`` in :func:`step_variants`' order.
     """
+    return {name: trainer.compile_from_shapes(params_shapes, batch, compress=compress)
+            for name, compress in step_variants(trainer).items()}
+
+
+def step_reports(trainer, params_shapes: Any = None, batch: Any = None, *,
+                 compiled: dict[str, Any] | None = None,
+                 dtypes: tuple[Any, Any] | None = None) -> dict[str, CommReport]:
+    """Reports a trainer's step variants, compiling them unless given.
+
+    Args:
+      trainer: a :class:`zeropp_jax.Trainer`.
+      params_shapes, batch: as :func:`compile_variants` (unused with ``compiled``).
+      compiled: :func:`compile_variants`' result, to report without compiling.
+      dtypes: the ``(gather, reduce)`` dtypes full-precision payloads are
+        counted at; :func:`float_dtypes` (the run's) by default.
+
+    Returns:
+      ``{"compressed": ..., "full_precision": ...}`` when qgZ is active,
+      else ``{"step": ...}``.
+    """
+    if compiled is None:
+        compiled = compile_variants(trainer, params_shapes, batch)
+    dtypes = float_dtypes(trainer) if dtypes is None else dtypes
     mesh_shape = (trainer.nodes, trainer.local)
-    return {
-        name: comm_report(trainer.compile_from_shapes(params_shapes, batch, compress=compress),
-                          mesh_shape=mesh_shape, **report_dtypes(trainer))
-        for name, compress in step_variants(trainer).items()
-    }
+    return {name: comm_report(c, mesh_shape=mesh_shape, float_dtypes=dtypes)
+            for name, c in compiled.items()}
 
 
 def step_variants(trainer) -> dict[str, bool]:
@@ -92,18 +125,19 @@ def schedule_mean(compressed: float, full_precision: float, full_steps: int, ste
     return ((steps - full_steps) * compressed + full_steps * full_precision) / steps
 
 
-def zero3_inter_node_bytes(trainer) -> int:
+def zero3_inter_node_bytes(trainer, dtype: Any = None) -> int:
     """About what a two-level ZeRO-3 of ``trainer``'s model moves into each
     node per optimizer step, from the model's size alone (nothing compiled).
 
-    ``ZERO3_PASSES`` passes of the padded model per micro-batch at the
-    compute dtype, of which a node lacks the ``(nodes - 1) / nodes`` held
-    elsewhere. A compiled ZeRO-3 step (``zeropp-comm --preset zero3``) moves
-    somewhat more where the model uses a parameter twice (the example GPT's
-    tied embedding is gathered once more in the forward), and less when
-    gathered parameters are kept for the backward (whole-model gathering).
+    ``ZERO3_PASSES`` passes of the padded model per micro-batch at ``dtype``
+    (default: the run's compute dtype), of which a node lacks the
+    ``(nodes - 1) / nodes`` held elsewhere. A compiled ZeRO-3 step
+    (``zeropp-comm --preset zero3``) moves somewhat more where the model uses
+    a parameter twice (the example GPT's tied embedding is gathered once more
+    in the forward), and less when gathered parameters are kept for the
+    backward (whole-model gathering).
     """
-    width = dtype_bytes(hlo_dtype(float_dtypes(trainer)[0]))
+    width = dtype_bytes(hlo_dtype(float_dtypes(trainer)[0] if dtype is None else dtype))
     nodes = trainer.nodes
     per_pass = trainer.layout.padded_numel * width * (nodes - 1) / nodes
     return round(ZERO3_PASSES * trainer.config.grad_accum * per_pass)
@@ -113,40 +147,69 @@ def _is_zero3(config) -> bool:
     return not config.qwz_bits and not config.hpz and config.qgz == "off"
 
 
+def _figures(trainer, reports: dict[str, CommReport], dtype: Any, steps: int) -> dict:
+    """The compressed (or only) step's bytes, their schedule mean and zero3's."""
+    first = next(iter(reports.values()))
+    full = full_precision_steps(trainer.schedule, steps)
+    full_report = reports.get("full_precision", first)
+    mean = schedule_mean(first.inter_node_bytes, full_report.inter_node_bytes, full, steps)
+    compiled = _is_zero3(trainer.config)
+    return {"inter_node_bytes": first.inter_node_bytes,
+            "schedule_inter_node_bytes": round(mean),
+            "zero3_inter_node_bytes": (first.inter_node_bytes if compiled
+                                       else zero3_inter_node_bytes(trainer, dtype))}
+
+
 def step_bytes(trainer, params_shapes: Any, batch: Any, *, steps: int) -> dict:
     """The headline figures of a trainer's step, for a summary.
 
     Returns:
       ``inter_node_bytes``: per node per step, two-level, of the compressed
-      variant (or the only one); ``mean_inter_node_bytes``: averaged over
+      variant (or the only one); ``schedule_inter_node_bytes``: averaged over
       ``steps`` steps of the schedule; ``full_precision_steps``: how many of
       them run at full precision; ``zero3_inter_node_bytes``: the step's own
       figure when it is a ZeRO-3 step (no qwZ, hpZ or qgZ), otherwise
-      :func:`zero3_inter_node_bytes`, with ``zero3_source`` saying which.
+      :func:`zero3_inter_node_bytes`, with ``zero3_source`` saying which;
+      ``dtype``: the compute dtype full-precision payloads are counted at.
+      When that is not bfloat16 (float32 on a CPU), ``at_bf16`` holds the
+      three byte figures of the same compiled program with full-precision
+      payloads counted at :func:`gpu_float_dtypes`, what a GPU run sends.
     """
-    reports = step_reports(trainer, params_shapes, batch)
-    first = next(iter(reports.values()))
-    main = first.inter_node_bytes
-    full = full_precision_steps(trainer.schedule, steps)
-    full_report = reports.get("full_precision", first)
-    mean = schedule_mean(main, full_report.inter_node_bytes, full, steps)
-    compiled = _is_zero3(trainer.config)
-    return {"inter_node_bytes": main, "mean_inter_node_bytes": round(mean),
-            "full_precision_steps": full,
-            "zero3_inter_node_bytes": main if compiled else zero3_inter_node_bytes(trainer),
-            "zero3_source": "compiled" if compiled else "model size"}
+    compiled = compile_variants(trainer, params_shapes, batch)
+    dtype = float_dtypes(trainer)[0]
+    out = _figures(trainer, step_reports(trainer, compiled=compiled), dtype, steps)
+    out.update(full_precision_steps=full_precision_steps(trainer.schedule, steps),
+               zero3_source="compiled" if _is_zero3(trainer.config) else "model size",
+               dtype=jnp.dtype(dtype).name)
+    if hlo_dtype(dtype) != "bf16":
+        gpu = gpu_float_dtypes(trainer)
+        out["at_bf16"] = _figures(
+            trainer, step_reports(trainer, compiled=compiled, dtypes=gpu), gpu[0], steps)
+    return out
+
+
+def _line(figures: dict, *, steps: int, full_steps: int, zero3_source: str) -> str:
+    mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
+    line = mib(figures["inter_node_bytes"])
+    if full_steps:
+        line += (f" a compressed step, {mib(figures['schedule_inter_node_bytes'])} averaged "
+                 f"over the {steps} steps ({full_steps} at full precision)")
+    if zero3_source == "compiled":
+        return line + " (this is zero3)"
+    ratio = figures["zero3_inter_node_bytes"] / max(figures["schedule_inter_node_bytes"], 1)
+    of = f"the {steps}-step average" if full_steps else "as much"
+    return line + (f"; zero3 would move about {mib(figures['zero3_inter_node_bytes'])} (3 passes "
+                   f"of the model, from its size): {ratio:.1f}x {of}")
 
 
 def summary_line(figures: dict, *, steps: int) -> str:
-    """One line for a newcomer: ``step_bytes``' figures beside zero3's."""
-    mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
-    zero3 = figures["zero3_inter_node_bytes"]
-    line = f"inter-node bytes per node per step (two-level): {mib(figures['inter_node_bytes'])}"
-    if figures["full_precision_steps"]:
-        line += (f", {mib(figures['mean_inter_node_bytes'])} averaged over the {steps} steps "
-                 f"({figures['full_precision_steps']} at full precision)")
-    if figures["zero3_source"] == "compiled":
-        return line + " (this is zero3)"
-    ratio = zero3 / max(figures["mean_inter_node_bytes"], 1)
-    return line + (f"; zero3 would move about {mib(zero3)} (3 passes of the model, from its "
-                   f"size): {ratio:.1f}x as much")
+    """A newcomer's lines: :func:`step_bytes`' figures beside zero3's, at the
+    run's dtype and, when that is not bfloat16, at bfloat16 (a GPU run's)."""
+    common = {"steps": steps, "full_steps": figures["full_precision_steps"],
+              "zero3_source": figures["zero3_source"]}
+    line = (f"inter-node bytes per node per step (two-level, {figures['dtype']} as this run): "
+            + _line(figures, **common))
+    if "at_bf16" in figures:
+        line += ("\nat bfloat16, what a GPU run sends (the same program's full-precision "
+                 "payloads at 2 bytes): " + _line(figures["at_bf16"], **common))
+    return line

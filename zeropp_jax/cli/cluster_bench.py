@@ -15,7 +15,10 @@ address). For each run it measures, over the steps after ``--warmup``:
   and the mean over the preset's refresh cycle, ``((N - 1) * compressed +
   full) / N``: the bench refreshes every ``REFRESH_PROBE_EVERY`` steps so
   that the timed window holds refresh steps, while ``N`` is the preset's
-  own ``qgz_refresh_every``;
+  own ``qgz_refresh_every``; and the mean over a run of
+  ``cluster_report.RUN_STEPS`` steps of the preset's own schedule, its qgZ
+  warm-up included (the bench's runs warm up for one step; a user's run of
+  zeropp for 100);
 * the bytes that crossed the link per step and node, compressed and
   full-precision steps apart: the veth's receive counters of both
   namespaces, read whenever a metrics line appears (a read races the next
@@ -59,12 +62,16 @@ import sys
 import tempfile
 from typing import Sequence
 
+from zeropp_jax import provenance
 from zeropp_jax.analysis import cost_model
 from zeropp_jax.cli import cluster_model, cluster_report, common, netns
 from zeropp_jax.cli.cluster_run import LOCAL, NODES, RunFailed, probe_link, run_once
 
-# The presets of the sweep: zeropp-train flags. The qgZ presets compress from
-# step 1 (the measured steps are the compressed ones, not the warm-up's).
+# Ends the qgZ presets' flags: their runs compress from step 1 (the timed
+# steps are the compressed ones, not the warm-up's). warmup_steps() leaves it
+# out: a user's run of the preset warms up for the preset's own steps.
+BENCH_QGZ_WARMUP = ("--qgz-warmup", "1")
+# The presets of the sweep: zeropp-train flags.
 PRESETS: dict[str, tuple[str, ...]] = {
     "zero3": ("--preset", "zero3"),
     "zero3-2level": ("--preset", "zero3", "--hierarchical"),
@@ -73,11 +80,11 @@ PRESETS: dict[str, tuple[str, ...]] = {
     # qwz crosses the link like the flat zero3)
     "qwz-2level": ("--preset", "qwz", "--hierarchical"),
     "hpz": ("--preset", "hpz"),
-    "zeropp": ("--preset", "zeropp", "--qgz-warmup", "1"),
-    "zeropp-max": ("--preset", "zeropp-max", "--qgz-warmup", "1"),
+    "zeropp": ("--preset", "zeropp", *BENCH_QGZ_WARMUP),
+    "zeropp-max": ("--preset", "zeropp-max", *BENCH_QGZ_WARMUP),
     # ZeRO++ as DeepSpeed runs it: int4 gradients, float32 scales
     "zeropp-int4": ("--preset", "zeropp", *common.config_args(cost_model.PUBLISHED_ZEROPP),
-                    "--qgz-warmup", "1"),
+                    *BENCH_QGZ_WARMUP),
 }
 # 1-bit Adam refreshes every qgz_refresh_every (10-40) steps, too rarely for
 # a short timed window; the bench's runs refresh this often instead. Rarer
@@ -200,10 +207,28 @@ def train_command_flags(preset: str, train_flags: Sequence[str], steps: int, *,
 
 def refresh_every(preset: str, train_flags: Sequence[str]) -> int:
     """The preset's own ``qgz_refresh_every`` with ``train_flags`` (0: none)."""
-    from zeropp_jax.cli import train
+    return _own_schedule(preset, train_flags).refresh_every
 
-    flags = ["--mesh", f"{NODES}x{LOCAL}", *PRESETS[preset], *train_flags]
-    return common.build_config(train.build_parser().parse_args(flags)).qgz_refresh_every
+
+def warmup_steps(preset: str, train_flags: Sequence[str]) -> int:
+    """The preset's own qgZ warm-up with ``train_flags``, as a user's run of it
+    gets it: without the runs' :data:`BENCH_QGZ_WARMUP` (0: no qgZ)."""
+    return _own_schedule(preset, train_flags).warmup_steps
+
+
+def _own_schedule(preset: str, train_flags: Sequence[str]):
+    """The qgZ schedule (a :class:`zeropp_jax.step.schedule.QgzSchedule`; no
+    warm-up or refresh where qgZ is off) of a user's run of ``preset``."""
+    from zeropp_jax.cli import train
+    from zeropp_jax.step.schedule import QgzSchedule
+
+    own = PRESETS[preset]
+    if own[-len(BENCH_QGZ_WARMUP):] == BENCH_QGZ_WARMUP:
+        own = own[:-len(BENCH_QGZ_WARMUP)]
+    flags = ["--mesh", f"{NODES}x{LOCAL}", *own, *train_flags]
+    schedule = QgzSchedule.from_config(
+        common.build_config(train.build_parser().parse_args(flags)), NODES)
+    return schedule if schedule.active else QgzSchedule(active=False)
 
 
 def sweep(options, train_flags, log_dir: str, progress) -> list[dict]:
@@ -307,6 +332,7 @@ def _records(runs: dict[tuple[float, str], list[dict]], train_flags: Sequence[st
     args = train.build_parser().parse_args(train_command_flags("zero3", train_flags, 1))
     return [cluster_report.record(preset, rate, pooled, args.batch_size * args.seq_len,
                                   refresh_every(preset, train_flags),
+                                  warmup=warmup_steps(preset, train_flags),
                                   flags=" ".join(PRESETS[preset]),
                                   probes=probes.get(rate, ()))
             for (rate, preset), pooled in runs.items()]
@@ -381,6 +407,7 @@ def _report(options, train_flags: Sequence[str], header: dict, records: list[dic
     if options.json:
         with open(options.json, "w") as f:
             json.dump({"command": sys.argv, "nodes": NODES, "local": LOCAL,
+                       "provenance": provenance.record(devices=False),
                        "train_flags": list(train_flags), **header,
                        "records": records}, f, indent=1)
     if options.figure:

@@ -3,7 +3,10 @@
 Records are the bench's dicts (one per preset and link rate, ``rate_mbit``
 0 = unlimited): :func:`record` makes one from a point's runs (and the link
 probes at its rate), :func:`add_speedups` adds its speedups over the
-baselines measured at the same rate. The cost model's predictions are
+baselines measured at the same rate. Besides the step a record holds two
+means of it: over the preset's refresh cycle, and over a whole run of
+:data:`RUN_STEPS` steps of the preset's own schedule (its qgZ warm-up and
+refreshes included: the figure a user's run gets). The cost model's predictions are
 :mod:`zeropp_jax.cli.cluster_model`'s; :func:`draw` draws them beside the
 measured points.
 """
@@ -20,6 +23,10 @@ BASELINES = ("zero3", "zero3-2level")
 # its all-device algorithm sends them (several times the two-level count the
 # model uses), so the figure draws no model line for them or against them.
 FLAT_PRESETS = ("zero3", "qwz")
+# The run over which run_step_time_s averages the preset's own schedule: the
+# length of the project's convergence runs (of which a 100-step qgZ warm-up
+# is a quarter).
+RUN_STEPS = 400
 
 
 def _by_key(records: Sequence[dict]) -> dict:
@@ -27,9 +34,11 @@ def _by_key(records: Sequence[dict]) -> dict:
 
 
 def add_speedups(records: list[dict]) -> None:
-    """Adds ``speedup_vs_<baseline>`` (baseline step time / this one) and
+    """Adds ``speedup_vs_<baseline>`` (baseline step time / this one),
     ``cycle_speedup_vs_<baseline>`` (the same over a refresh cycle, the
-    refresh step included); ``None`` where either was not measured."""
+    refresh step included) and ``run_speedup_vs_<baseline>`` (over a run of
+    :data:`RUN_STEPS` steps, warm-up and refreshes included); ``None`` where
+    either was not measured."""
     index = _by_key(records)
     ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
     for r in records:
@@ -37,8 +46,9 @@ def add_speedups(records: list[dict]) -> None:
             other = index.get((base, r["rate_mbit"]), {})
             name = base.replace("-", "_")
             r[f"speedup_vs_{name}"] = ratio(other.get("step_time_s"), r["step_time_s"])
-            r[f"cycle_speedup_vs_{name}"] = ratio(other.get("cycle_step_time_s"),
-                                                  r.get("cycle_step_time_s"))
+            for kind in ("cycle", "run"):
+                r[f"{kind}_speedup_vs_{name}"] = ratio(other.get(f"{kind}_step_time_s"),
+                                                       r.get(f"{kind}_step_time_s"))
 
 
 def _fmt(x, spec: str) -> str:
@@ -110,8 +120,25 @@ def main_steps(compressed: Sequence[int]) -> list[int]:
     return [i for i, c in enumerate(compressed) if c] or list(range(len(compressed)))
 
 
+def _run_mean(compressed: float, full: float | None, warmup: int, refresh: int
+              ) -> tuple[int, float | None]:
+    """``(full-precision steps, mean step time)`` of a run of :data:`RUN_STEPS`
+    steps of the qgZ schedule of ``warmup`` and ``refresh``."""
+    from zeropp_jax.analysis.headline import full_precision_steps, schedule_mean
+    from zeropp_jax.step.schedule import QgzSchedule
+
+    schedule = QgzSchedule(active=True, warmup_steps=warmup, refresh_every=refresh)
+    full_steps = full_precision_steps(schedule, RUN_STEPS)
+    if not full_steps:
+        return 0, compressed
+    if full is None:
+        return full_steps, None
+    return full_steps, schedule_mean(compressed, full, full_steps, RUN_STEPS)
+
+
 def record(preset: str, rate: float, runs: Sequence[dict], tokens_per_step: int,
-           refresh: int = 0, *, flags: str = "", probes: Sequence[dict] = ()) -> dict:
+           refresh: int = 0, *, warmup: int = 0, flags: str = "",
+           probes: Sequence[dict] = ()) -> dict:
     """The JSON record of one preset at one rate (speedups and predictions are added later).
 
     ``runs`` are :func:`zeropp_jax.cli.cluster_run.run_once`'s results
@@ -122,7 +149,14 @@ def record(preset: str, rate: float, runs: Sequence[dict], tokens_per_step: int,
     ``step_time_s`` is the median of the compressed steps where the runs
     have any (else of every timed step); ``cycle_step_time_s`` the mean over
     a refresh cycle of ``refresh`` steps (the median step otherwise, or
-    ``None`` when no full-precision step was timed). The link bytes and
+    ``None`` when no full-precision step was timed); ``run_step_time_s`` the
+    mean over a run of :data:`RUN_STEPS` steps of the preset's own qgZ
+    schedule (a warm-up of ``warmup`` steps, then a refresh every
+    ``refresh``): its full-precision steps at the full-precision median, the
+    rest at ``step_time_s`` (the median step without either, ``None`` when
+    no full-precision step was timed). ``refresh`` and ``warmup`` are the
+    preset's own, not the bench runs' (which refresh more often and warm up
+    for one step). The link bytes and
     frames per step are :func:`bytes_by_kind`'s, and
     ``link_payload_bytes_per_node_per_step`` is the bytes less each frame's
     Ethernet, IP and TCP headers (:data:`zeropp_jax.cli.netns.FRAME_HEADER_BYTES`).
@@ -136,6 +170,7 @@ def record(preset: str, rate: float, runs: Sequence[dict], tokens_per_step: int,
     cycle = median
     if refresh:
         cycle = None if full_s is None else ((refresh - 1) * median + full_s) / refresh
+    run_full, run_mean = _run_mean(median, full_s, warmup, refresh)
     link, full_link = bytes_by_kind([(run["link_rx_bytes"], run["compressed"]) for run in runs])
     rates = [p["payload_gbits_per_s"] for p in probes if p.get("payload_gbits_per_s")]
     frames = None
@@ -149,6 +184,10 @@ def record(preset: str, rate: float, runs: Sequence[dict], tokens_per_step: int,
         "full_precision_step_time_s": full_s,
         "refresh_every": refresh,
         "cycle_step_time_s": cycle,
+        "warmup_steps": warmup,
+        "run_steps_total": RUN_STEPS,
+        "run_full_precision_steps": run_full,
+        "run_step_time_s": run_mean,
         "step_times_s": times,
         "compressed": kinds,
         # timed steps per run, in the order pooled above
@@ -192,9 +231,16 @@ def rate_name(rate: float) -> str:
 def format_table(records: Sequence[dict]) -> str:
     """One row per (rate, preset): measured (median and refresh cycle) and
     predicted step time, speedups, link bytes (all frames, their payload
-    without Ethernet/IP/TCP headers, and the model's payload count)."""
+    without Ethernet/IP/TCP headers, and the model's payload count).
+
+    The speedups over ``zero3-2level``: of the median step, its prediction,
+    over the preset's refresh cycle (``x 2level cycle``) and over a run of
+    :data:`RUN_STEPS` steps of the preset's own schedule, its qgZ warm-up
+    and refreshes included (``x 2level run``: what a user's run of the preset
+    gains; ``-`` where its full-precision step was not timed).
+    """
     head = ("rate", "preset", "step s", "cycle s", "tok/s", "x zero3", "pred", "x 2level", "pred",
-            "x 2level cycle", "MB/node/step", "payload MB", "model MB")
+            "x 2level cycle", "x 2level run", "MB/node/step", "payload MB", "model MB")
     rows = [head]
     for r in records:
         mb = lambda x: None if x is None else x / 1e6  # noqa: E731
@@ -206,6 +252,7 @@ def format_table(records: Sequence[dict]) -> str:
             _fmt(r.get("speedup_vs_zero3_2level"), ".2f"),
             _fmt(r.get("predicted_speedup_vs_zero3_2level"), ".2f"),
             _fmt(r.get("cycle_speedup_vs_zero3_2level"), ".2f"),
+            _fmt(r.get("run_speedup_vs_zero3_2level"), ".2f"),
             _fmt(mb(r["link_bytes_per_node_per_step"]), ".3f"),
             _fmt(mb(r.get("link_payload_bytes_per_node_per_step")), ".3f"),
             _fmt(mb(r.get("model_link_bytes_per_node_per_step")), ".3f"),
@@ -217,6 +264,9 @@ def format_table(records: Sequence[dict]) -> str:
 def draw(records: Sequence[dict], path: str, curves: dict[str, Callable] | None = None) -> None:
     """Speedup over each measured baseline vs link rate: points measured, lines predicted.
 
+    A filled marker is the speedup of the median step; where a preset's mean
+    over a run of :data:`RUN_STEPS` steps (qgZ warm-up and refreshes
+    included) differs from it, a hollow one of the same color is that run's.
     The unlimited rate is drawn right of the largest finite rate.
     """
     import matplotlib
@@ -241,6 +291,12 @@ def draw(records: Sequence[dict], path: str, curves: dict[str, Callable] | None 
             mine = [r for r in records if r["preset"] == preset and r.get(key)]
             ax.plot([r["rate_mbit"] or x_unlimited for r in mine], [r[key] for r in mine],
                     "o", color=color, label=f"{preset} measured")
+            runs = [r for r in mine if r.get(f"run_{key}")
+                    and r.get("run_step_time_s") != r["step_time_s"]]
+            if runs:
+                ax.plot([r["rate_mbit"] or x_unlimited for r in runs],
+                        [r[f"run_{key}"] for r in runs], "o", color=color, mfc="none",
+                        label=f"{preset} over a {RUN_STEPS}-step run")
             if preset in curves and base in curves and not {preset, base} & set(FLAT_PRESETS):
                 pred = [curves[base](x) / curves[preset](x) for x in grid]
                 ax.plot(grid, pred, "-", color=color, alpha=0.6, label=f"{preset} model")

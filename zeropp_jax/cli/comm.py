@@ -114,7 +114,7 @@ def report(args: argparse.Namespace) -> tuple[dict, str]:
         full = out["variants"]["full_precision"]["report"]
         out["refresh_every"] = refresh
         for key in ("inter_node_bytes", "intra_node_bytes"):
-            out[f"mean_{key}"] = ((refresh - 1) * first[key] + full[key]) / refresh
+            out[f"cycle_{key}"] = ((refresh - 1) * first[key] + full[key]) / refresh
     full_steps = headline.full_precision_steps(trainer.schedule, args.steps)
     out["schedule"] = {"steps": args.steps, "full_precision_steps": full_steps}
     for key in ("inter_node_bytes", "flat_inter_node_bytes", "intra_node_bytes"):
@@ -133,25 +133,28 @@ def format_result(result: dict) -> str:
         ),
     ]
     mib = lambda b: f"{b / 2**20:.3f} MiB"  # noqa: E731
+    sched = result["schedule"]
     lines.append(
-        f"inter-node per node per step: {mib(result['inter_node_bytes'])} two-level (headline), "
+        f"inter-node per node per "
+        f"{'compressed step' if sched['full_precision_steps'] else 'step'}: "
+        f"{mib(result['inter_node_bytes'])} two-level"
+        f"{'' if sched['full_precision_steps'] else ' (headline)'}, "
         f"{mib(result['flat_inter_node_bytes'])} flat (every device's transfer counted)")
     if result["float_dtypes"]:
         lines.append("full-precision payloads counted at the run's dtypes: gathers {}, "
                      "reductions {}".format(*result["float_dtypes"]))
-    sched = result["schedule"]
     if sched["full_precision_steps"]:
         lines.append(
             f"mean over {sched['steps']} steps ({sched['full_precision_steps']} at full "
             f"precision: warm-up and refreshes; a gradient gate is not counted): inter-node "
-            f"{mib(sched['inter_node_bytes'])}/node two-level, "
+            f"{mib(sched['inter_node_bytes'])}/node two-level (headline), "
             f"{mib(sched['flat_inter_node_bytes'])} flat")
     if "refresh_every" in result:
         lines.append(
             f"mean over one refresh cycle ({result['refresh_every'] - 1} compressed steps + 1 "
-            f"full-precision): inter-node {result['mean_inter_node_bytes'] / 2**20:.3f} MiB/node "
+            f"full-precision): inter-node {result['cycle_inter_node_bytes'] / 2**20:.3f} MiB/node "
             f"two-level, "
-            f"intra-node {result['mean_intra_node_bytes'] / 2**20:.3f} MiB/device"
+            f"intra-node {result['cycle_intra_node_bytes'] / 2**20:.3f} MiB/device"
         )
     for name, variant in result["variants"].items():
         lines.append("")

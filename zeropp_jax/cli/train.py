@@ -245,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
         }
         summary.update(figures)
         print("summary: " + json.dumps(summary), flush=True)
-        print("zeropp-train: " + headline.summary_line(summary, steps=args.steps), flush=True)
+        for line in headline.summary_line(summary, steps=args.steps).splitlines():
+            print("zeropp-train: " + line, flush=True)
         if diverged:
             print(
                 f"zeropp-train: warning: the run diverged: final loss {history[-1]:.6g} is above "
