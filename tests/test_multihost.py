@@ -470,9 +470,11 @@ def test_only_process_0_prints(jobs):
     _ok(proc)
     main = [line for line in _lines_of(proc.stdout, 0)
             if line.startswith(("zeropp-train:", "summary:"))]
-    # the header, the report's compile notice, the JSON summary and its bytes line
+    # the header, the report's compile notice, the JSON summary and its bytes
+    # lines (a float32 run's, then at bf16)
     assert [line.split(":")[0] for line in main] == [
-        "zeropp-train", "zeropp-train", "summary", "zeropp-train"]
+        "zeropp-train", "zeropp-train", "summary", "zeropp-train", "zeropp-train"]
+    assert "float32 as this run" in main[3] and "at bfloat16" in main[4]
     assert "mesh=4x2" in main[0]
     assert "compiling the step's variants for the communication report" in main[1]
     for i in (1, 2, 3):

@@ -484,10 +484,13 @@ def _hf_decay_mask(params):
     (optax.multi_transform({"train": optax.adam(1e-3), "freeze": optax.set_to_zero()},
                            lambda p: jax.tree_util.tree_map_with_path(
                                lambda k, _: "freeze" if "wte" in str(k) else "train", p)), True),
+    # a warm-up from 0 moves nothing on the first stand-in step
+    (optax.adamw(optax.linear_schedule(0.0, 1e-3, 100), mask=_hf_decay_mask), True),
     (optax.adamw(1e-3), False),
     (optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, mask=lambda p: jax.tree.map(
         lambda _: True, p))), False),
-], ids=["adamw-hf-mask", "multi_transform-freeze", "adamw", "clip-adamw-uniform-mask"])
+], ids=["adamw-hf-mask", "multi_transform-freeze", "adamw-hf-mask-warmup-from-0", "adamw",
+        "clip-adamw-uniform-mask"])
 def test_per_leaf_optimizer_choices_are_refused_not_silently_unit_wide(optimizer, refused):
     """The trainer's optimizer runs on flat units, so a per-leaf weight-decay
     mask or label would decay (or freeze) every parameter of a unit alike:
@@ -503,3 +506,19 @@ def test_per_leaf_optimizer_choices_are_refused_not_silently_unit_wide(optimizer
             build()
     else:
         build()
+
+
+def test_the_optimizer_check_can_be_skipped_and_says_why_it_failed():
+    """Per-leaf noise (optax.add_noise) looks like a mask on the stand-in step:
+    refused, unless check_optimizer=False; an optimizer whose stand-in step
+    raises is named with the cause."""
+    module, shapes = gpt2(1, init=False)
+    noisy = optax.chain(optax.add_noise(0.1, 0.55, 0), optax.sgd(1e-2))
+    build = functools.partial(zp.make_trainer, loss_of(module), mesh=zp.make_mesh(2, 4),
+                              wrap=(FlaxGPT2Block,), example_batch=batch_shapes())
+    with pytest.raises(ValueError, match="check_optimizer=False"):
+        build(noisy, shapes)
+    build(noisy, shapes, check_optimizer=False)
+    with pytest.raises(ValueError, match=r"stand-in.*that failed: TypeError"):
+        build(optax.lbfgs(), shapes)
+

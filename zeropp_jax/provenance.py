@@ -34,11 +34,15 @@ def code_version() -> dict:
     Returns:
       ``{"zeropp_jax": package directory, "git": short commit with
       ``+dirty`` when ``zeropp_jax/`` or ``pallas_kernels/`` has uncommitted
-      changes, or None outside a git checkout}``.
+      changes, or None where the package is not the root of a git
+      checkout (an installed copy, a copied tree)}``.
     """
     package = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(package)
     out = {"zeropp_jax": package, "git": None}
+    top = _git(root, "rev-parse", "--show-toplevel")
+    if top is None or os.path.realpath(top) != os.path.realpath(root):
+        return out  # not a checkout of this project (e.g. installed inside another repo)
     head = _git(root, "rev-parse", "--short", "HEAD")
     if head:
         dirty = _git(root, "status", "--porcelain", "--", "zeropp_jax", "pallas_kernels")

@@ -210,6 +210,6 @@ def summary_line(figures: dict, *, steps: int) -> str:
     line = (f"inter-node bytes per node per step (two-level, {figures['dtype']} as this run): "
             + _line(figures, **common))
     if "at_bf16" in figures:
-        line += ("\nat bfloat16, what a GPU run sends (the same program's full-precision "
-                 "payloads at 2 bytes): " + _line(figures["at_bf16"], **common))
+        line += ("\nat bfloat16, a GPU run's default dtype (the same program's "
+                 "full-precision payloads at 2 bytes): " + _line(figures["at_bf16"], **common))
     return line

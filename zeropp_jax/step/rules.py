@@ -23,9 +23,10 @@ from zeropp_jax.step.gradient_rule import GradientRule
 from zeropp_jax.step.onebit_adam import OneBitAdam, OneBitAdamRule
 from zeropp_jax.step.state import TrainState, ZeroOptState
 
-# How far apart two leaves' stand-in updates may be and still count as the
-# same (float32 rounding of one Adam step of 1.0).
-_UNIFORM_RTOL = 1e-5
+# Stand-in steps check_leaf_uniform takes until one moves a parameter (a
+# learning-rate warm-up from 0 moves nothing on step 0, optax.MultiSteps(k)
+# only on every k-th step).
+_PROBE_STEPS = 8
 
 
 class UpdateRule(Protocol):
@@ -72,32 +73,53 @@ def check_leaf_uniform(optimizer: optax.GradientTransformation, params: Any) -> 
 
     The trainer runs the optimizer on flat float32 units, not on the model's
     leaves, so a per-leaf mask or label (``optax.adamw(mask=...)``,
-    ``optax.masked``, ``optax.multi_transform``) or a transform of each
-    matrix as a matrix would act on whole units instead: silently on all
-    parameters or on none. The check runs one step of the optimizer on a
-    stand-in of ``params`` (same tree, each leaf a single 1.0 of the leaf's
-    rank, gradients 1.0), where an optimizer that treats every element alike
-    moves every leaf by the same amount.
+    ``optax.masked``, ``optax.multi_transform``) would act on whole units
+    instead: silently on all parameters or on none. The check runs the
+    optimizer on a stand-in of ``params`` (same tree, each leaf a single 1.0
+    of the leaf's rank, gradients 1.0) until a step moves something (at most
+    ``_PROBE_STEPS``: a learning-rate warm-up from 0 or ``optax.MultiSteps``
+    moves nothing at first); an optimizer that treats every element alike
+    moves every leaf by exactly the same amount there. Choices the stand-in
+    cannot show pass unseen: masks by a leaf's size or shape, and per-leaf
+    norms (``optax.lamb``), which act per unit in the trainer.
 
     Args:
       optimizer: an optax ``GradientTransformation``.
       params: the full parameters (arrays or ``jax.ShapeDtypeStruct``).
 
     Raises:
-      ValueError: naming two leaves the optimizer moves differently.
+      ValueError: naming two leaves the optimizer moves differently, or
+        saying why the stand-in step failed (e.g. an optimizer whose
+        ``update`` needs more than gradients, state and parameters).
     """
     ones = jax.tree.map(lambda x: jnp.ones((1,) * len(jnp.shape(x)), jnp.float32), params)
-    updates, _ = optimizer.update(ones, optimizer.init(ones), ones)
-    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(updates)[0]) or ((), ())
-    moves = np.array([float(np.asarray(u).reshape(-1)[0]) for u in leaves])
-    if moves.size and not np.allclose(moves, moves[0], rtol=_UNIFORM_RTOL, atol=0.0):
-        other = int(np.argmax(~np.isclose(moves, moves[0], rtol=_UNIFORM_RTOL, atol=0.0)))
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(ones)[0]]
+    if len(paths) < 2:
+        return
+    try:
+        state = optimizer.init(ones)
+        for _ in range(_PROBE_STEPS):
+            updates, state = optimizer.update(ones, state, ones)
+            moves = np.array([float(np.asarray(u).reshape(-1)[0])
+                              for u in jax.tree.leaves(updates)])
+            if np.any(moves != 0):
+                break
+    except Exception as e:  # re-raised with what was being checked
         raise ValueError(
-            "the optimizer treats parameter leaves differently (a per-leaf mask or label, "
-            "or a transform of each matrix): on a stand-in step it moves "
-            f"{jax.tree_util.keystr(paths[0])} by {moves[0]:.3g} and "
-            f"{jax.tree_util.keystr(paths[other])} by {moves[other]:.3g}. The trainer runs "
-            "the optimizer on flat units, where such a choice would silently hold for all "
-            "leaves or none: use one setting for every leaf (e.g. optax.adamw without "
-            "mask), or train without the trainer"
+            "make_trainer checks that the optimizer treats every parameter leaf alike by "
+            "running it on a stand-in of the parameters (a 1.0 per leaf), and that failed: "
+            f"{type(e).__name__}: {e}. An optimizer whose update needs more than "
+            "(gradients, state, parameters) cannot run in the trainer; otherwise pass "
+            "check_optimizer=False"
+        ) from e
+    if not np.all(moves == moves[0]):
+        other = int(np.argmax(moves != moves[0]))
+        raise ValueError(
+            "the optimizer treats parameter leaves differently (a per-leaf mask or label): "
+            f"on a stand-in step it moves {jax.tree_util.keystr(paths[0])} by {moves[0]:.6g} "
+            f"and {jax.tree_util.keystr(paths[other])} by {moves[other]:.6g}. The trainer "
+            "runs the optimizer on flat units, where such a choice would silently hold for "
+            "all leaves or none: use one setting for every leaf (e.g. optax.adamw without "
+            "mask), or train without the trainer. An optimizer that draws noise per leaf "
+            "(optax.add_noise) differs there too: pass check_optimizer=False for it"
         )

@@ -345,6 +345,7 @@ def make_trainer(
     rng: int | jax.Array | None = None,
     wrap: Sequence[type] = (),
     example_batch: Any = None,
+    check_optimizer: bool = True,
 ) -> Trainer:
     """Builds a ZeRO-3 / ZeRO++ :class:`Trainer`.
 
@@ -380,6 +381,9 @@ def make_trainer(
         unchanged.
       example_batch: with ``wrap``, a batch (or its shapes) ``loss_fn``
         accepts, traced once without running to find the wrapped modules.
+      check_optimizer: run :func:`~zeropp_jax.step.rules.check_leaf_uniform`
+        on an optax optimizer (a stand-in step; ``False`` skips it, e.g. for
+        ``optax.add_noise``, whose per-leaf noise it cannot tell from a mask).
 
     Returns:
       The :class:`Trainer`.
@@ -396,7 +400,7 @@ def make_trainer(
     """
     config = config or ZeroConfig()
     rule = rule_for(optimizer, config)
-    if not isinstance(optimizer, OneBitAdam):
+    if check_optimizer and not isinstance(optimizer, OneBitAdam):
         check_leaf_uniform(optimizer, params)
     nodes, local = mesh_shape(mesh)
     unit_paths = ()
