@@ -338,10 +338,11 @@ def test_the_bench_times_refresh_steps_of_1bit_adam_presets():
     assert flags[flags.index("--qgz-refresh-every") + 1] == str(cluster_bench.REFRESH_PROBE_EVERY)
     assert cluster_bench.refresh_every("zeropp-max", []) == 40  # the preset's own cycle
     # the preset's own warm-up, not the runs' one step; the user's flags count
-    assert "--qgz-warmup" in flags and cluster_bench.warmup_steps("zeropp-max", []) == 100
-    assert cluster_bench.warmup_steps("zeropp", ["--qgz-warmup", "50"]) == 50
-    assert cluster_bench.warmup_steps("zero3-2level", []) == 0
-    assert cluster_bench.warmup_steps("zeropp-int4", []) == 100
+    assert "--qgz-warmup" in flags
+    assert cluster_bench.own_schedule("zeropp-max", []).warmup_steps == 100
+    assert cluster_bench.own_schedule("zeropp", ["--qgz-warmup", "50"]).warmup_steps == 50
+    assert cluster_bench.own_schedule("zero3-2level", []).warmup_steps == 0
+    assert cluster_bench.own_schedule("zeropp-int4", []).warmup_steps == 100
     assert "--qgz-refresh-every" not in cluster_bench.train_command_flags(
         "zeropp-int4", [], 10, probe_refresh=True)  # gradient qgZ: no refreshes
 

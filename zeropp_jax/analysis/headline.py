@@ -147,16 +147,16 @@ def _is_zero3(config) -> bool:
     return not config.qwz_bits and not config.hpz and config.qgz == "off"
 
 
-def _figures(trainer, reports: dict[str, CommReport], dtype: Any, steps: int) -> dict:
-    """The compressed (or only) step's bytes, their schedule mean and zero3's."""
+def _figures(trainer, reports: dict[str, CommReport], dtype: Any, full: int, steps: int
+             ) -> dict:
+    """The compressed (or only) step's bytes, their mean over ``steps`` steps
+    of which ``full`` run at full precision, and zero3's at ``dtype``."""
     first = next(iter(reports.values()))
-    full = full_precision_steps(trainer.schedule, steps)
     full_report = reports.get("full_precision", first)
     mean = schedule_mean(first.inter_node_bytes, full_report.inter_node_bytes, full, steps)
-    compiled = _is_zero3(trainer.config)
     return {"inter_node_bytes": first.inter_node_bytes,
             "schedule_inter_node_bytes": round(mean),
-            "zero3_inter_node_bytes": (first.inter_node_bytes if compiled
+            "zero3_inter_node_bytes": (first.inter_node_bytes if _is_zero3(trainer.config)
                                        else zero3_inter_node_bytes(trainer, dtype))}
 
 
@@ -177,14 +177,15 @@ def step_bytes(trainer, params_shapes: Any, batch: Any, *, steps: int) -> dict:
     """
     compiled = compile_variants(trainer, params_shapes, batch)
     dtype = float_dtypes(trainer)[0]
-    out = _figures(trainer, step_reports(trainer, compiled=compiled), dtype, steps)
-    out.update(full_precision_steps=full_precision_steps(trainer.schedule, steps),
+    full = full_precision_steps(trainer.schedule, steps)
+    out = _figures(trainer, step_reports(trainer, compiled=compiled), dtype, full, steps)
+    out.update(full_precision_steps=full,
                zero3_source="compiled" if _is_zero3(trainer.config) else "model size",
                dtype=jnp.dtype(dtype).name)
     if hlo_dtype(dtype) != "bf16":
         gpu = gpu_float_dtypes(trainer)
         out["at_bf16"] = _figures(
-            trainer, step_reports(trainer, compiled=compiled, dtypes=gpu), gpu[0], steps)
+            trainer, step_reports(trainer, compiled=compiled, dtypes=gpu), gpu[0], full, steps)
     return out
 
 

@@ -68,7 +68,7 @@ from zeropp_jax.cli import cluster_model, cluster_report, common, netns
 from zeropp_jax.cli.cluster_run import LOCAL, NODES, RunFailed, probe_link, run_once
 
 # Ends the qgZ presets' flags: their runs compress from step 1 (the timed
-# steps are the compressed ones, not the warm-up's). warmup_steps() leaves it
+# steps are the compressed ones, not the warm-up's). own_schedule() leaves it
 # out: a user's run of the preset warms up for the preset's own steps.
 BENCH_QGZ_WARMUP = ("--qgz-warmup", "1")
 # The presets of the sweep: zeropp-train flags.
@@ -207,18 +207,13 @@ def train_command_flags(preset: str, train_flags: Sequence[str], steps: int, *,
 
 def refresh_every(preset: str, train_flags: Sequence[str]) -> int:
     """The preset's own ``qgz_refresh_every`` with ``train_flags`` (0: none)."""
-    return _own_schedule(preset, train_flags).refresh_every
+    return own_schedule(preset, train_flags).refresh_every
 
 
-def warmup_steps(preset: str, train_flags: Sequence[str]) -> int:
-    """The preset's own qgZ warm-up with ``train_flags``, as a user's run of it
-    gets it: without the runs' :data:`BENCH_QGZ_WARMUP` (0: no qgZ)."""
-    return _own_schedule(preset, train_flags).warmup_steps
-
-
-def _own_schedule(preset: str, train_flags: Sequence[str]):
+def own_schedule(preset: str, train_flags: Sequence[str]):
     """The qgZ schedule (a :class:`zeropp_jax.step.schedule.QgzSchedule`; no
-    warm-up or refresh where qgZ is off) of a user's run of ``preset``."""
+    warm-up or refresh where qgZ is off) of a user's run of ``preset`` with
+    ``train_flags``: without the runs' :data:`BENCH_QGZ_WARMUP`."""
     from zeropp_jax.cli import train
     from zeropp_jax.step.schedule import QgzSchedule
 
@@ -330,9 +325,10 @@ def _records(runs: dict[tuple[float, str], list[dict]], train_flags: Sequence[st
     from zeropp_jax.cli import train
 
     args = train.build_parser().parse_args(train_command_flags("zero3", train_flags, 1))
+    schedules = {preset: own_schedule(preset, train_flags) for _, preset in runs}
     return [cluster_report.record(preset, rate, pooled, args.batch_size * args.seq_len,
-                                  refresh_every(preset, train_flags),
-                                  warmup=warmup_steps(preset, train_flags),
+                                  schedules[preset].refresh_every,
+                                  warmup=schedules[preset].warmup_steps,
                                   flags=" ".join(PRESETS[preset]),
                                   probes=probes.get(rate, ()))
             for (rate, preset), pooled in runs.items()]

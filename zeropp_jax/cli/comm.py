@@ -114,7 +114,7 @@ def report(args: argparse.Namespace) -> tuple[dict, str]:
         full = out["variants"]["full_precision"]["report"]
         out["refresh_every"] = refresh
         for key in ("inter_node_bytes", "intra_node_bytes"):
-            out[f"cycle_{key}"] = ((refresh - 1) * first[key] + full[key]) / refresh
+            out[f"cycle_{key}"] = headline.schedule_mean(first[key], full[key], 1, refresh)
     full_steps = headline.full_precision_steps(trainer.schedule, args.steps)
     out["schedule"] = {"steps": args.steps, "full_precision_steps": full_steps}
     for key in ("inter_node_bytes", "flat_inter_node_bytes", "intra_node_bytes"):
