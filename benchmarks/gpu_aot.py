@@ -144,8 +144,6 @@ def gpu_model(cfg):
     cuDNN's where it takes the head dimension (for 16-bit compute), else XLA's."""
     import dataclasses
 
-    from zeropp_jax.models import gpt
-
     try:
         return dataclasses.replace(cfg, attention="cudnn")
     except ValueError:  # a head dimension cuDNN does not take: "auto" runs XLA's there

@@ -33,7 +33,8 @@ a. **communication** per optimizer step, read from the compiled step by
    (two-level), averaged over a ``--steps`` run of each preset's qgZ schedule
    (its full-precision warm-up and refresh steps included; also the
    compressed step alone and 1-bit Adam's refresh-cycle mean), intra-node
-   bytes per device (each device's own transfers as compiled) and per-device
+   bytes per device (two-level, the remote bytes forwarded inside the node
+   included) and per-device
    argument/temp memory, at ``--grad-accum 1`` (batch 16) and ``--grad-accum
    4`` (batch 64, so each micro-batch is the same 2 sequences per device),
    with ratios vs ``zero3``;
@@ -452,7 +453,8 @@ def format_report(result: dict) -> str:
                 f"Inter-node: two-level, per node, full-precision payloads at {comm['dtype']}, "
                 f"the mean over a {comm['steps']}-step run (warm-up and refreshes included; "
                 "the compressed step and 1-bit Adam's refresh-cycle mean beside it). "
-                "Intra-node: each device's own transfers as compiled, the run's mean.",
+                "Intra-node: per device, two-level (remote bytes forwarded inside the node "
+                "counted), the run's mean.",
                 "",
                 f"| preset | inter-node KiB/node, {comm['steps']}-step mean | vs zero3 "
                 "| compressed step | refresh cycle | intra-node KiB/dev | vs zero3 "

@@ -84,12 +84,21 @@ def test_all_gather_node(mesh):
     (("node", "local"), ((0, 1, 2, 3, 4, 5, 6, 7),)),
 ])
 def test_all_gather_both_axes(mesh, axes, groups):
-    c = _only(_report(mesh, lambda a: jax.lax.all_gather(a, axes, tiled=True)))
+    report = _report(mesh, lambda a: jax.lax.all_gather(a, axes, tiled=True))
+    c = _only(report)
     assert (c.axis, c.group_size, c.replica_groups) == ("node+local", 8, groups)
     assert (c.operand_bytes, c.result_bytes) == (256, 2048)
-    # 256 B from each of 7 peers: 4 on the other node, 3 on this one.
+    # Flat: 256 B from each of 7 peers: 4 on the other node, 3 on this one.
     assert c.inter_node_bytes_per_node == 4 * 4 * 256
     assert c.intra_node_bytes_per_device == 3 * 256
+    assert (report.flat_inter_node_bytes, report.flat_intra_node_bytes) == (4 * 4 * 256, 3 * 256)
+    # Two-level: the other node's 4 shards enter the node once (one per
+    # device), then each device takes the 3 remote shards its peers brought
+    # and its 3 peers' own shards: twice the flat intra-node count.
+    assert (report.inter_node_bytes, report.intra_node_bytes) == (4 * 256, 6 * 256)
+    assert "flat intra/dev" in report.format_table()
+    data = report.to_json()
+    assert (data["intra_node_bytes"], data["flat_intra_node_bytes"]) == (6 * 256, 3 * 256)
 
 
 def test_psum_scatter_is_native_reduce_scatter(mesh):

@@ -238,7 +238,44 @@ def test_wrapped_llama_gathers_each_decoder_layer_twice():
     assert gathers == 2 * 3 + 1
 
 
+def _bart():
+    """``(module, params, loss, block classes)``: a Flax BART encoder-decoder,
+    whose encoder and decoder layers are two block classes."""
+    from transformers import BartConfig, FlaxBartForConditionalGeneration
+    from transformers.models.bart.modeling_flax_bart import (
+        FlaxBartDecoderLayer, FlaxBartEncoderLayer)
+
+    config = BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+                        encoder_attention_heads=4, decoder_attention_heads=4,
+                        encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=SEQ)
+    model = FlaxBartForConditionalGeneration(config, seed=0)
+    module = model.module
+
+    def loss(params, batch):
+        x = batch["x"]
+        pos = jnp.broadcast_to(jnp.arange(SEQ), x.shape)
+        dec = jnp.concatenate([jnp.zeros_like(x[:, :1]), batch["y"][:, :-1]], axis=1)
+        out = module.apply({"params": params}, x, jnp.ones_like(x), dec, jnp.ones_like(dec),
+                           pos, pos, deterministic=True)
+        return optax.softmax_cross_entropy_with_integer_labels(out.logits, batch["y"]).mean()
+
+    return model.params, loss, (FlaxBartEncoderLayer, FlaxBartDecoderLayer)
+
+
 @pytest.mark.slow
+def test_an_encoder_decoder_with_two_block_classes_trains_like_optax():
+    params, loss, blocks = _bart()
+    opt = optax.sgd(0.1)  # no Adam: float32 rounding stays rounding
+    trainer = zp.make_trainer(loss, opt, params, mesh=zp.make_mesh(2, 4),
+                              config=zp.ZeroConfig(compute_dtype="float32"),
+                              wrap=blocks, example_batch=batch_shapes())
+    assert trainer.layout.names == ("rest",) + tuple(
+        f"model/{part}/layers/{i}" for part in ("encoder", "decoder") for i in range(2))
+    state, ref = _steps_match_optax(trainer, loss, opt, params, counting_batch(0), 3)
+    for a, b in zip(jax.tree.leaves(trainer.gather_params(state)), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _steps_match_optax(trainer, loss, opt, params, batch, steps):
     """``steps`` trainer steps, each loss equal to plain optax's on the same
     parameters; returns the trainer's state and optax's parameters."""

@@ -26,7 +26,11 @@ inside it: NCCL's hierarchical and ring algorithms, DeepSpeed's ZeRO-3),
 the figure the cost model uses. ``flat_inter_node_bytes`` counts every
 device's transfer, as an algorithm connecting every device to every other
 (gloo's) sends it: ``local`` times more for a gather over all devices, the
-same for collectives over ``node`` (one device per node).
+same for collectives over ``node`` (one device per node). ``intra_node_bytes``
+is the same algorithm's inside-the-node side (a device takes in what it
+needs, and what it hands on, less its share of what the node's link
+carried; ``nodes`` times the flat count for a gather over all devices),
+``flat_intra_node_bytes`` the all-device algorithm's.
 
 Full-precision payloads can be counted at the dtypes the run uses
 (``float_dtypes``): XLA:CPU compiles bf16 collectives as f32, which would
@@ -91,9 +95,10 @@ class SummaryRow:
     ``dtype`` is the counted element type (see ``CommReport.float_dtypes``);
     ``operand_bytes``/``result_bytes`` are per device; ``inter_node_bytes`` is
     per node, two-level (max over nodes), ``flat_inter_node_bytes`` per node
-    with every device's transfer counted, and ``intra_node_bytes`` per device
-    (max over devices). ``exact`` is False if any member has an unknown trip
-    count or sits in a conditional.
+    with every device's transfer counted, ``intra_node_bytes`` per device,
+    two-level (max over devices), and ``flat_intra_node_bytes`` per device
+    with every device's transfer counted. ``exact`` is False if any member
+    has an unknown trip count or sits in a conditional.
     """
 
     kind: str
@@ -107,6 +112,7 @@ class SummaryRow:
     intra_node_bytes: int
     exact: bool
     flat_inter_node_bytes: int = 0
+    flat_intra_node_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +241,14 @@ class CommReport:
 
     @property
     def intra_node_bytes(self) -> int:
-        """Bytes one device receives from its own node per step (max over devices)."""
+        """Bytes one device takes in from its own node per step under the
+        two-level algorithm of ``inter_node_bytes`` (max over devices)."""
+        return self._max_sum(lambda c: two_level_bytes(c, self.mesh_shape)[1])
+
+    @property
+    def flat_intra_node_bytes(self) -> int:
+        """Bytes one device receives from its own node per step, every
+        device's transfer counted (an all-device algorithm; max over devices)."""
         return self._max_sum(lambda c: c.intra_node_bytes_by_device)
 
     @property
@@ -243,13 +256,14 @@ class CommReport:
         """False if any count depends on an unknown trip count or a conditional."""
         return all(c.trip_count_known and not c.in_conditional for c in self.collectives)
 
-    def counted_bytes(self, c: Collective) -> tuple[float, float, float]:
-        """``(two-level inter-node, flat inter-node, intra-node)`` bytes of one
-        collective per step at its counted width (busiest node / device)."""
+    def counted_bytes(self, c: Collective) -> tuple[float, float, float, float]:
+        """``(two-level inter-node, flat inter-node, two-level intra-node, flat
+        intra-node)`` bytes of one collective per step at its counted width
+        (busiest node / device)."""
         scale = self.width_ratio(c)
-        inter, _ = two_level_bytes(c, self.mesh_shape)
+        inter, intra = two_level_bytes(c, self.mesh_shape)
         return (max(inter) * scale, c.inter_node_bytes_per_node * scale,
-                c.intra_node_bytes_per_device * scale)
+                max(intra) * scale, c.intra_node_bytes_per_device * scale)
 
     @property
     def narrowed(self) -> bool:
@@ -276,14 +290,16 @@ class CommReport:
                 intra_node_bytes=sub.intra_node_bytes,
                 exact=sub.exact,
                 flat_inter_node_bytes=sub.flat_inter_node_bytes,
+                flat_intra_node_bytes=sub.flat_intra_node_bytes,
             ))
         return rows
 
     def to_json(self) -> dict[str, Any]:
         """Plain dict (lists, ints, strs, bools, None) ready for ``json.dumps``.
 
-        ``inter_node_bytes`` is the two-level figure, ``flat_inter_node_bytes``
-        the flat one; ``collectives`` are as compiled (their dtypes and flat
+        ``inter_node_bytes`` / ``intra_node_bytes`` are the two-level figures,
+        ``flat_inter_node_bytes`` / ``flat_intra_node_bytes`` the flat ones;
+        ``collectives`` are as compiled (their dtypes and flat
         bytes), the totals and ``summary`` at ``float_dtypes``.
         """
         return {
@@ -291,6 +307,7 @@ class CommReport:
             "inter_node_bytes": self.inter_node_bytes,
             "flat_inter_node_bytes": self.flat_inter_node_bytes,
             "intra_node_bytes": self.intra_node_bytes,
+            "flat_intra_node_bytes": self.flat_intra_node_bytes,
             "float_dtypes": list(self.float_dtypes) if self.float_dtypes else None,
             "exact": self.exact,
             "summary": _jsonable(self.summary()),
@@ -301,7 +318,8 @@ class CommReport:
     def format_table(self) -> str:
         """Human-readable table; per-step bytes, ``~`` marks inexact counts."""
         header = ("kind", "dtype", "axis", "group", "count", "operand/dev", "result/dev",
-                  "inter/node/step", "flat inter/node", "intra/dev/step", "computation")
+                  "inter/node/step", "flat inter/node", "intra/dev/step", "flat intra/dev",
+                  "computation")
         rows = []
         for c in self.collectives:
             flag = "" if c.trip_count_known and not c.in_conditional else "~"
@@ -314,14 +332,16 @@ class CommReport:
         rows.append(("TOTAL", "", "", "", str(sum(c.count for c in self.collectives)), "", "",
                      f"{_human(self.inter_node_bytes)} ({self.inter_node_bytes})",
                      f"{_human(self.flat_inter_node_bytes)} ({self.flat_inter_node_bytes})",
-                     f"{_human(self.intra_node_bytes)} ({self.intra_node_bytes})", ""))
+                     f"{_human(self.intra_node_bytes)} ({self.intra_node_bytes})",
+                     f"{_human(self.flat_intra_node_bytes)} ({self.flat_intra_node_bytes})", ""))
         widths = [max(len(r[k]) for r in [header, *rows]) for k in range(len(header))]
         fmt = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
         lines = [f"mesh (nodes, local) = {tuple(self.mesh_shape)}", fmt(header),
                  fmt(tuple("-" * w for w in widths)), *map(fmt, rows),
-                 "inter/node/step: two-level (each remote byte enters a node once, as NCCL's "
-                 "hierarchical algorithms and DeepSpeed send it); flat inter/node: every "
-                 "device's transfer counted (an all-device algorithm, e.g. gloo's)"]
+                 "inter/node/step, intra/dev/step: two-level (each remote byte enters a node "
+                 "once and is forwarded inside it, as NCCL's hierarchical algorithms and "
+                 "DeepSpeed send it); flat: every device's transfer counted (an all-device "
+                 "algorithm, e.g. gloo's)"]
         if self.narrowed:
             counted = []
             if self.float_dtypes is not None:

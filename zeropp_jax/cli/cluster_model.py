@@ -32,7 +32,6 @@ link busy throughout, the bucket stays empty.
 
 from __future__ import annotations
 
-import statistics
 from typing import Callable, Sequence
 
 from zeropp_jax.cli import netns

@@ -104,7 +104,8 @@ def report(args: argparse.Namespace) -> tuple[dict, str]:
                           **headline.report_dtypes(trainer))
         out["variants"][name] = {"report": rep.to_json(), "table": rep.format_table()}
     first = next(iter(out["variants"].values()))["report"]
-    for key in ("inter_node_bytes", "flat_inter_node_bytes", "intra_node_bytes", "float_dtypes"):
+    for key in ("inter_node_bytes", "flat_inter_node_bytes", "intra_node_bytes",
+                "flat_intra_node_bytes", "float_dtypes"):
         out[key] = first[key]
     out["memory"] = first.get("memory")
     refresh = trainer.config.qgz_refresh_every
@@ -117,7 +118,8 @@ def report(args: argparse.Namespace) -> tuple[dict, str]:
             out[f"cycle_{key}"] = headline.schedule_mean(first[key], full[key], 1, refresh)
     full_steps = headline.full_precision_steps(trainer.schedule, args.steps)
     out["schedule"] = {"steps": args.steps, "full_precision_steps": full_steps}
-    for key in ("inter_node_bytes", "flat_inter_node_bytes", "intra_node_bytes"):
+    for key in ("inter_node_bytes", "flat_inter_node_bytes", "intra_node_bytes",
+                "flat_intra_node_bytes"):
         full = out["variants"].get("full_precision", {"report": first})["report"][key]
         out["schedule"][key] = headline.schedule_mean(first[key], full, full_steps, args.steps)
     return out, main_hlo
