@@ -383,6 +383,8 @@ def test_export_round_trip(runs, tmp_path):
     proc = run_cli("-m", "zeropp_jax.cli.export", run["dir"], str(cli_out), "--step", "4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 4" in proc.stdout
+    # the directory is opened read-only on purpose: Orbax's notices about it are not shown
+    assert "read only" not in proc.stderr and "read_only" not in proc.stderr, proc.stderr
     older = flax.serialization.msgpack_restore(cli_out.read_bytes())
     assert jax.tree.structure(older) == jax.tree.structure(expected)
     pairs = zip(jax.tree.leaves(older), jax.tree.leaves(exported))

@@ -89,6 +89,12 @@ def make_mesh(
                 f" ({n_proc} processes x {n_dev // n_proc} devices; with zeropp-launch "
                 f"pass --devices-per-process {local})" if n_proc > 1 else ""
             )
+            + (
+                f", or, to simulate {nodes * local} devices on the CPU, set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={nodes * local} before "
+                f"JAX starts (the CLI tools do)"
+                if devices[0].platform == "cpu" and n_proc == 1 else ""
+            )
         )
     if n_proc > 1:
         if nodes != n_proc:

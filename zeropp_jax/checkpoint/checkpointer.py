@@ -10,6 +10,8 @@ Adam's (and back) by :mod:`~zeropp_jax.checkpoint.convert`.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import warnings
 from typing import Mapping
@@ -27,6 +29,22 @@ from zeropp_jax.step.state import TrainState
 from zeropp_jax.step.trainer import Trainer
 
 _CORRUPT_SUFFIX = ".corrupt"
+
+
+def _not_read_only_notice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Given directory is read only")
+
+
+@contextlib.contextmanager
+def _quiet_read_only_warning():
+    """Drops Orbax's "Given directory is read only" warning (absl's logger)
+    while a read-only manager is made: the caller asked for read-only."""
+    logger = logging.getLogger("absl")
+    logger.addFilter(_not_read_only_notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_not_read_only_notice)
 
 
 class Checkpointer:
@@ -72,16 +90,21 @@ class Checkpointer:
             raise FileNotFoundError(f"checkpoint directory {self.directory} does not exist")
         if not read_only and os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise ValueError(f"checkpoint directory {self.directory} is a file")
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
-            enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=not read_only,
-            read_only=read_only,
-            create=not read_only,
-        )
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_handlers=storage.item_handlers()
-        )
+        # Read-only: the options a read-only manager takes, so Orbax has none
+        # to warn about resetting, and its warning that the directory "is
+        # read only" (we opened it so) is dropped.
+        with _quiet_read_only_warning():
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=None if read_only else max_to_keep,
+                save_interval_steps=0 if read_only else 1,
+                enable_async_checkpointing=async_save,
+                cleanup_tmp_directories=not read_only,
+                read_only=read_only,
+                create=not read_only,
+            )
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, item_handlers=storage.item_handlers()
+            )
 
     # ------------------------------------------------------------- basics
     def __enter__(self) -> "Checkpointer":

@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
         "its communication (inter-node / intra-node bytes per step) and memory.",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--dump-hlo", default=None, metavar="FILE", help="write the compiled HLO text here")
+    parser.add_argument("--dump-hlo", default=None, metavar="FILE",
+                        help="write the compiled HLO text here (the compressed step's, when "
+                             "there are two variants)")
     parser.add_argument(
         "--steps", type=common.positive_int, default=300,
         help="steps of the run whose qgZ schedule (warm-up, refreshes) the mean is taken over",

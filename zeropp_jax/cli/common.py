@@ -374,12 +374,13 @@ def make_optimizer(
 
 
 def fail(message: str) -> "None":
-    """Prints ``error: message`` and exits with status 2.
+    """Prints ``PROG: error: message`` (argparse's form, ``PROG`` the running
+    tool) and exits with status 2.
 
     On a multi-process run the process exits at once, so that peers blocked
     in a collective with it fail fast instead of waiting at the exit barrier.
     """
     from zeropp_jax import distributed
 
-    print(f"error: {message}", file=sys.stderr)
+    print(f"{os.path.basename(sys.argv[0]) or 'zeropp'}: error: {message}", file=sys.stderr)
     distributed.exit_now(2)

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--float-bytes", type=int, choices=(2, 4), default=2,
                    help="bytes per full-precision value on the wire (2: bf16)")
     common.add_common_args(parser)
+    for action in parser._actions:  # refused by check_flags: not in --help either
+        if action.dest in _TRAINING_FLAGS:
+            action.help = argparse.SUPPRESS
     return parser
 
 
@@ -240,7 +243,8 @@ def _published_zeropp() -> str:
 
 def format_result(result: dict) -> str:
     mesh = "x".join(map(str, result["profile_mesh"]))
-    head = (f"profiles: the example GPT's compiled step ({result['profile_params']:,} params, "
+    head = (f"profiles: the example GPT's compiled step ({result['profile_params']:,} params "
+            f"with the shards' padding, "
             f"mesh {mesh}), bytes scaled to the target")
     if "published" in result:
         c = result["cluster"]
