@@ -4,10 +4,15 @@
 each ``Block`` in an ``nnx.List`` is its own unit, gathered when called and
 again in the backward, with its dropout stream advanced as without the
 trainer; blocks stacked by ``nnx.vmap`` and applied by ``nnx.scan`` are one
-stacked unit, gathered layer by layer.
+stacked unit, gathered layer by layer. What the trainer could not keep or
+gather is refused: state written in the loss (``nnx.sow``, ``BatchNorm``'s
+running statistics, counters), a wrapped block's parameters read outside its
+``__call__`` (``Embed.attend``), parameters shared with another module.
 """
 
 from __future__ import annotations
+
+import functools
 
 from flax import nnx
 import jax
@@ -19,6 +24,7 @@ import pytest
 import zeropp_jax as zp
 from zeropp_jax.analysis.comm_report import comm_report
 from zeropp_jax.step import wrap_nnx
+from zeropp_jax.step.blocks import keys_from_data
 
 from _util import mesh_of
 
@@ -57,7 +63,7 @@ def criterion(model, batch):
     return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
-def trainer_of(model, **kwargs):
+def trainer_of(model, criterion=criterion, **kwargs):
     params, loss_fn = zp.nnx_loss(model, criterion)
     trainer = zp.make_trainer(loss_fn, optax.adam(1e-2), params, mesh=mesh_of(2, 4), rng=3,
                               config=zp.ZeroConfig(compute_dtype="float32"), **kwargs)
@@ -75,6 +81,29 @@ def train(trainer, params, steps):
         state, metrics = trainer.step(state, BATCH)
         losses.append(float(metrics["loss"]))
     return losses, trainer.gather_params(state)
+
+
+def plain_optax(loss_fn, params, steps):
+    """``(losses, trained parameters)`` of plain optax on one device on ``BATCH``."""
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def plain_step(p, opt_state):
+        value, g = jax.value_and_grad(loss_fn)(p, BATCH)
+        updates, opt_state = opt.update(g, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state, value
+
+    opt_state, losses = opt.init(params), []
+    for _ in range(steps):
+        params, opt_state, value = plain_step(params, opt_state)
+        losses.append(float(value))
+    return losses, params
+
+
+def trace_step(trainer, params, batch=BATCH):
+    """Traces the trainer's step (``lower``), running nothing."""
+    trainer.lower(trainer.abstract_state(jax.eval_shape(lambda: params)),
+                  trainer.shard_batch(batch))
 
 
 def all_gathers(trainer, params):
@@ -115,14 +144,14 @@ def test_discovery_finds_outermost_blocks_and_restores_the_classes():
     assert float(wrapped(params, BATCH, key)) == float(loss_fn(params, BATCH, key))
 
 
-def stack(n_layers, rngs, rate):
-    """``n_layers`` Blocks with their parameters stacked along axis 0 (Flax's
-    "scan over layers": one dropout key per layer)."""
+def stack(n_layers, rngs, rate, block=Block):
+    """``n_layers`` ``block`` s with their parameters stacked along axis 0
+    (Flax's "scan over layers": one dropout key per layer)."""
 
     @nnx.split_rngs(splits=n_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs):
-        return Block(rngs, rate)
+        return block(rngs, rate)
 
     return make(rngs)
 
@@ -140,9 +169,9 @@ def scan_blocks(blocks, h):
 class Scanned(nnx.Module):
     """Blocks stacked by ``nnx.vmap`` and applied by ``nnx.scan``."""
 
-    def __init__(self, rngs, n_layers=3, rate=0.2, stacks=1):
+    def __init__(self, rngs, n_layers=3, rate=0.2, stacks=1, block=Block):
         self.embed = nnx.Linear(8, WIDTH, rngs=rngs)
-        self.stacks = nnx.List([stack(n_layers, rngs, rate) for _ in range(stacks)])
+        self.stacks = nnx.List([stack(n_layers, rngs, rate, block) for _ in range(stacks)])
         self.head = nnx.Linear(WIDTH, 1, rngs=rngs)
 
     def __call__(self, x):
@@ -161,20 +190,8 @@ def test_blocks_under_nnx_scan_train_like_plain_optax_on_one_device():
     trainer, params, loss_fn = scanned_trainer(0.0, wrap=(Block,), example_batch=BATCH)
     assert [(u.name, u.stack) for u in trainer.layout.units] == [
         ("rest", None), ("stacks/0", 3)]
-    opt = optax.adam(1e-2)
-
-    @jax.jit
-    def plain_step(p, opt_state):
-        value, g = jax.value_and_grad(loss_fn)(p, BATCH)
-        updates, opt_state = opt.update(g, opt_state, p)
-        return optax.apply_updates(p, updates), opt_state, value
-
-    state, ref, ref_opt = trainer.init(params), params, opt.init(params)
-    for _ in range(4):
-        state, metrics = trainer.step(state, BATCH)
-        ref, ref_opt, value = plain_step(ref, ref_opt)
-        np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=1e-5)
-    full = trainer.gather_params(state)
+    (losses, full), (ref_losses, ref) = train(trainer, params, 4), plain_optax(loss_fn, params, 4)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert jax.tree.structure(full) == jax.tree.structure(params)
     for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
@@ -284,3 +301,216 @@ def test_export_keeps_the_int_keys_of_nnx_list_items(tmp_path):
         tree = flax.serialization.msgpack_restore(data)
         assert jax.tree.structure(tree) == jax.tree.structure(params), name
         nnx.update(model, tree)
+
+
+
+class Net(nnx.Module):
+    """``embed``, then each of ``n_layers`` blocks ``make_block(rngs)``, then ``head``."""
+
+    def __init__(self, make_block, rngs, n_layers=2):
+        self.embed = nnx.Linear(8, WIDTH, rngs=rngs)
+        self.blocks = nnx.List([make_block(rngs) for _ in range(n_layers)])
+        self.head = nnx.Linear(WIDTH, 1, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)[:, 0]
+
+
+class SowingBlock(nnx.Module):
+    """Records its activation with ``sow`` (e.g. for an auxiliary loss)."""
+
+    def __init__(self, rngs, rate=0.0):
+        self.lin = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.drop = nnx.Dropout(rate, rngs=rngs)
+
+    def __call__(self, h):
+        y = jnp.tanh(self.lin(h))
+        self.sow(nnx.Intermediate, "act", y)
+        return h + self.drop(y)
+
+
+# nnx.sow outside nnx.capture is deprecated; the wrap policy refuses both
+SOW_DEPRECATED = pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)':DeprecationWarning")
+
+
+def criterion_with_aux(model, batch):
+    """``criterion`` plus the mean square of the activations the blocks sowed."""
+    loss = criterion(model, batch)
+    return loss + sum(jnp.mean(a ** 2) for a in jax.tree.leaves(nnx.pop(model, nnx.Intermediate)))
+
+
+@SOW_DEPRECATED
+def test_a_wrapped_block_that_sows_is_refused():
+    for rate in (0.0, 0.2):  # with a dropout stream, the sown value shifted the stream's keys
+        model = Net(functools.partial(SowingBlock, rate=rate), nnx.Rngs(0, dropout=1))
+        trainer, params, loss_fn = trainer_of(model, criterion_with_aux, wrap=(SowingBlock,),
+                                              example_batch=BATCH)
+        loss_fn(params, BATCH, jax.random.key(0))  # unwrapped, an auxiliary loss
+        with pytest.raises(ValueError, match=r"SowingBlock at blocks/0 wrote or created state "
+                                             r"\['act'\].*Return such a value from __call__"):
+            trace_step(trainer, params)
+    with pytest.raises(ValueError, match="shorter"):  # as many keys as implementations
+        keys_from_data([np.zeros(2, np.uint32)], [])
+
+
+class NormBlock(nnx.Module):
+    """A block with a ``BatchNorm`` (``train``: it updates its running
+    statistics), a dropout, and (``count``) a counter of its calls."""
+
+    def __init__(self, rngs, rate=0.2, train=False, count=False):
+        self.lin = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.norm = nnx.BatchNorm(WIDTH, use_running_average=not train, rngs=rngs)
+        self.drop = nnx.Dropout(rate, rngs=rngs)
+        self.calls = nnx.Variable(jnp.zeros((), jnp.int32)) if count else None
+
+    def __call__(self, h):
+        if self.calls is not None:
+            self.calls[...] += 1
+        return h + self.drop(jnp.tanh(self.norm(self.lin(h))))
+
+
+@SOW_DEPRECATED
+def test_nnx_loss_refuses_a_criterion_that_writes_state_the_trainer_would_drop():
+    def loss_of(model, crit=criterion):
+        params, loss_fn = zp.nnx_loss(model, crit)
+        return loss_fn(params, BATCH, jax.random.key(0))
+
+    rngs = functools.partial(nnx.Rngs, 0, dropout=1)
+    train_mode = functools.partial(NormBlock, train=True)
+    refused = [
+        (Net(train_mode, rngs()), r"\['blocks/0/norm/mean', 'blocks/0/norm/var', "
+                                  r"'blocks/1/norm/mean', .*use_running_average=True"),
+        (Scanned(rngs(), block=train_mode), r"\['stacks/0/norm/mean', 'stacks/0/norm/var'\]"),
+        (Net(functools.partial(NormBlock, count=True), rngs()),
+         r"\['blocks/0/calls', 'blocks/1/calls'\].*keep counters"),
+        (Net(SowingBlock, rngs()), r"\['blocks/0/act', 'blocks/1/act'\].*nnx.pop"),
+    ]
+    for model, written in refused:
+        with pytest.raises(ValueError, match="nnx_loss: the criterion wrote the module's "
+                                             "state " + written):
+            loss_of(model)
+    # reads (BatchNorm in eval mode), random streams advancing, sown values taken out
+    loss_of(Net(NormBlock, rngs()))
+    loss_of(Scanned(rngs(), block=NormBlock))
+    loss_of(Net(SowingBlock, rngs()), criterion_with_aux)
+    for model in (Net(NormBlock, rngs()), Scanned(rngs(), block=NormBlock)):
+        trainer, params, _ = trainer_of(model, wrap=(NormBlock,), example_batch=BATCH)
+        trace_step(trainer, params)
+
+
+class SubBlock(Block):
+    """A ``Block`` after a projection of its own, in its own ``__call__``."""
+
+    def __init__(self, rngs, rate=0.0):
+        super().__init__(rngs, rate)
+        self.pre = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, h):
+        return super().__call__(jnp.tanh(self.pre(h)))
+
+
+def test_a_subclass_with_its_own_call_is_a_wrapped_block_that_trains_like_plain_optax():
+    call = SubBlock.__call__
+    trainer, params, loss_fn = trainer_of(Net(SubBlock, nnx.Rngs(0)), wrap=(Block,),
+                                          example_batch=BATCH)
+    assert trainer.layout.names == ("rest", "blocks/0", "blocks/1")
+    assert SubBlock.__dict__["__call__"] is call  # put back
+    (losses, full), (ref_losses, ref) = train(trainer, params, 2), plain_optax(loss_fn, params, 2)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+class TiedNet(nnx.Module):
+    """Token embeddings, blocks, and the embeddings again as the head (``Embed.attend``)."""
+
+    def __init__(self, rngs, vocab=16):
+        self.embed = nnx.Embed(vocab, WIDTH, rngs=rngs)
+        self.blocks = nnx.List([Block(rngs, 0.0) for _ in range(2)])
+
+    def __call__(self, tokens):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.embed.attend(h)
+
+
+def test_wrapped_parameters_read_outside_the_blocks_call_are_refused():
+    tokens = np.random.default_rng(0).integers(0, 16, size=(16, 5)).astype(np.int32)
+    batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+
+    def next_token(model, b):
+        return optax.softmax_cross_entropy_with_integer_labels(model(b["x"]), b["y"]).mean()
+
+    trainer, params, _ = trainer_of(TiedNet(nnx.Rngs(0)), next_token, wrap=(nnx.Embed, Block),
+                                    example_batch=batch)
+    with pytest.raises(ValueError, match=r"parameter embed/embedding of a wrapped block is read "
+                                         r"outside the block's __call__.*out of wrap="):
+        trace_step(trainer, params, batch)
+
+
+class RematNet(Net):
+    def __call__(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = nnx.remat(lambda b, h: b(h))(block, h)
+        return self.head(h)[:, 0]
+
+
+def test_a_block_under_nnx_remat_is_refused_naming_the_likely_cause():
+    params, loss_fn = zp.nnx_loss(RematNet(Block, nnx.Rngs(0, dropout=1)), criterion)
+    with pytest.raises(ValueError, match="inside nnx.remat, nnx.jit .*already recomputes each "
+                                         "wrapped block in the backward"):
+        wrap_nnx.discover(loss_fn, params, BATCH, (Block,))
+
+
+class HeadBlock(nnx.Module):
+    """A head holding the model's input layer (tied weights)."""
+
+    def __init__(self, embed, rngs):
+        self.embed = embed
+        self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+
+    def __call__(self, h):
+        return self.norm(h) @ self.embed.kernel[...].T
+
+
+def test_blocks_sharing_parameters_with_another_module_are_refused_naming_them():
+    rngs = nnx.Rngs(0, dropout=1)
+    tied = Net(Block, rngs)
+    tied.head = HeadBlock(tied.embed, rngs)
+    shared = Net(Block, rngs)
+    shared.blocks[1].lin = shared.blocks[0].lin
+    for model, classes, match in [
+        (tied, (HeadBlock,), r"HeadBlock's parameters lie in 2 sub-trees of params \(under "
+                             r"head: .*; under the root: embed/bias, embed/kernel\)"),
+        (shared, (Block,), r"Block's parameters lie in 2 sub-trees of params \(under "
+                           r"blocks/0: blocks/0/lin/bias, blocks/0/lin/kernel; under blocks/1"),
+    ]:
+        params, loss_fn = zp.nnx_loss(model, criterion)
+        with pytest.raises(ValueError, match=match + ".*shares parameters with another module"):
+            wrap_nnx.discover(loss_fn, params, BATCH, classes)
+
+
+class TwoWayBlock(Block):
+    def fwd(self, h):
+        """The block's function, not through its ``__call__``."""
+        return Block.__call__(self, h)
+
+
+class BypassNet(Net):
+    def __call__(self, x):
+        h = self.blocks[0](self.embed(x))
+        return self.head(self.blocks[1].fwd(h))[:, 0]
+
+
+def test_a_block_applied_only_by_another_method_is_named_in_a_warning():
+    fwd = TwoWayBlock.fwd
+    params, loss_fn = zp.nnx_loss(BypassNet(TwoWayBlock, nnx.Rngs(0, dropout=1)), criterion)
+    with pytest.warns(UserWarning, match="the TwoWayBlock at blocks/1 is applied only by its "
+                                         "method fwd.*only __call__"):
+        paths, _ = wrap_nnx.discover(loss_fn, params, BATCH, (TwoWayBlock,))
+    assert paths == [("blocks", 0)] and TwoWayBlock.__dict__["fwd"] is fwd

@@ -6,7 +6,9 @@ parameters (``Rngs`` streams, dropout keys, batch statistics), and
 ``nnx.split(model, nnx.Param)`` alone refuses such a module ("Non-exhaustive
 filters"). :func:`nnx_loss` splits it into the parameters (trained) and the
 rest (read by every step, unchanged), and builds the loss, reseeding the
-module's random streams from the trainer's per-step key.
+module's random streams from the trainer's per-step key. The loss returns
+only the loss, so it refuses a criterion that writes the module's other state
+(:func:`written_state`).
 """
 
 from __future__ import annotations
@@ -50,9 +52,11 @@ def nnx_loss(
       ``loss_fn(params, batch, key=None)``. Without a key the streams keep
       the values they had when the model was split, so every step would draw
       the same dropout mask: give the trainer ``rng=``. The other state
-      (batch statistics, counters) is read, never written back: modules that
-      update state in training (``BatchNorm`` with ``use_running_average=False``)
-      are not supported.
+      (batch statistics, counters) is read, never written back: the loss
+      raises ``ValueError`` (when traced) if ``criterion`` gives such a
+      variable a new value or creates one (``BatchNorm`` with
+      ``use_running_average=False``, a counter, ``nnx.sow`` values it does
+      not take out with ``nnx.pop``).
 
     ``make_trainer(..., wrap=(Block,), example_batch=batch)`` makes each
     ``Block`` instance the loss calls its own unit, and blocks stacked by
@@ -80,9 +84,42 @@ def nnx_loss(
             # A stream of layers stacked by nnx.vmap holds one key per layer:
             # "match_shape" splits the step's key into as many.
             nnx.reseed(module, policy="match_shape", **keys)
-        return criterion(module, batch)
+        before = state_leaves(module)
+        loss = criterion(module, batch)
+        written = written_state(module, before)
+        if written:
+            raise ValueError(
+                f"nnx_loss: the criterion wrote the module's state {written} (variables "
+                "other than nnx.Param and random-stream state), which the trainer would "
+                "drop: each step reads that state as it was when nnx_loss split the "
+                "model. Use BatchNorm(use_running_average=True) or nnx.LayerNorm, take "
+                "values recorded with sow out in the criterion (nnx.pop(module, "
+                "nnx.Intermediate), or nnx.capture) and keep counters and caches out of "
+                "the loss"
+            )
+        return loss
 
     return params, loss_fn
+
+
+def state_leaves(module: nnx.Module) -> dict[tuple, Any]:
+    """``key path -> leaf`` of an NNX ``module``'s state other than its
+    ``nnx.Param`` s and random-stream state (``nnx.RngState``: keys and
+    counts): batch statistics, counters, ``sow`` values."""
+    state = nnx.state(module, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))
+    return dict(jax.tree_util.tree_flatten_with_path(state)[0])
+
+
+def written_state(module: nnx.Module, before: dict[tuple, Any]) -> list[str]:
+    """The variables of ``module`` (``/``-joined paths, sorted) that were
+    created or given a new value since ``before`` (its :func:`state_leaves`
+    then); a variable only read keeps its value, the same object."""
+    written = set()
+    for path, leaf in state_leaves(module).items():
+        if before.get(path) is not leaf:
+            keys = [str(e.key) for e in path if isinstance(e, jax.tree_util.DictKey)]
+            written.add("/".join(keys))
+    return sorted(written)
 
 
 def _streams_to_reseed(model: nnx.Module, streams: Sequence[str] | None) -> tuple[str, ...]:

@@ -35,6 +35,24 @@ def _not_read_only_notice(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("Given directory is read only")
 
 
+def _manager(directory: str, max_to_keep: int | None, async_save: bool,
+             read_only: bool) -> ocp.CheckpointManager:
+    """The Orbax manager of ``directory``. Read-only, it gets the options a
+    read-only manager takes, so Orbax has none to warn about resetting, and
+    its warning that the directory "is read only" (we opened it so) is dropped."""
+    with _quiet_read_only_warning():
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None if read_only else max_to_keep,
+            save_interval_steps=0 if read_only else 1,
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
+            create=not read_only,
+        )
+        return ocp.CheckpointManager(directory, options=options,
+                                     item_handlers=storage.item_handlers())
+
+
 @contextlib.contextmanager
 def _quiet_read_only_warning():
     """Drops Orbax's "Given directory is read only" warning (absl's logger)
@@ -90,21 +108,7 @@ class Checkpointer:
             raise FileNotFoundError(f"checkpoint directory {self.directory} does not exist")
         if not read_only and os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise ValueError(f"checkpoint directory {self.directory} is a file")
-        # Read-only: the options a read-only manager takes, so Orbax has none
-        # to warn about resetting, and its warning that the directory "is
-        # read only" (we opened it so) is dropped.
-        with _quiet_read_only_warning():
-            options = ocp.CheckpointManagerOptions(
-                max_to_keep=None if read_only else max_to_keep,
-                save_interval_steps=0 if read_only else 1,
-                enable_async_checkpointing=async_save,
-                cleanup_tmp_directories=not read_only,
-                read_only=read_only,
-                create=not read_only,
-            )
-            self._manager = ocp.CheckpointManager(
-                self.directory, options=options, item_handlers=storage.item_handlers()
-            )
+        self._manager = _manager(self.directory, max_to_keep, async_save, read_only)
 
     # ------------------------------------------------------------- basics
     def __enter__(self) -> "Checkpointer":

@@ -67,12 +67,28 @@ def keys_as_data(leaves: Sequence[Any]) -> tuple[list, list]:
     ``custom_vjp``): ``(data, impls)``, ``impls[i]`` the key's implementation
     or None for a leaf that is not a typed key (kept as it is)."""
     impls = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
-    return [jax.random.key_data(x) if i else x for x, i in zip(leaves, impls)], impls
+    return [jax.random.key_data(x) if i else x for x, i in zip(leaves, impls, strict=True)], impls
 
 
 def keys_from_data(data: Sequence[Any], impls: Sequence[Any]) -> list:
-    """:func:`keys_as_data` undone: the typed keys again."""
-    return [jax.random.wrap_key_data(x, impl=i) if i else x for x, i in zip(data, impls)]
+    """:func:`keys_as_data` undone: the typed keys again (``data`` and
+    ``impls`` of one length)."""
+    return [
+        jax.random.wrap_key_data(x, impl=i) if i else x for x, i in zip(data, impls, strict=True)
+    ]
+
+
+def state_as_data(state: Any) -> tuple[list, Any, list]:
+    """``(data, treedef, impls)``: the leaves of a pytree ``state`` as
+    :func:`keys_as_data` gives them, and what :func:`state_from_data` needs."""
+    leaves, treedef = jax.tree.flatten(state)
+    data, impls = keys_as_data(leaves)
+    return data, treedef, impls
+
+
+def state_from_data(data: Sequence[Any], treedef: Any, impls: Sequence[Any]) -> Any:
+    """:func:`state_as_data` undone: the pytree, its typed keys again."""
+    return jax.tree.unflatten(treedef, keys_from_data(data, impls))
 
 
 def _is_key(x: Any) -> bool:
@@ -93,7 +109,7 @@ def as_layer(fn: Callable, unit: Unit, args: tuple, kwargs: dict, state: Any = N
 
     def block(unit, *arrays):
         full = list(leaves)
-        for i, x in zip(dynamic, arrays):
+        for i, x in zip(dynamic, arrays, strict=True):
             full[i] = x
         a, kw, st = jax.tree.unflatten(treedef, full)
         with inside_block():

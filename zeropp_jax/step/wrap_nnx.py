@@ -20,11 +20,15 @@ swapped for a dispatcher while the loss is traced (and restored after).
    like parameters, so a scanned block sees one layer's ``Unit``. A call of
    a block holding a ``Unit`` splits the block (``nnx.split``), merges it
    again inside ``layer`` with ``gather(unit)`` (one gather per layer,
-   forward and backward), and writes its other state (random-stream
-   counters) back with ``nnx.update``, which ``nnx.scan`` stacks again.
-   (Applied by ``nnx.vmap`` instead, the stack's per-layer gathers are
-   batched into one gather of the whole stack.) A block holding a stacked
-   ``Unit`` called whole, not by a scan, is refused.
+   forward and backward), and writes its random-stream counters back with
+   ``nnx.update``, which ``nnx.scan`` stacks again. (Applied by ``nnx.vmap``
+   instead, the stack's per-layer gathers are batched into one gather of
+   the whole stack.) Refused: a block holding a stacked ``Unit`` called
+   whole, not by a scan; a block writing other state (``nnx.sow``, batch
+   statistics), which could not leave ``layer``; and a read of a wrapped
+   block's parameters outside its ``__call__`` (``Embed.attend``).
+
+A subclass of a listed class with its own ``__call__`` is dispatched too.
 
 Two stacks whose parameters have the same names, shapes and dtypes cannot
 be told apart by :func:`discover` and are refused.
@@ -37,45 +41,106 @@ accepts, and are wrapped again inside.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from zeropp_jax.step.blocks import (
-    as_layer, depth, inside_block, keys_as_data, keys_from_data, trace_calls,
+    as_layer, depth, inside_block, state_as_data, state_from_data, trace_calls,
 )
 from zeropp_jax.step.gather import Unit
 from zeropp_jax.tree_paths import cut_paths, paste_paths
 
 
-def _is_unit(x: Any) -> bool:
-    return isinstance(x, Unit)
+@jax.tree_util.register_pytree_node_class
+class _Held:
+    """A wrapped block's parameter as the loss receives it (see
+    :func:`_holder`): its unit's :class:`Unit` or an empty array, which only
+    the block's ``__call__`` may hold. Read as an array anywhere else (by
+    another method, another module), it raises a ``ValueError`` naming the
+    parameter. Child: ``value``; aux data: the parameter's path."""
+
+    def __init__(self, value: Any, name: str):
+        self.value = value
+        self.name = name
+
+    def tree_flatten(self):
+        return (self.value,), self.name
+
+    @classmethod
+    def tree_unflatten(cls, name, children):
+        return cls(children[0], name)
+
+    def _refuse(self, *_):
+        raise ValueError(
+            f"wrap: the parameter {self.name} of a wrapped block is read outside the "
+            "block's __call__ (by another method, e.g. Embed.attend for tied "
+            "embeddings, or by another module); only a call of the block gathers its "
+            "parameters. Leave the block's class out of wrap= (its parameters then "
+            "join the rest unit, gathered before the loss), or read them only in its "
+            "__call__"
+        )
+
+    __getitem__ = __jax_array__ = __array__ = _refuse
+
+
+def _with_subclasses(classes: Sequence[type]) -> tuple[type, ...]:
+    """``classes`` and, recursively, their subclasses that define their own
+    ``__call__`` (an instance of one is an instance of a listed class), each
+    once, parents first."""
+    found = list(classes)
+    for c in found:  # breadth first: the loop sees what it appends
+        found += [sub for sub in c.__subclasses__() if sub not in found]
+    return tuple(c for c in found if c in classes or "__call__" in c.__dict__)
+
+
+def _public_methods(cls: type) -> list[str]:
+    """The names of the plain public methods an NNX ``cls`` defines or
+    inherits from classes below ``nnx.Module`` (``Embed.attend``, ...), but
+    ``set_view`` (which ``Module.train``/``eval`` call: it applies nothing)."""
+    from flax import nnx
+
+    return sorted({
+        name for base in cls.__mro__ if issubclass(base, nnx.Module) and base is not nnx.Module
+        for name, f in vars(base).items()
+        if not name.startswith("_") and name != "set_view" and inspect.isfunction(f)
+    })
 
 
 @contextlib.contextmanager
-def _nnx_calls(classes: tuple[type, ...], handler: Callable):
-    """While active, calling an instance of ``classes`` runs
-    ``handler(call, module, args, kwargs)``, ``call`` being the class's own
-    ``__call__``; outside, the classes are as they were."""
-    saved = [(c, c.__dict__.get("__call__")) for c in classes]
+def _patched(classes: Sequence[type], name: str, handler: Callable):
+    """While active, calling the method ``name`` of an instance of ``classes``
+    runs ``handler(method, module, args, kwargs)``, ``method`` being the
+    class's own; outside, the classes are as they were."""
+    saved = [(c, c.__dict__.get(name)) for c in classes]
 
-    def dispatcher(call):
-        def __call__(self, *args, **kwargs):
-            return handler(call, self, args, kwargs)
+    def dispatcher(method):
+        def patched(self, *args, **kwargs):
+            return handler(method, self, args, kwargs)
 
-        return __call__
+        return patched
 
     try:
         for c in classes:
-            c.__call__ = dispatcher(c.__call__)
+            setattr(c, name, dispatcher(getattr(c, name)))
         yield
     finally:
         for c, own in saved:
             if own is None:
-                del c.__call__  # it was inherited
+                delattr(c, name)  # it was inherited
             else:
-                c.__call__ = own
+                setattr(c, name, own)
+
+
+def _nnx_calls(classes: Sequence[type], handler: Callable):
+    """While active, calling an instance of ``classes`` (or of a subclass with
+    its own ``__call__``) runs ``handler(call, module, args, kwargs)``,
+    ``call`` being the class's own ``__call__``; outside, the classes are as
+    they were."""
+    return _patched(_with_subclasses(classes), "__call__", handler)
 
 
 def _keys(path: tuple) -> tuple:
@@ -91,19 +156,29 @@ def _keys(path: tuple) -> tuple:
 
 def _params_of(module: Any) -> list[tuple[tuple, Any]]:
     """``(path inside the module, value)`` of an NNX ``module``'s ``Param``s,
-    a :class:`Unit` being one value."""
+    a :class:`_Held` being one value."""
     from flax import nnx
 
-    own = jax.tree_util.tree_flatten_with_path(nnx.state(module, nnx.Param), is_leaf=_is_unit)[0]
+    own = jax.tree_util.tree_flatten_with_path(
+        nnx.state(module, nnx.Param), is_leaf=lambda x: isinstance(x, _Held))[0]
     return [(_keys(path), leaf) for path, leaf in own]
 
 
 _BUILT = (
     "wrapped NNX blocks must be built by nnx.merge from params unchanged "
     "(zeropp_jax.nnx_loss does) and called directly or by nnx.scan over a "
-    "leading layer axis (layers stacked with nnx.vmap). Otherwise mark layers "
-    "with zp.gather/zp.layer, or use per_layer=False"
+    "leading layer axis (layers stacked with nnx.vmap). A block called inside "
+    "nnx.remat, nnx.jit or another NNX transform sees that transform's copies: "
+    "call it directly (the wrap policy already recomputes each wrapped block in "
+    "the backward, gathering it again, so an nnx.remat around it can be "
+    "dropped). Otherwise mark layers with zp.gather/zp.layer, or use "
+    "per_layer=False"
 )
+
+
+def _show(path: tuple) -> str:
+    """A key path as ``a/0/b``; the root as ``the root``."""
+    return "/".join(map(str, path)) if path else "the root"
 
 
 def _block_path(module: Any, where: dict, inputs: dict) -> tuple[tuple, bool] | None:
@@ -121,21 +196,26 @@ def _block_path(module: Any, where: dict, inputs: dict) -> tuple[tuple, bool] | 
         return None
     if not any(id(leaf) in where for _, leaf in own):
         return _stack_path(module, own, inputs), True
-    prefixes = set()
+    name, prefixes = type(module).__name__, {}
     for rel, leaf in own:
         outer = where.get(id(leaf))
         if outer is None or outer[len(outer) - len(rel):] != rel:
             raise ValueError(
-                f"wrap: the parameters of a {type(module).__name__} are not the loss's "
-                f"params inputs; {_BUILT}"
+                f"wrap: the parameters of a {name} are not the loss's params inputs; {_BUILT}"
             )
-        prefixes.add(outer[: len(outer) - len(rel)])
+        prefixes.setdefault(outer[: len(outer) - len(rel)], []).append(outer)
     if len(prefixes) != 1:
-        raise ValueError(
-            f"wrap: the parameters of a {type(module).__name__} lie under several "
-            f"paths {sorted(prefixes, key=str)}; a wrapped block must own one sub-tree"
+        held = "; ".join(
+            f"under {_show(prefix)}: {', '.join(_show(p) for p in sorted(paths, key=str))}"
+            for prefix, paths in sorted(prefixes.items(), key=str)
         )
-    return prefixes.pop(), False
+        raise ValueError(
+            f"wrap: a {name}'s parameters lie in {len(prefixes)} sub-trees of params "
+            f"({held}): it shares parameters with another module (NNX stores a shared "
+            "variable once, at the first path reaching it), and a wrapped block must own "
+            f"one sub-tree. Keep shared parameters out of it, or leave {name} out of wrap="
+        )
+    return next(iter(prefixes)), False
 
 
 def _stack_path(module: Any, own: list, inputs: dict) -> tuple:
@@ -210,25 +290,54 @@ def discover(
             with inside_block():
                 return call(module, *args, **kwargs)
 
-        return _nnx_calls(tuple(classes), record)
+        def record_method(method, module, args, kwargs):
+            if not depth():
+                with contextlib.suppress(ValueError):  # a path for the warning only
+                    block = _block_path(module, where, inputs)
+                    if block is not None:
+                        other.setdefault(block[0], (type(module).__name__, method.__name__))
+            return method(module, *args, **kwargs)
 
+        stack = contextlib.ExitStack()
+        stack.enter_context(_nnx_calls(tuple(classes), record))
+        for c in classes:
+            for name in _public_methods(c):
+                stack.enter_context(_patched((c,), name, record_method))
+        return stack
+
+    other: dict[tuple, tuple[str, str]] = {}  # path -> (class, method) of other calls
     trace_calls(loss_fn, params, example_batch, extra_args, intercepting, classes, found)
+    for path, (name, method) in other.items():
+        if path not in found:
+            warnings.warn(
+                f"wrap: the {name} at {_show(path)} is applied only by its method "
+                f"{method}, which the wrap policy does not wrap (only __call__): its "
+                f"parameters stay in the rest unit, gathered whole before the loss. Call "
+                f"the block itself to make it its own unit",
+                stacklevel=2,
+            )
     return found, stacked
 
 
 def _holder(unit: Unit) -> Any:
-    """The block's parameter tree as the loss receives it: ``unit`` as the
-    first leaf, empty ``(..., 0)`` arrays (with a stacked unit's layer axis,
-    so ``nnx.scan`` slices them) as the others."""
-    lead = () if unit.layout.stack is None else (unit.layout.stack,)
-    rest = [jnp.zeros(lead + (0,), s.dtype) for s in unit.layout.leaves[1:]]
-    return jax.tree.unflatten(unit.layout.treedef, [unit, *rest])
+    """The block's parameter tree as the loss receives it, each leaf a
+    :class:`_Held`: ``unit`` as the first, empty ``(..., 0)`` arrays (with a
+    stacked unit's layer axis, so ``nnx.scan`` slices them) as the others."""
+    layout = unit.layout
+    lead = () if layout.stack is None else (layout.stack,)
+    values = [unit] + [jnp.zeros(lead + (0,), s.dtype) for s in layout.leaves[1:]]
+    paths = jax.tree_util.tree_flatten_with_path(
+        jax.tree.unflatten(layout.treedef, layout.leaves))[0]
+    names = [f"{layout.name}/{_show(_keys(p))}" for p, _ in paths]
+    held = [_Held(x, name) for x, name in zip(values, names, strict=True)]
+    return jax.tree.unflatten(layout.treedef, held)
 
 
 def _unit_of(module: Any) -> Unit | None:
     """The :class:`Unit` an NNX block holds among its ``Param``s (see
     :func:`_holder`), one layer's under ``nnx.scan``; ``None`` if none."""
-    units = [x for _, x in _params_of(module) if _is_unit(x)]
+    held = [x.value for _, x in _params_of(module) if isinstance(x, _Held)]
+    units = [x for x in held if isinstance(x, Unit)]
     if not units:
         return None
     unit = units[0]
@@ -260,30 +369,42 @@ def wrap_loss(loss_fn: Callable, classes: Sequence[type], paths: Sequence[tuple]
 
     Raises:
       ValueError: (when traced) if a block holding a stacked unit is called
-        whole rather than by ``nnx.scan``.
+        whole rather than by ``nnx.scan``, if a block writes or creates state
+        other than its random streams (``nnx.sow``, batch statistics), or if a
+        wrapped block's parameters are read outside its ``__call__``
+        (:class:`_Held`).
     """
     from flax import nnx
+
+    from zeropp_jax.nnx_model import state_leaves, written_state
 
     classes, paths = tuple(classes), [tuple(p) for p in paths]
 
     def apply(call, module, unit, args, kwargs):
         graphdef, _, other = nnx.split(module, nnx.Param, ...)
-        leaves, treedef = jax.tree.flatten(other)
-        impls = keys_as_data(leaves)[1]
-
-        def encode(state):
-            return keys_as_data(jax.tree.leaves(state))[0]
-
-        def decode(data):
-            return jax.tree.unflatten(treedef, keys_from_data(data, impls))
+        data, treedef, impls = state_as_data(other)
+        streams, streams_def, stream_impls = state_as_data(nnx.state(module, nnx.RngState))
 
         def run(params, data, *a, **kw):
-            block = nnx.merge(graphdef, params, decode(data))
+            block = nnx.merge(graphdef, params, state_from_data(data, treedef, impls))
+            before = state_leaves(block)
             out = call(block, *a, **kw)
-            return out, encode(nnx.split(block, nnx.Param, ...)[2])
+            written = written_state(block, before)
+            if written:
+                raise ValueError(
+                    f"wrap: a {type(module).__name__} at {unit.layout.name} wrote or "
+                    f"created state {written} in its __call__ (nnx.sow, BatchNorm's running "
+                    "statistics, a counter), which cannot leave a wrapped block: its "
+                    "parameters are gathered for the call only. Return such a value from "
+                    "__call__ instead (e.g. an auxiliary loss), use BatchNorm("
+                    "use_running_average=True) or nnx.LayerNorm, or leave "
+                    f"{type(module).__name__} out of wrap="
+                )
+            return out, state_as_data(nnx.state(block, nnx.RngState))[0]
 
-        out, data = as_layer(run, unit, args, kwargs, state=encode(other))
-        nnx.update(module, decode(data))  # e.g. the dropout stream's counter
+        out, streams = as_layer(run, unit, args, kwargs, state=data)
+        # the random streams' counters advance as without the trainer
+        nnx.update(module, state_from_data(streams, streams_def, stream_impls))
         return out
 
     def dispatch(call, module, args, kwargs):
@@ -294,7 +415,7 @@ def wrap_loss(loss_fn: Callable, classes: Sequence[type], paths: Sequence[tuple]
 
     def wrapped(params, batch, *rest):
         rest_params, subtrees = cut_paths(params, paths)
-        if not any(_is_unit(t) for t in subtrees):
+        if not any(isinstance(t, Unit) for t in subtrees):
             return loss_fn(params, batch, *rest)
         with _nnx_calls(classes, dispatch):
             holders = [_holder(unit) for unit in subtrees]
