@@ -270,6 +270,7 @@ def test_export_refuses_a_directory_and_non_finite_parameters(tmp_path, capsys):
             export.main([str(tmp_path / "ckpt"), *argv])
         err = capsys.readouterr().err
         assert e.value.code == 2 and expected in err and len(err.strip().splitlines()) == 1, err
+        assert err.startswith("zeropp-export: error: "), err  # named like argparse's errors
     assert export.main([str(tmp_path / "ckpt"), str(tmp_path / "p.msgpack"), "--allow-nonfinite"]) == 0
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "p.msgpack"]  # no temporary file left
 

@@ -239,7 +239,7 @@ def test_wrapped_llama_gathers_each_decoder_layer_twice():
 
 
 def _bart():
-    """``(module, params, loss, block classes)``: a Flax BART encoder-decoder,
+    """``(params, loss, block classes)``: a Flax BART encoder-decoder,
     whose encoder and decoder layers are two block classes."""
     from transformers import BartConfig, FlaxBartForConditionalGeneration
     from transformers.models.bart.modeling_flax_bart import (

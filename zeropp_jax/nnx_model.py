@@ -7,12 +7,14 @@ parameters (``Rngs`` streams, dropout keys, batch statistics), and
 filters"). :func:`nnx_loss` splits it into the parameters (trained) and the
 rest (read by every step, unchanged), and builds the loss, reseeding the
 module's random streams from the trainer's per-step key. The loss returns
-only the loss, so it refuses a criterion that writes the module's other state
+only the loss, so state the criterion writes cannot leave it: refused where
+that is certain, warned about where a transform's copy looks the same
 (:func:`written_state`).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -52,11 +54,12 @@ def nnx_loss(
       ``loss_fn(params, batch, key=None)``. Without a key the streams keep
       the values they had when the model was split, so every step would draw
       the same dropout mask: give the trainer ``rng=``. The other state
-      (batch statistics, counters) is read, never written back: the loss
-      raises ``ValueError`` (when traced) if ``criterion`` gives such a
-      variable a new value or creates one (``BatchNorm`` with
-      ``use_running_average=False``, a counter, ``nnx.sow`` values it does
-      not take out with ``nnx.pop``).
+      (batch statistics, counters) is read, never written back:
+      ``nnx_loss`` raises ``ValueError`` for a ``BatchNorm`` with
+      ``use_running_average=False``, the loss (when traced) for a variable
+      the criterion creates (``nnx.sow`` values it does not take out with
+      ``nnx.pop``), and it warns when a variable holds a new value after the
+      criterion (a counter written, or a copy put back by ``nnx.remat``).
 
     ``make_trainer(..., wrap=(Block,), example_batch=batch)`` makes each
     ``Block`` instance the loss calls its own unit, and blocks stacked by
@@ -71,6 +74,7 @@ def nnx_loss(
       ...
       nnx.update(model, trainer.gather_params(state))  # trained weights back in the module
     """
+    check_no_training_batch_norm(model)
     streams = _streams_to_reseed(model, streams)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(params)
@@ -86,16 +90,23 @@ def nnx_loss(
             nnx.reseed(module, policy="match_shape", **keys)
         before = state_leaves(module)
         loss = criterion(module, batch)
-        written = written_state(module, before)
-        if written:
+        created, replaced = written_state(module, before)
+        if created:
             raise ValueError(
-                f"nnx_loss: the criterion wrote the module's state {written} (variables "
-                "other than nnx.Param and random-stream state), which the trainer would "
-                "drop: each step reads that state as it was when nnx_loss split the "
-                "model. Use BatchNorm(use_running_average=True) or nnx.LayerNorm, take "
-                "values recorded with sow out in the criterion (nnx.pop(module, "
-                "nnx.Intermediate), or nnx.capture) and keep counters and caches out of "
-                "the loss"
+                f"nnx_loss: the criterion created state {created} in the module (or changed "
+                "its shape), which the trainer would drop: each step reads the module's "
+                "state as it was when nnx_loss split the model. Take values recorded with "
+                "sow out in the criterion (nnx.pop(module, nnx.Intermediate), or "
+                "nnx.capture) and keep caches out of the loss"
+            )
+        if replaced:
+            warnings.warn(
+                f"nnx_loss: the module's state {replaced} has new values after the criterion. "
+                "Either the criterion wrote them (a counter, a statistic), and the trainer "
+                "drops what it writes (each step reads the state as nnx_loss split it), or an "
+                "NNX transform (nnx.remat, nnx.jit) put back unchanged copies, which is "
+                "harmless",
+                stacklevel=2,
             )
         return loss
 
@@ -110,16 +121,40 @@ def state_leaves(module: nnx.Module) -> dict[tuple, Any]:
     return dict(jax.tree_util.tree_flatten_with_path(state)[0])
 
 
-def written_state(module: nnx.Module, before: dict[tuple, Any]) -> list[str]:
-    """The variables of ``module`` (``/``-joined paths, sorted) that were
-    created or given a new value since ``before`` (its :func:`state_leaves`
-    then); a variable only read keeps its value, the same object."""
-    written = set()
+def written_state(module: nnx.Module, before: dict[tuple, Any]) -> tuple[list[str], list[str]]:
+    """``(created, replaced)``: the variables of ``module`` (``/``-joined
+    paths, sorted) created or changed in shape or dtype since ``before`` (its
+    :func:`state_leaves` then), and those holding another array of the same
+    shape and dtype. A variable only read keeps the same array; a replaced
+    one was either written or copied unchanged by an NNX transform
+    (``nnx.remat`` and ``nnx.jit`` put back every variable), which tracing
+    cannot tell apart."""
+    created, replaced = set(), set()
     for path, leaf in state_leaves(module).items():
-        if before.get(path) is not leaf:
-            keys = [str(e.key) for e in path if isinstance(e, jax.tree_util.DictKey)]
-            written.add("/".join(keys))
-    return sorted(written)
+        old = before.get(path)
+        if old is leaf:
+            continue
+        name = "/".join(str(e.key) for e in path if isinstance(e, jax.tree_util.DictKey))
+        same = old is not None and (jnp.shape(old), jnp.result_type(old)) == (
+            jnp.shape(leaf), jnp.result_type(leaf))
+        (replaced if same else created).add(name)
+    return sorted(created), sorted(replaced)
+
+
+def check_no_training_batch_norm(model: nnx.Module) -> None:
+    """Raises ``ValueError`` naming each ``nnx.BatchNorm`` of ``model`` set to
+    update its running statistics (``use_running_average=False``): the
+    trainer would drop them, and normalize over each device's micro-batch."""
+    found = ["/".join(map(str, path)) for path, node in nnx.iter_graph(model)
+             if isinstance(node, nnx.BatchNorm) and not node.use_running_average]
+    if found:
+        raise ValueError(
+            f"nnx_loss: BatchNorm {found} update their running statistics in training "
+            "(use_running_average=False), which the trainer would drop (each step reads the "
+            "module's state as nnx_loss split it), and would normalize over each device's "
+            "micro-batch. Use BatchNorm(use_running_average=True) with fixed statistics, "
+            "or nnx.LayerNorm"
+        )
 
 
 def _streams_to_reseed(model: nnx.Module, streams: Sequence[str] | None) -> tuple[str, ...]:

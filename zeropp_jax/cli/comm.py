@@ -6,10 +6,10 @@ prints, per collective kind, dtype and mesh axis, the bytes each node takes
 in over its inter-node link and each device over intra-node links, counting
 loop trip counts, plus per-device memory from the compiler.
 
-The headline inter-node figure is two-level (each remote byte enters a node
-once, as NCCL's hierarchical algorithms and DeepSpeed's ZeRO-3 send it); the
-flat sum over devices (what an all-device algorithm such as gloo's sends) is
-a second column. Full-precision payloads are counted at the run's compute
+The inter-node headline and the intra-node figure are two-level (each remote
+byte enters a node once and is forwarded inside it, as NCCL's hierarchical
+algorithms and DeepSpeed's ZeRO-3 send it); the flat sums over devices (what
+an all-device algorithm such as gloo's sends) are columns beside them. Full-precision payloads are counted at the run's compute
 and reduce dtypes (XLA:CPU compiles bf16 collectives as f32).
 
 When qgZ is active the schedule switches between two compiled variants
@@ -26,10 +26,12 @@ import sys
 
 from zeropp_jax.cli import common, guards
 
+PROG = "zeropp-comm"  # the name in --help and in error lines
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="zeropp-comm",
+        prog=PROG,
         description="Compile the ZeRO train step without running it and report "
         "its communication (inter-node / intra-node bytes per step) and memory.",
     )
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result, hlo = report(args)
     except (ValueError, FileNotFoundError) as e:
-        common.fail(str(e))
+        common.fail(PROG, str(e))
     import jax
 
     if jax.process_index() != 0:

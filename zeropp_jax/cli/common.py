@@ -373,14 +373,14 @@ def make_optimizer(
     return optax.chain(optax.clip_by_global_norm(CLIP_NORM), optax.adam(lr))
 
 
-def fail(message: str) -> "None":
-    """Prints ``PROG: error: message`` (argparse's form, ``PROG`` the running
-    tool) and exits with status 2.
+def fail(prog: str, message: str) -> "None":
+    """Prints ``prog: error: message`` (argparse's form; ``prog`` the tool's
+    name, as its parser's ``prog``) and exits with status 2.
 
     On a multi-process run the process exits at once, so that peers blocked
     in a collective with it fail fast instead of waiting at the exit barrier.
     """
     from zeropp_jax import distributed
 
-    print(f"{os.path.basename(sys.argv[0]) or 'zeropp'}: error: {message}", file=sys.stderr)
+    print(f"{prog}: error: {message}", file=sys.stderr)
     distributed.exit_now(2)

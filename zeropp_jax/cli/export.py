@@ -21,10 +21,12 @@ import sys
 
 from zeropp_jax.cli import common
 
+PROG = "zeropp-export"  # the name in --help and in error lines
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="zeropp-export",
+        prog=PROG,
         description="Write the full, unpadded parameters of a zeropp_jax checkpoint "
         "as a msgpack file that flax.serialization.msgpack_restore reads "
         "(a nested dict of numpy arrays in the parameters' original dtypes).",
@@ -47,12 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not os.path.isdir(args.directory):
-        common.fail(f"checkpoint directory {args.directory} does not exist")
+        common.fail(PROG, f"checkpoint directory {args.directory} does not exist")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
-        common.fail(f"output directory {out_dir} does not exist")
+        common.fail(PROG, f"output directory {out_dir} does not exist")
     if os.path.isdir(args.out):
-        common.fail(f"{args.out} is a directory; give the output file's name, e.g. "
+        common.fail(PROG, f"{args.out} is a directory; give the output file's name, e.g. "
                     f"{os.path.join(args.out, 'params.msgpack')}")
     # Reading a checkpoint needs no accelerator: keep JAX off the GPUs.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             args.directory, args.out, step=args.step, allow_nonfinite=args.allow_nonfinite
         )
     except (CheckpointError, FileNotFoundError, ValueError) as e:
-        common.fail(str(e))
+        common.fail(PROG, str(e))
     print(
         f"zeropp-export: step {info['step']} of {os.path.abspath(args.directory)} -> "
         f"{info['path']} ({info['params']:,} parameters, {info['bytes']:,} bytes)",

@@ -23,6 +23,8 @@ from zeropp_jax.cli import common
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
+PROG = "zeropp-simulate"  # the name in --help and in error lines
+
 
 def model_size(text: str) -> float:
     """``18B``, ``1.3b``, ``350M``, ``2e9`` -> parameters."""
@@ -48,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     from zeropp_jax.analysis.cluster import V100_CLUSTER
 
     parser = argparse.ArgumentParser(
-        prog="zeropp-simulate",
+        prog=PROG,
         description="Predict time per step and throughput of a ZeRO++ preset on a GPU "
         "cluster from the compiled step's communication (see zeropp_jax.analysis.cost_model).",
     )
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = simulate(args)
     except ValueError as e:
-        common.fail(str(e))
+        common.fail(PROG, str(e))
     import jax
 
     if jax.process_index() != 0:

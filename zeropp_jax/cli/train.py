@@ -22,10 +22,12 @@ from zeropp_jax.cli import common, guards
 
 DEFAULT_PRESET = "zeropp"
 
+PROG = "zeropp-train"  # the name in --help and in error lines
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="zeropp-train",
+        prog=PROG,
         description="Train the example byte-level GPT with ZeRO-3 / ZeRO++ "
         "sharded data parallelism over a (node, local) mesh. Runs the "
         f"{DEFAULT_PRESET} preset unless --preset says otherwise.",
@@ -109,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         )
         trainer = common.build_trainer(args, mesh, model_cfg, params_shapes)
     except (ValueError, FileNotFoundError) as e:
-        common.fail(str(e))
+        common.fail(PROG, str(e))
 
     is_main = jax.process_index() == 0
     info = trainer.describe()
@@ -152,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if not math.isfinite(values["loss"]):
             bar.close()
-            common.fail(
+            common.fail(PROG, 
                 f"loss became {values['loss']} at step {step}: the parameters or the "
                 f"gradient are not finite; training diverged (try a lower --lr than "
                 f"{args.lr}) or the data hold extreme values{_kept(ckpt)}"
@@ -264,7 +266,7 @@ def _save(ckpt, step: int, state, trainer, record_of_run: dict, lr: float) -> No
     try:
         ckpt.save(step, state, trainer, record_of_run)
     except NonFiniteStateError as e:
-        common.fail(f"{e}; the update of step {step - 1} made them so: the learning rate "
+        common.fail(PROG, f"{e}; the update of step {step - 1} made them so: the learning rate "
                     f"may be too high (try a lower --lr than {lr}){_kept(ckpt)}")
 
 
@@ -290,7 +292,7 @@ def _open_checkpoints(args, trainer, is_main: bool, record_of_run: dict):
     try:
         ckpt = Checkpointer(args.checkpoint_dir, max_to_keep=args.keep)
     except (ValueError, OSError) as e:
-        common.fail(f"--checkpoint-dir {args.checkpoint_dir}: {e}")
+        common.fail(PROG, f"--checkpoint-dir {args.checkpoint_dir}: {e}")
     if not ckpt.all_steps():
         if args.resume and is_main:
             print(f"zeropp-train: no checkpoint in {args.checkpoint_dir} yet; starting at step 0",
@@ -299,7 +301,7 @@ def _open_checkpoints(args, trainer, is_main: bool, record_of_run: dict):
     if not args.resume:
         steps = ckpt.all_steps()
         ckpt.close()
-        common.fail(
+        common.fail(PROG, 
             f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints (steps "
             f"{steps}); pass --resume to continue from the newest, or use another directory"
         )
@@ -317,7 +319,7 @@ def _open_checkpoints(args, trainer, is_main: bool, record_of_run: dict):
         changed = _refuse_changes(ckpt, meta, args, trainer, record_of_run)
     except (CheckpointError, FileNotFoundError) as e:
         ckpt.close()
-        common.fail(str(e))
+        common.fail(PROG, str(e))
     if is_main:
         print(
             f"zeropp-train: resumed from {ckpt.step_path(meta['step'])} (saved on mesh "

@@ -24,9 +24,11 @@ swapped for a dispatcher while the loss is traced (and restored after).
    ``nnx.update``, which ``nnx.scan`` stacks again. (Applied by ``nnx.vmap``
    instead, the stack's per-layer gathers are batched into one gather of
    the whole stack.) Refused: a block holding a stacked ``Unit`` called
-   whole, not by a scan; a block writing other state (``nnx.sow``, batch
-   statistics), which could not leave ``layer``; and a read of a wrapped
-   block's parameters outside its ``__call__`` (``Embed.attend``).
+   whole, not by a scan; a block creating state (``nnx.sow``), which could
+   not leave ``layer`` (other state given new values is warned about); and
+   a read of a wrapped block's parameters outside its ``__call__``
+   (``Embed.attend``; a read of the whole tree, ``nnx.state(model,
+   nnx.Param)`` in the criterion, is not caught and sees placeholders).
 
 A subclass of a listed class with its own ``__call__`` is dispatched too.
 
@@ -61,7 +63,8 @@ class _Held:
     :func:`_holder`): its unit's :class:`Unit` or an empty array, which only
     the block's ``__call__`` may hold. Read as an array anywhere else (by
     another method, another module), it raises a ``ValueError`` naming the
-    parameter. Child: ``value``; aux data: the parameter's path."""
+    parameter; a read of the leaves of a whole tree holding it
+    (``jax.tree.leaves``) is not caught. Child: ``value``; aux: its path."""
 
     def __init__(self, value: Any, name: str):
         self.value = value
@@ -298,24 +301,21 @@ def discover(
                         other.setdefault(block[0], (type(module).__name__, method.__name__))
             return method(module, *args, **kwargs)
 
-        stack = contextlib.ExitStack()
-        stack.enter_context(_nnx_calls(tuple(classes), record))
-        for c in classes:
-            for name in _public_methods(c):
+        with contextlib.ExitStack() as stack:  # a patch that fails undoes the others
+            stack.enter_context(_nnx_calls(tuple(classes), record))
+            for name, c in ((n, c) for c in classes for n in _public_methods(c)):
                 stack.enter_context(_patched((c,), name, record_method))
-        return stack
+            return stack.pop_all()
 
     other: dict[tuple, tuple[str, str]] = {}  # path -> (class, method) of other calls
     trace_calls(loss_fn, params, example_batch, extra_args, intercepting, classes, found)
     for path, (name, method) in other.items():
         if path not in found:
             warnings.warn(
-                f"wrap: the {name} at {_show(path)} is applied only by its method "
-                f"{method}, which the wrap policy does not wrap (only __call__): its "
-                f"parameters stay in the rest unit, gathered whole before the loss. Call "
-                f"the block itself to make it its own unit",
-                stacklevel=2,
-            )
+                f"wrap: the {name} at {_show(path)} is applied only by its method {method}, "
+                "which the wrap policy does not wrap (only __call__): its parameters stay in "
+                "the rest unit, gathered whole before the loss. Call the block itself to make "
+                "it its own unit", stacklevel=2)
     return found, stacked
 
 
@@ -369,10 +369,9 @@ def wrap_loss(loss_fn: Callable, classes: Sequence[type], paths: Sequence[tuple]
 
     Raises:
       ValueError: (when traced) if a block holding a stacked unit is called
-        whole rather than by ``nnx.scan``, if a block writes or creates state
-        other than its random streams (``nnx.sow``, batch statistics), or if a
-        wrapped block's parameters are read outside its ``__call__``
-        (:class:`_Held`).
+        whole rather than by ``nnx.scan``, if a block creates state
+        (``nnx.sow``), or if a wrapped block's parameters are read as arrays
+        outside its ``__call__`` (:class:`_Held`).
     """
     from flax import nnx
 
@@ -389,16 +388,22 @@ def wrap_loss(loss_fn: Callable, classes: Sequence[type], paths: Sequence[tuple]
             block = nnx.merge(graphdef, params, state_from_data(data, treedef, impls))
             before = state_leaves(block)
             out = call(block, *a, **kw)
-            written = written_state(block, before)
-            if written:
+            created, replaced = written_state(block, before)
+            if created:
                 raise ValueError(
-                    f"wrap: a {type(module).__name__} at {unit.layout.name} wrote or "
-                    f"created state {written} in its __call__ (nnx.sow, BatchNorm's running "
-                    "statistics, a counter), which cannot leave a wrapped block: its "
-                    "parameters are gathered for the call only. Return such a value from "
-                    "__call__ instead (e.g. an auxiliary loss), use BatchNorm("
-                    "use_running_average=True) or nnx.LayerNorm, or leave "
+                    f"wrap: a {type(module).__name__} at {unit.layout.name} created state "
+                    f"{created} in its __call__ (nnx.sow), which cannot leave a wrapped "
+                    "block: its parameters are gathered for the call only. Return such a "
+                    "value from __call__ instead (e.g. an auxiliary loss), or leave "
                     f"{type(module).__name__} out of wrap="
+                )
+            if replaced:
+                warnings.warn(
+                    f"wrap: the state {replaced} of the {type(module).__name__} at "
+                    f"{unit.layout.name} has new values after its __call__: written (a "
+                    "counter), which a wrapped block drops, or put back unchanged by an NNX "
+                    "transform (nnx.remat, nnx.jit), which is harmless",
+                    stacklevel=2,
                 )
             return out, state_as_data(nnx.state(block, nnx.RngState))[0]
 
