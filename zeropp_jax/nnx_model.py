@@ -90,24 +90,11 @@ def nnx_loss(
             nnx.reseed(module, policy="match_shape", **keys)
         before = state_leaves(module)
         loss = criterion(module, batch)
-        created, replaced = written_state(module, before)
-        if created:
-            raise ValueError(
-                f"nnx_loss: the criterion created state {created} in the module (or changed "
-                "its shape), which the trainer would drop: each step reads the module's "
-                "state as it was when nnx_loss split the model. Take values recorded with "
-                "sow out in the criterion (nnx.pop(module, nnx.Intermediate), or "
-                "nnx.capture) and keep caches out of the loss"
-            )
-        if replaced:
-            warnings.warn(
-                f"nnx_loss: the module's state {replaced} has new values after the criterion. "
-                "Either the criterion wrote them (a counter, a statistic), and the trainer "
-                "drops what it writes (each step reads the state as nnx_loss split it), or an "
-                "NNX transform (nnx.remat, nnx.jit) put back unchanged copies, which is "
-                "harmless",
-                stacklevel=2,
-            )
+        check_state_writes(
+            module, before, who="nnx_loss: the criterion",
+            drops="each step reads the module's state as nnx_loss split it",
+            fix="Take values recorded with sow out in the criterion (nnx.pop(module, "
+                "nnx.Intermediate), or nnx.capture) and keep caches out of the loss")
         return loss
 
     return params, loss_fn
@@ -139,6 +126,25 @@ def written_state(module: nnx.Module, before: dict[tuple, Any]) -> tuple[list[st
             jnp.shape(leaf), jnp.result_type(leaf))
         (replaced if same else created).add(name)
     return sorted(created), sorted(replaced)
+
+
+def check_state_writes(module: nnx.Module, before: dict[tuple, Any], *, who: str, drops: str,
+                       fix: str) -> None:
+    """After ``who`` (e.g. ``"nnx_loss: the criterion"``) ran on ``module``:
+    raises ``ValueError`` for state it created (:func:`written_state`), which
+    the trainer drops (``drops`` says why; ``fix`` what to do instead), and
+    warns of state holding new values, which tracing cannot tell apart from
+    a transform's unchanged copies."""
+    created, replaced = written_state(module, before)
+    if created:
+        raise ValueError(f"{who} created state {created} (or changed its shape), which the "
+                         f"trainer drops ({drops}). {fix}")
+    if replaced:
+        warnings.warn(
+            f"{who} ran, and the state {replaced} has new values: either written (a "
+            f"counter, a statistic), and the trainer drops what it writes ({drops}), or put "
+            "back unchanged by an NNX transform (nnx.remat, nnx.jit), which is harmless",
+            stacklevel=3)
 
 
 def check_no_training_batch_norm(model: nnx.Module) -> None:

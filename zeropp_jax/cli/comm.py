@@ -9,8 +9,9 @@ loop trip counts, plus per-device memory from the compiler.
 The inter-node headline and the intra-node figure are two-level (each remote
 byte enters a node once and is forwarded inside it, as NCCL's hierarchical
 algorithms and DeepSpeed's ZeRO-3 send it); the flat sums over devices (what
-an all-device algorithm such as gloo's sends) are columns beside them. Full-precision payloads are counted at the run's compute
-and reduce dtypes (XLA:CPU compiles bf16 collectives as f32).
+an all-device algorithm such as gloo's sends) are columns beside them.
+Full-precision payloads are counted at the run's compute and reduce dtypes
+(XLA:CPU compiles bf16 collectives as f32).
 
 When qgZ is active the schedule switches between two compiled variants
 (compressed, and full precision during warm-up, refreshes or below the

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         common.fail(PROG, f"output directory {out_dir} does not exist")
     if os.path.isdir(args.out):
         common.fail(PROG, f"{args.out} is a directory; give the output file's name, e.g. "
-                    f"{os.path.join(args.out, 'params.msgpack')}")
+                          f"{os.path.join(args.out, 'params.msgpack')}")
     # Reading a checkpoint needs no accelerator: keep JAX off the GPUs.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from zeropp_jax.checkpoint import CheckpointError, export_params

@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if not math.isfinite(values["loss"]):
             bar.close()
-            common.fail(PROG, 
+            common.fail(
+                PROG,
                 f"loss became {values['loss']} at step {step}: the parameters or the "
                 f"gradient are not finite; training diverged (try a lower --lr than "
                 f"{args.lr}) or the data hold extreme values{_kept(ckpt)}"
@@ -266,8 +267,8 @@ def _save(ckpt, step: int, state, trainer, record_of_run: dict, lr: float) -> No
     try:
         ckpt.save(step, state, trainer, record_of_run)
     except NonFiniteStateError as e:
-        common.fail(PROG, f"{e}; the update of step {step - 1} made them so: the learning rate "
-                    f"may be too high (try a lower --lr than {lr}){_kept(ckpt)}")
+        common.fail(PROG, f"{e}; the update of step {step - 1} made them so: the learning "
+                          f"rate may be too high (try a lower --lr than {lr}){_kept(ckpt)}")
 
 
 def _kept(ckpt) -> str:
@@ -301,7 +302,8 @@ def _open_checkpoints(args, trainer, is_main: bool, record_of_run: dict):
     if not args.resume:
         steps = ckpt.all_steps()
         ckpt.close()
-        common.fail(PROG, 
+        common.fail(
+            PROG,
             f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints (steps "
             f"{steps}); pass --resume to continue from the newest, or use another directory"
         )

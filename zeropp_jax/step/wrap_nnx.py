@@ -375,7 +375,7 @@ def wrap_loss(loss_fn: Callable, classes: Sequence[type], paths: Sequence[tuple]
     """
     from flax import nnx
 
-    from zeropp_jax.nnx_model import state_leaves, written_state
+    from zeropp_jax.nnx_model import check_state_writes, state_leaves
 
     classes, paths = tuple(classes), [tuple(p) for p in paths]
 
@@ -388,23 +388,12 @@ def wrap_loss(loss_fn: Callable, classes: Sequence[type], paths: Sequence[tuple]
             block = nnx.merge(graphdef, params, state_from_data(data, treedef, impls))
             before = state_leaves(block)
             out = call(block, *a, **kw)
-            created, replaced = written_state(block, before)
-            if created:
-                raise ValueError(
-                    f"wrap: a {type(module).__name__} at {unit.layout.name} created state "
-                    f"{created} in its __call__ (nnx.sow), which cannot leave a wrapped "
-                    "block: its parameters are gathered for the call only. Return such a "
-                    "value from __call__ instead (e.g. an auxiliary loss), or leave "
-                    f"{type(module).__name__} out of wrap="
-                )
-            if replaced:
-                warnings.warn(
-                    f"wrap: the state {replaced} of the {type(module).__name__} at "
-                    f"{unit.layout.name} has new values after its __call__: written (a "
-                    "counter), which a wrapped block drops, or put back unchanged by an NNX "
-                    "transform (nnx.remat, nnx.jit), which is harmless",
-                    stacklevel=2,
-                )
+            name = type(module).__name__
+            check_state_writes(
+                block, before, who=f"wrap: a {name} at {unit.layout.name}",
+                drops="state cannot leave a wrapped block, gathered for its call only",
+                fix=f"Return such a value from __call__ instead (e.g. an auxiliary loss), "
+                    f"or leave {name} out of wrap=")
             return out, state_as_data(nnx.state(block, nnx.RngState))[0]
 
         out, streams = as_layer(run, unit, args, kwargs, state=data)
