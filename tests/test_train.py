@@ -345,6 +345,36 @@ def test_compress_true_needs_active_qgz():
     assert int(metrics["compressed"]) == 1
 
 
+def test_compiling_from_shapes_reuses_the_step_that_ran():
+    """The communication report's compile (``compile_from_shapes``, as
+    ``zeropp-train``'s closing summary calls it) of a variant the run already
+    stepped traces nothing anew: the abstract state carries the shardings a
+    real state has, scalars' included, so JAX's caches serve the step."""
+    params, batch, loss = _mlp()
+    traces = []
+
+    def counted(p, b):
+        traces.append(1)
+        return loss(p, b)
+
+    trainer = zp.make_trainer(counted, optax.adam(0.1), params, mesh=mesh_of(2, 4),
+                              config=zp.ZeroConfig(qgz="1bit", qgz_warmup_steps=1))
+    state = trainer.init(params)
+    for _ in range(2):  # one full-precision step, one compressed
+        state, _ = trainer.step(state, batch)
+    ran = len(traces)
+    shapes = jax.eval_shape(lambda: params)
+    batch_shapes = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype), batch)
+    for compress in (True, False):
+        trainer.compile_from_shapes(shapes, batch_shapes, compress=compress)
+    assert ran > 0 and len(traces) == ran
+    # A variant the run did not step is traced here, once.
+    trainer = zp.make_trainer(counted, optax.adam(0.1), params, mesh=mesh_of(2, 4),
+                              config=zp.ZeroConfig(qgz="1bit", qgz_warmup_steps=1))
+    trainer.compile_from_shapes(shapes, batch_shapes, compress=True)
+    assert len(traces) > ran
+
+
 def test_init_checks_the_structure_of_stacked_units():
     layers = 3
     params = {"blocks": {"a": np.ones((layers, 8, 8), np.float32),

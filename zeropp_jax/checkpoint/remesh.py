@@ -43,8 +43,6 @@ from typing import Any, Callable
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.checkpoint.errors import CheckpointMismatchError
 from zeropp_jax.checkpoint.metadata import (
@@ -169,13 +167,7 @@ def place(host: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
 
 def _abstract_state(trainer: Trainer) -> TrainState:
     """The trainer's state shapes with concrete shardings on its mesh."""
-    abstract = trainer.abstract_state(params_shapes(trainer.layout))
-
-    def concrete(x):
-        spec = getattr(x.sharding, "spec", None) or P()
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(trainer.mesh, spec))
-
-    return jax.tree.map(concrete, abstract)
+    return trainer.abstract_state(params_shapes(trainer.layout))
 
 
 # -------------------------------------------------------------------- plan

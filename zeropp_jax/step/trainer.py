@@ -140,9 +140,18 @@ class Trainer:
         return jax.jit(init)
 
     def abstract_state(self, params_shapes: Any) -> TrainState:
-        """The state's shapes, dtypes and shardings, computed without data."""
+        """The state's shapes, dtypes and shardings, computed without data.
+
+        Each leaf carries the sharding :meth:`init`'s result has (a scalar:
+        replicated over the mesh), so a step compiled from it
+        (:meth:`compile_from_shapes`) is the step :meth:`step` compiled for a
+        real state of these shapes, taken from JAX's caches when it ran.
+        """
         with jax.set_mesh(self.mesh):
-            return jax.eval_shape(self._init_jit, params_shapes)
+            shapes = jax.eval_shape(self._init_jit, params_shapes)
+        return jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.geometry.sharding(
+                P() if s.sharding is None else s.sharding.spec)), shapes)
 
     # ------------------------------------------------------------ step
     def step(self, state: TrainState, batch: Any, *, compress: bool | None = None):
