@@ -140,18 +140,11 @@ class Trainer:
         return jax.jit(init)
 
     def abstract_state(self, params_shapes: Any) -> TrainState:
-        """The state's shapes, dtypes and shardings, computed without data.
-
-        Each leaf carries the sharding :meth:`init`'s result has (a scalar:
-        replicated over the mesh), so a step compiled from it
-        (:meth:`compile_from_shapes`) is the step :meth:`step` compiled for a
-        real state of these shapes, taken from JAX's caches when it ran.
-        """
+        """The state's shapes and a real state's shardings (so JAX's caches serve its step)."""
         with jax.set_mesh(self.mesh):
             shapes = jax.eval_shape(self._init_jit, params_shapes)
-        return jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self.geometry.sharding(
-                P() if s.sharding is None else s.sharding.spec)), shapes)
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=(
+            self.geometry.sharding(s.sharding.spec if s.sharding else P()))), shapes)
 
     # ------------------------------------------------------------ step
     def step(self, state: TrainState, batch: Any, *, compress: bool | None = None):
@@ -253,10 +246,7 @@ class Trainer:
             ``jax.eval_shape`` of an init function).
           batch: the global batch's shapes and dtypes (a pytree of anything
             with ``.shape`` and ``.dtype``); placed like :meth:`shard_batch`.
-          compress: the qgZ variant, as in :meth:`lower`.
-
-        Returns:
-          The compiled step (``.as_text()`` for the HLO, ``.memory_analysis()``).
+          compress: the qgZ variant, as in :meth:`lower`. Returns the compiled step.
         """
         state = self.abstract_state(params_shapes)
         batch = jax.tree.map(
