@@ -405,3 +405,35 @@ def test_mesh_sizes_that_do_not_divide_the_devices_name_the_divisors():
         zp.make_mesh(nodes=0)
     assert zp.make_mesh(nodes=4).devices.shape == (4, 2)
     assert zp.make_mesh(local=2).devices.shape == (4, 2)
+
+
+def _freeze_embedding(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda k, _: "freeze" if "embed" in jax.tree_util.keystr(k) else "train", params)
+
+
+@pytest.mark.parametrize("optimizer, match", [
+    # accumulates 10 micro-steps: moves first on the 10th stand-in step
+    (optax.MultiSteps(optax.multi_transform(
+        {"train": optax.sgd(0.1), "freeze": optax.set_to_zero()}, _freeze_embedding), 10),
+     r"treats parameter leaves differently.*\['embed'\]"),
+    (optax.contrib.muon(1e-3), r"treats parameter leaves differently.*muon"),
+    (optax.sgd(optax.join_schedules([optax.constant_schedule(0.0),
+                                     optax.constant_schedule(0.1)], [2000])),
+     r"moved no leaf in 1024 stand-in steps.*check_optimizer=False"),
+    (optax.MultiSteps(optax.adam(1e-3), 10), None),
+], ids=["multisteps-10-freeze", "muon", "lr-0-for-2000-steps", "multisteps-10-adam"])
+def test_the_optimizer_check_waits_for_a_move_and_refuses_when_none_comes(optimizer, match):
+    """An optimizer that holds still for its first steps (accumulation, a
+    learning rate at 0) is checked on the first stand-in step that moves;
+    one that moves nothing in all of them is refused as unchecked, never
+    passed; a rule by rank (muon's for matrices) is named in the refusal."""
+    from zeropp_jax.step.rules import check_leaf_uniform
+
+    params = {"embed": jnp.zeros((8, 4)), "dense": {"kernel": jnp.zeros((4, 4)),
+                                                    "bias": jnp.zeros((4,))}}
+    if match is None:
+        check_leaf_uniform(optimizer, params)
+    else:
+        with pytest.raises(ValueError, match=match):
+            check_leaf_uniform(optimizer, params)

@@ -23,10 +23,13 @@ from zeropp_jax.step.gradient_rule import GradientRule
 from zeropp_jax.step.onebit_adam import OneBitAdam, OneBitAdamRule
 from zeropp_jax.step.state import TrainState, ZeroOptState
 
-# Stand-in steps check_leaf_uniform takes until one moves a parameter (a
-# learning-rate warm-up from 0 moves nothing on step 0, optax.MultiSteps(k)
-# only on every k-th step).
-_PROBE_STEPS = 8
+# Stand-in steps check_leaf_uniform takes until one moves a parameter: the
+# first few run eagerly (most optimizers move at the first), the rest compiled
+# (a learning rate held at 0 for some steps, optax.MultiSteps(k) moving only
+# every k-th step). An optimizer still at rest after them is refused as
+# unchecked, not passed.
+_PROBE_EAGER_STEPS = 8
+_PROBE_STEPS = 1024
 
 
 class UpdateRule(Protocol):
@@ -76,34 +79,31 @@ def check_leaf_uniform(optimizer: optax.GradientTransformation, params: Any) -> 
     ``optax.masked``, ``optax.multi_transform``) would act on whole units
     instead: silently on all parameters or on none. The check runs the
     optimizer on a stand-in of ``params`` (same tree, each leaf a single 1.0
-    of the leaf's rank, gradients 1.0) until a step moves something (at most
-    ``_PROBE_STEPS``: a learning-rate warm-up from 0 or ``optax.MultiSteps``
-    moves nothing at first); an optimizer that treats every element alike
-    moves every leaf by exactly the same amount there. Choices the stand-in
-    cannot show pass unseen: masks by a leaf's size or shape, and per-leaf
-    norms (``optax.lamb``), which act per unit in the trainer.
+    of the leaf's rank, gradients 1.0) until a step moves something (a
+    learning-rate warm-up from 0 or ``optax.MultiSteps`` moves nothing at
+    first; an optimizer that moves nothing in ``_PROBE_STEPS`` is refused as
+    unchecked); an optimizer that treats every element alike moves every leaf
+    by exactly the same amount there. A rule by rank (``optax.contrib.muon``
+    for matrices) differs there too. Choices the stand-in cannot show pass
+    unseen: masks by a leaf's size or shape, and per-leaf norms
+    (``optax.lamb``), which act per unit in the trainer.
 
     Args:
       optimizer: an optax ``GradientTransformation``.
       params: the full parameters (arrays or ``jax.ShapeDtypeStruct``).
 
     Raises:
-      ValueError: naming two leaves the optimizer moves differently, or
-        saying why the stand-in step failed (e.g. an optimizer whose
-        ``update`` needs more than gradients, state and parameters).
+      ValueError: naming two leaves the optimizer moves differently, saying
+        that it moved nothing (so nothing was checked), or why the stand-in
+        step failed (e.g. an optimizer whose ``update`` needs more than
+        gradients, state and parameters).
     """
     ones = jax.tree.map(lambda x: jnp.ones((1,) * len(jnp.shape(x)), jnp.float32), params)
     paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(ones)[0]]
     if len(paths) < 2:
         return
     try:
-        state = optimizer.init(ones)
-        for _ in range(_PROBE_STEPS):
-            updates, state = optimizer.update(ones, state, ones)
-            moves = np.array([float(np.asarray(u).reshape(-1)[0])
-                              for u in jax.tree.leaves(updates)])
-            if np.any(moves != 0):
-                break
+        moves = _stand_in_moves(optimizer, ones)
     except Exception as e:  # re-raised with what was being checked
         raise ValueError(
             "make_trainer checks that the optimizer treats every parameter leaf alike by "
@@ -112,10 +112,20 @@ def check_leaf_uniform(optimizer: optax.GradientTransformation, params: Any) -> 
             "(gradients, state, parameters) cannot run in the trainer; otherwise pass "
             "check_optimizer=False"
         ) from e
+    if moves is None:
+        raise ValueError(
+            "make_trainer checks that the optimizer treats every parameter leaf alike by "
+            f"running it on a stand-in of the parameters, but it moved no leaf in "
+            f"{_PROBE_STEPS} stand-in steps (gradients 1.0), so the check cannot tell: a "
+            "learning rate held at 0 that long, optax.MultiSteps accumulating over more "
+            "steps, or every leaf frozen. Pass check_optimizer=False if it treats every "
+            "leaf alike (no per-leaf mask or label)"
+        )
     if not np.all(moves == moves[0]):
         other = int(np.argmax(moves != moves[0]))
         raise ValueError(
-            "the optimizer treats parameter leaves differently (a per-leaf mask or label): "
+            "the optimizer treats parameter leaves differently (a per-leaf mask or label, "
+            "or a rule by a leaf's rank, like optax.contrib.muon's for matrices): "
             f"on a stand-in step it moves {jax.tree_util.keystr(paths[0])} by {moves[0]:.6g} "
             f"and {jax.tree_util.keystr(paths[other])} by {moves[other]:.6g}. The trainer "
             "runs the optimizer on flat units, where such a choice would silently hold for "
@@ -123,3 +133,22 @@ def check_leaf_uniform(optimizer: optax.GradientTransformation, params: Any) -> 
             "mask), or train without the trainer. An optimizer that draws noise per leaf "
             "(optax.add_noise) differs there too: pass check_optimizer=False for it"
         )
+
+
+def _stand_in_moves(optimizer: optax.GradientTransformation, ones: Any) -> np.ndarray | None:
+    """How far the first stand-in step that moves anything moves each leaf.
+
+    ``ones``: the stand-in parameters (each leaf float32 ones of shape
+    ``(1,) * rank``), also the gradients. Returns one float per leaf (its
+    update's element), or ``None`` if no step of ``_PROBE_STEPS`` moved any.
+    """
+    state = optimizer.init(ones)
+    update = optimizer.update
+    for step in range(_PROBE_STEPS):
+        if step == _PROBE_EAGER_STEPS:
+            update = jax.jit(optimizer.update)
+        updates, state = update(ones, state, ones)
+        moves = np.array([float(np.asarray(u).reshape(-1)[0]) for u in jax.tree.leaves(updates)])
+        if np.any(moves != 0):
+            return moves
+    return None
