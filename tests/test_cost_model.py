@@ -81,9 +81,17 @@ def compile_once():
     compiled = {}
     profile_config = comm_profile.profile_config
 
-    def once(config, *, mesh=None, model=None, batch_size=16, compress=None, label=""):
+    def once(config, *, mesh=None, model=None, batch_size=16, compress=None, label="",
+             steps=None):
         mesh = zp.make_mesh(2, 4) if mesh is None else mesh
         model = gpt.GPTConfig() if model is None else model
+        if steps is not None and compress is None:  # a run's mean of the two variants
+            share = comm_profile.full_precision_share(config, mesh.devices.shape[0], steps)
+            if share:
+                step = dict(mesh=mesh, model=model, batch_size=batch_size, label=label)
+                return comm_profile.schedule_mean_profile(
+                    once(config, compress=True, **step), once(config, compress=False, **step),
+                    share)
         devices = tuple(d.id for d in mesh.devices.flat)
         key = (config, model, batch_size, compress, mesh.devices.shape, devices)
         if key not in compiled:
@@ -266,6 +274,29 @@ def test_simulate_cli(compile_once, capsys):
                           "--dtype", "fp32"]) == 0
     text = capsys.readouterr().out
     assert "zeropp" in text and "speed-up" in text
+    assert "steady state: one refresh cycle" in text and "100 full-precision warm-up" in text
+
+
+@pytest.mark.slow
+def test_simulate_averages_a_whole_run_with_steps(compile_once, capsys):
+    """``--steps N`` predicts the mean step of an N-step run, the warm-up's
+    full-precision steps included: more bytes than the steady state (whose
+    exclusion of the warm-up the output states), and the mean of the two
+    variants' profiles weighted by the schedule."""
+    argv = ["--preset", "zeropp", "--params", "1.3B", "--dtype", "fp32", "--json"]
+    runs = {}
+    for steps in (None, 400, 100):
+        assert simulate.main(argv + ([] if steps is None else ["--steps", str(steps)])) == 0
+        runs[steps] = json.loads(capsys.readouterr().out)
+    bytes_of = {k: r["predictions"][1]["inter_node_bytes"] for k, r in runs.items()}
+    assert runs[None]["averaged_over"].startswith("the steady state")
+    assert "107 full-precision steps" in runs[400]["averaged_over"]
+    # 100 steps are all warm-up: the full-precision step, zero3's bytes less
+    # qwZ's and hpZ's savings, more than the 400-step run's mean
+    assert bytes_of[None] < bytes_of[400] < bytes_of[100]
+    cycle = 1 / 40
+    compressed = (bytes_of[None] - cycle * bytes_of[100]) / (1 - cycle)
+    assert bytes_of[400] == pytest.approx((293 * compressed + 107 * bytes_of[100]) / 400)
 
 
 @pytest.mark.parametrize("argv,match", [

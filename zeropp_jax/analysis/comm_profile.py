@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from zeropp_jax.analysis import headline
 from zeropp_jax.analysis.cluster import Cluster, Workload, check_positive_int
 from zeropp_jax.analysis.collectives import link_bytes, payload_role
 from zeropp_jax.analysis.comm_report import CommReport, comm_report
@@ -41,10 +42,12 @@ __all__ = [
     "CollectiveCost",
     "CommProfile",
     "example_trainer",
+    "full_precision_share",
     "link_bytes",
     "profile_config",
     "profile_preset",
     "profile_report",
+    "schedule_mean_profile",
 ]
 
 def _check_profile_mesh(mesh_shape: tuple[int, int]) -> None:
@@ -210,6 +213,7 @@ def profile_config(
     batch_size: int = 16,
     compress: bool | None = None,
     label: str = "",
+    steps: int | None = None,
 ) -> CommProfile:
     """Compiles the example GPT's train step for ``config`` and profiles it.
 
@@ -220,12 +224,16 @@ def profile_config(
         ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` on CPU).
       model: a :class:`zeropp_jax.models.gpt.GPTConfig` (default: its defaults).
       batch_size: global batch of the compiled step (does not change the bytes).
-      compress: which qgZ variant; default: the steady state after the
-        warm-up, i.e. the compressed step, or for 1-bit Adam with
-        ``qgz_refresh_every = N`` the mean over one refresh cycle (``N - 1``
-        compressed steps and one full-precision step: every collective of
-        both, weighted by how often it runs).
+      compress: which qgZ variant; default: the mean of the two as a run's
+        schedule weights them (``steps``).
       label: name for tables.
+      steps: the run the mean is taken over (every collective of both
+        variants, weighted by how often it runs): ``None`` for the steady
+        state after qgZ's warm-up, i.e. the compressed step, or for 1-bit
+        Adam with ``qgz_refresh_every = N`` one refresh cycle (``N - 1``
+        compressed steps and one full-precision step); a number for steps
+        ``0 .. steps - 1``, the warm-up's full-precision steps included
+        (:func:`~zeropp_jax.analysis.headline.full_precision_steps`).
     """
     import jax
 
@@ -246,12 +254,35 @@ def profile_config(
         # too, which vanishes (relative to the model) at the target's size.
         return profile_report(report, params=trainer.layout.padded_numel, label=label)
 
-    every = config.qgz_refresh_every
-    if compress is not None or not (trainer.qgz_active and every):
+    share = full_precision_share(config, trainer.nodes, steps)
+    if compress is not None or not trainer.qgz_active or not share:
         return profile(compress)
-    compressed, full = profile(True), profile(False)
-    weighted = [(c, (every - 1) / every) for c in compressed.collectives]
-    weighted += [(c, 1 / every) for c in full.collectives]
+    return schedule_mean_profile(profile(True), profile(False), share)
+
+
+def full_precision_share(config, nodes: int, steps: int | None) -> float:
+    """The fraction of steps that run a config's full-precision variant, on
+    ``nodes`` nodes: over steps ``0 .. steps - 1`` (warm-up and refreshes),
+    or with ``steps=None`` in the steady state after the warm-up (``1 / N``
+    with a refresh every ``N`` steps, else 0). A gradient-RMS gate, which
+    depends on the data, is not counted."""
+    from zeropp_jax.step.schedule import QgzSchedule
+
+    schedule = QgzSchedule.from_config(config, nodes)
+    if not schedule.active:
+        return 0.0
+    if steps is None:
+        return 1 / schedule.refresh_every if schedule.refresh_every else 0.0
+    check_positive_int("steps", steps)
+    return headline.full_precision_steps(schedule, steps) / steps
+
+
+def schedule_mean_profile(compressed: CommProfile, full: CommProfile, share: float) -> CommProfile:
+    """The mean step of a schedule: every collective of the compressed and the
+    full-precision step's profiles, weighted by how often it runs (``share``
+    of the steps at full precision); ``compressed``'s label and sizes."""
+    weighted = [(c, 1 - share) for c in compressed.collectives]
+    weighted += [(c, share) for c in full.collectives]
     return dataclasses.replace(compressed, collectives=tuple(
         dataclasses.replace(c, inter_bytes_per_node=w * c.inter_bytes_per_node,
                             intra_bytes_per_device=w * c.intra_bytes_per_device)
@@ -263,13 +294,13 @@ def profile_preset(preset: str, *, label: str | None = None, **kwargs) -> CommPr
 
     Example: ``profile_preset("zeropp", qgz="int4")``. Keyword arguments that
     :func:`profile_config` takes (``mesh``, ``model``, ``batch_size``,
-    ``compress``) go there; the rest override the preset. The compute dtype
+    ``compress``, ``steps``) go there; the rest override the preset. The compute dtype
     defaults to float32 (what CPU runs; ``Workload.float_bytes`` sets the
     width on the target's wire).
     """
     import zeropp_jax as zp
 
-    names = ("mesh", "model", "batch_size", "compress")
+    names = ("mesh", "model", "batch_size", "compress", "steps")
     step_args = {k: kwargs.pop(k) for k in names if k in kwargs}
     overrides = dict(kwargs)
     overrides.setdefault("compute_dtype", "float32")

@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--sweep-gbps", type=gbps_list, default=None, metavar="LIST",
         help="also predict at each inter-node bandwidth (Gb/s per node), e.g. 50,100,400",
     )
+    parser.add_argument(
+        "--steps", type=common.positive_int, default=None,
+        help="predict the mean step of a run this long, qgZ's full-precision warm-up steps "
+        "included (default: the steady state after the warm-up: the compressed step, or "
+        "1-bit Adam's refresh cycle)",
+    )
     g = parser.add_argument_group("cluster (default: the ZeRO++ paper's 48 x 8 V100)")
     g.add_argument("--nodes", type=common.positive_int, default=V100_CLUSTER.nodes)
     g.add_argument("--gpus-per-node", type=common.positive_int, default=V100_CLUSTER.gpus_per_node)
@@ -174,8 +180,8 @@ def simulate(args: argparse.Namespace) -> dict:
     model = common.build_model(args, common.data_vocab(args))  # --data's vocabulary
     step = {"mesh": mesh, "model": model, "batch_size": args.batch_size}
 
-    def profile(config, label: str):
-        return cm.profile_config(config, label=label, **step)
+    def profile(config, label: str, steps: int | None = None):
+        return cm.profile_config(config, label=label, steps=steps, **step)
 
     baseline = profile(preset_config(args, "zero3"), "zero3")
     out: dict = {"profile_mesh": list(baseline.mesh_shape), "profile_params": baseline.params}
@@ -189,7 +195,8 @@ def simulate(args: argparse.Namespace) -> dict:
         out["cluster"] = _asdict(cm.V100_CLUSTER)
         return out
 
-    target = profile(target_config, _label(args))
+    target = profile(target_config, _label(args), args.steps)
+    out["averaged_over"] = _averaged_over(target_config, mesh.devices.shape[0], args.steps)
     out["cluster"] = _asdict(cluster)
     out["workload"] = _asdict(work)
     out["predictions"] = [_asdict(cm.predict(p, cluster, work)) for p in (baseline, target)]
@@ -207,6 +214,23 @@ def simulate(args: argparse.Namespace) -> dict:
             })
         out["sweep"] = sweep
     return out
+
+
+def _averaged_over(config, nodes: int, steps: int | None) -> str:
+    """What the target's figures average (the profile's mesh has ``nodes``
+    nodes): the run's steps, or the steady state."""
+    from zeropp_jax.analysis.comm_profile import full_precision_share
+    from zeropp_jax.step.schedule import QgzSchedule
+
+    if not QgzSchedule.from_config(config, nodes).active:
+        return "every step (no qgZ schedule)"
+    if steps is not None:
+        full = round(full_precision_share(config, nodes, steps) * steps)
+        return f"a {steps}-step run: {full} full-precision steps (warm-up and refreshes) included"
+    refresh = (f"one refresh cycle ({config.qgz_refresh_every - 1} compressed steps + 1 "
+               "full-precision)" if config.qgz_refresh_every else "the compressed step")
+    return (f"the steady state: {refresh}; the {config.qgz_warmup_steps} full-precision "
+            "warm-up steps left out (--steps N includes them)")
 
 
 def preset_config(args: argparse.Namespace, preset: str, **overrides):
@@ -302,6 +326,7 @@ def format_result(result: dict) -> str:
                 f"{s['speedup_overlap']:>7.2f}x")
     lines.append("")
     lines.append("step s: no compute/communication overlap; overlap s: perfect overlap.")
+    lines.append(f"{result['predictions'][1]['label']} is averaged over {result['averaged_over']}.")
     return "\n".join(lines)
 
 
