@@ -418,9 +418,10 @@ def _linen_batch():
     return {"x": x, "y": np.sin(x.sum(axis=1))}
 
 
-def _dropout_trainer(rate, opt):
+def _dropout_trainer(rate, opt, **kw):
     """A wrapped trainer of blocks with dropout under ``nn.scan``/``nn.remat``,
-    whose loss passes ``rngs=``; ``(trainer, loss(p, b, key), params, batch)``."""
+    whose loss passes ``rngs=`` (``kw``: more of make_trainer's arguments);
+    ``(trainer, loss(p, b, key), params, batch)``."""
     import flax.linen as nn
 
     def body(h):
@@ -436,7 +437,7 @@ def _dropout_trainer(rate, opt):
 
     trainer = zp.make_trainer(loss, opt, params, mesh=zp.make_mesh(2, 4), rng=0,
                               config=zp.ZeroConfig(compute_dtype="float32"),
-                              wrap=(Block,), example_batch=batch)
+                              wrap=(Block,), example_batch=batch, **kw)
     assert [(u.name, u.stack) for u in trainer.layout.units] == [
         ("rest", None), ("blocks", 2), ("last", None)]
     return trainer, loss, params, batch
@@ -446,7 +447,8 @@ def test_linen_blocks_under_scan_and_remat_take_the_loss_rngs():
     """The blocks' dropout keys (``make_rng`` under ``nn.scan``/``nn.remat``:
     tracers of those transforms) enter each layer as its inputs, not captured
     by its backward: new masks each step, the same again from the same state."""
-    trainer, _, params, batch = _dropout_trainer(0.5, optax.sgd(0.0))
+    # sgd(0.0) moves no leaf, which the optimizer check cannot judge
+    trainer, _, params, batch = _dropout_trainer(0.5, optax.sgd(0.0), check_optimizer=False)
     losses = []
     for _ in range(2):
         state = trainer.init(params)
@@ -559,3 +561,146 @@ def test_the_optimizer_check_can_be_skipped_and_says_why_it_failed():
     with pytest.raises(ValueError, match=r"stand-in.*that failed: TypeError"):
         build(optax.lbfgs(), shapes)
 
+
+
+def _token_model(Model, rngs=False):
+    """``(params, loss, batch)`` of a Linen model of tokens (``(16, SEQ)`` int32
+    to ``(16, SEQ, VOCAB)`` logits); with ``rngs``, the loss takes a dropout key."""
+    model = Model()
+    batch = counting_batch(0)
+    params = jax.jit(model.init)({"params": jax.random.key(0), "dropout": jax.random.key(1)},
+                                 batch["x"])["params"]
+
+    def xent(logits, y):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    if rngs:
+        return params, lambda p, b, key: xent(
+            model.apply({"params": p}, b["x"], rngs={"dropout": key}), b["y"]), batch
+    return params, lambda p, b: xent(model.apply({"params": p}, b["x"]), b["y"]), batch
+
+
+def _wrapped_trains_like_optax(wrap, params, loss, batch, names):
+    opt = optax.sgd(0.5)
+    trainer = zp.make_trainer(loss, opt, params, mesh=zp.make_mesh(2, 4),
+                              config=zp.ZeroConfig(compute_dtype="float32"),
+                              wrap=wrap, example_batch=batch)
+    assert trainer.layout.names == names
+    state, ref = _steps_match_optax(trainer, loss, opt, params, batch, 2)
+    gathered = trainer.gather_params(state)
+    assert jax.tree.structure(gathered) == jax.tree.structure(params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 gathered, ref)
+
+
+@pytest.mark.slow
+def test_wrapped_linen_modules_may_create_parameters_in_setup():
+    """``nn.Embed`` and a block declaring a parameter in ``setup``: their
+    ``setup`` runs inside the layer, on the gathered parameters."""
+    import flax.linen as nn
+
+    class SetupBlock(nn.Module):
+        def setup(self):
+            self.w = self.param("w", nn.initializers.normal(0.1), (16, 16))
+            self.norm = nn.LayerNorm()
+
+        def __call__(self, h):
+            return h + jnp.tanh(self.norm(h) @ self.w)
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Embed(VOCAB, 16, name="emb")(x)
+            for i in range(2):
+                h = SetupBlock(name=f"b{i}")(h)
+            return nn.Dense(VOCAB)(h)
+
+    _wrapped_trains_like_optax((nn.Embed, SetupBlock), *_token_model(Model),
+                               ("rest", "emb", "b0", "b1"))
+
+
+def test_wrapped_linen_modules_may_be_applied_by_other_methods():
+    """A tied embedding (``emb(x)``, then ``emb.attend(h)``: two layers on one
+    unit, their gradients summed) and a head applied only by a method that
+    reads its ``variables`` (found by that call)."""
+    import flax.linen as nn
+
+    class Head(nn.Module):
+        def setup(self):
+            self.param("w", nn.initializers.normal(0.1), (VOCAB, 16))
+
+        def project(self, h):
+            return h @ self.variables["params"]["w"].T
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            emb = nn.Embed(VOCAB, 16, name="emb")
+            h = jnp.tanh(nn.Dense(16)(emb(x)))
+            return emb.attend(h) + Head(name="head").project(h)
+
+    _wrapped_trains_like_optax((nn.Embed, Head), *_token_model(Model),
+                               ("rest", "emb", "head"))
+
+
+@pytest.mark.parametrize("read", ["variables", "attribute"])
+def test_a_wrapped_linen_modules_parameters_read_from_outside_are_refused(read):
+    """Another module reading a wrapped ``Embed``'s table (Hugging Face
+    GPT-2's tied head reads ``variables``) is refused at make_trainer."""
+    import flax.linen as nn
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            emb = nn.Embed(VOCAB, 16, name="emb")
+            h = jnp.tanh(nn.Dense(16)(emb(x)))
+            table = (self.variables["params"]["emb"]["embedding"] if read == "variables"
+                     else emb.embedding)
+            return h @ table.T
+
+    params, loss, batch = _token_model(Model)
+    match = "read outside its methods" if read == "variables" else "defines in its setup"
+    with pytest.raises(ValueError, match=match):
+        zp.make_trainer(loss, optax.sgd(0.1), params, mesh=zp.make_mesh(2, 4),
+                        wrap=(nn.Embed,), example_batch=batch)
+
+
+@pytest.mark.slow
+def test_wrapped_linen_blocks_draw_the_dropout_masks_they_draw_unwrapped():
+    """Blocks under ``nn.scan(nn.remat(...))`` and one block called twice, with
+    dropout keys from ``rngs=``: each ``make_rng`` in a wrapped block gives the
+    key it gives unwrapped (flax folds the scope path and a call counter into
+    the root key), so the wrapped trainer's steps are the unwrapped one's."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _=None):
+            return h + nn.Dropout(0.5, deterministic=False)(jnp.tanh(nn.Dense(16)(h))), None
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dropout(0.5, deterministic=False)(nn.Embed(VOCAB, 16)(x))
+            scan = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                           split_rngs={"params": True, "dropout": True}, length=2)
+            h, _ = scan(name="blocks")(h, None)
+            shared = Block(name="shared")
+            h, _ = shared(shared(h)[0])
+            return nn.Dense(VOCAB)(nn.Dropout(0.5, deterministic=False)(h))
+
+    params, loss, batch = _token_model(Model, rngs=True)
+    runs = {}
+    for wrap in ((), (Block,)):
+        trainer = zp.make_trainer(loss, optax.sgd(0.5), params, mesh=zp.make_mesh(2, 4),
+                                  rng=0, config=zp.ZeroConfig(compute_dtype="float32"),
+                                  wrap=wrap, example_batch=batch if wrap else None)
+        state, losses = trainer.init(params), []
+        for _ in range(2):
+            state, metrics = trainer.step(state, batch)
+            losses.append(float(metrics["loss"]))
+        runs[wrap] = losses, trainer.gather_params(state)
+    assert trainer.layout.names == ("rest", "blocks", "shared")
+    np.testing.assert_allclose(runs[(Block,)][0], runs[()][0], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 runs[(Block,)][1], runs[()][1])

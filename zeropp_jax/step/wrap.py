@@ -10,17 +10,34 @@ Flax Linen (classes of ``flax.linen.Module``):
 
 1. :func:`discover` traces ``loss_fn`` once, abstractly (``jax.eval_shape``),
    under a flax method interceptor that records the parameter path
-   (``module.scope.path``) of every outermost call of a listed class; those
-   paths become the nested units of the layout.
+   (``module.scope.path``) of every instance of a listed class one of whose
+   methods (``__call__``, ``attend``, ...; not ``setup``) is called outside
+   another wrapped block; those paths become the nested units of the layout.
+   :func:`check` then traces it once more with those parameters sealed, so
+   that a read of them outside the block's methods (another module reading
+   ``variables``, e.g. a tied head) is refused at ``make_trainer``.
 2. :func:`wrap_loss` runs ``loss_fn`` under an interceptor that replaces each
-   such call: the parameter tree holds a :class:`~zeropp_jax.step.gather.Unit`
-   at the block's path (flax never reads it, the call is intercepted first),
-   and the block is applied as a fresh top-level module to ``gather(unit)``
-   inside :func:`~zeropp_jax.step.gather.layer`, so it is gathered when called
-   and gathered again in the backward. Its PRNG keys (one ``make_rng`` per
-   stream) and its other variable collections (read only: frozen
-   ``batch_stats``) are the layer's inputs; a block called with mutable
-   collections is refused.
+   such method call: the parameter tree holds a
+   :class:`~zeropp_jax.step.gather.Unit` at the block's path (flax never
+   reads it: the block's ``setup`` is skipped there and its methods are
+   intercepted), and the block is applied as a fresh top-level module
+   (``top.apply(variables, *args, method=name)``, running its ``setup``) to
+   ``gather(unit)`` inside :func:`~zeropp_jax.step.gather.layer`, so it is
+   gathered when called and gathered again in the backward. Two methods
+   called (``__call__`` and ``attend`` of a tied embedding) are two layers on
+   one unit; their gradients sum. The block's other variable collections
+   (read only: frozen ``batch_stats``) are the layer's inputs; a block called
+   with mutable collections is refused.
+
+Random streams: flax derives a ``make_rng`` key from the stream's root key
+(given to ``apply``, or split by ``nn.scan``), a static suffix of scope names
+hashed into it, and per-scope call counters (``flax.core.scope.LazyRng``,
+``Scope.rng_counters``). The layer takes the block scope's root keys as
+inputs (under ``nn.scan``/``nn.remat`` they are tracers of that transform)
+and rebuilds the scope's streams, suffix and counters included, around the
+top-level module (:func:`_resume_streams`), so a wrapped block draws exactly
+the keys (dropout masks) it draws unwrapped, and the counters it advanced are
+written back for its next call.
 
 A block under ``nn.scan`` sees one layer's slice of its stacked parameters;
 :func:`discover` notices the extra leading axis and the layout makes that
@@ -31,7 +48,9 @@ Flax NNX (classes of ``flax.nnx.Module``): :mod:`zeropp_jax.step.wrap_nnx`.
 
 While a wrapped block is applied, calls of listed classes pass through (the
 re-application calls the same class, and listed classes nested inside a
-wrapped block belong to the outer block's unit).
+wrapped block belong to the outer block's unit). An attribute that a wrapped
+block defines in ``setup`` cannot be read from outside it in the step (its
+``setup`` runs only inside the layer); call a method instead.
 """
 
 from __future__ import annotations
@@ -73,11 +92,14 @@ def _nnx_classes(classes: Sequence[type]) -> tuple[type, ...] | None:
 
 
 def _is_target(context: Any, classes: tuple[type, ...]) -> bool:
+    """A method (``setup`` too) of a bound instance of ``classes``, called
+    outside any wrapped block; not a function flax wraps around a module
+    itself (``_validate_setup``'s lambda, on an empty scope)."""
     return (
         depth() == 0
-        and context.method_name == "__call__"
         and isinstance(context.module, classes)
         and context.module.scope is not None
+        and callable(getattr(type(context.module), context.method_name, None))
     )
 
 
@@ -86,10 +108,11 @@ def prepare(
     per_layer: bool, stacked: Sequence[str], rng: Any,
 ) -> tuple[Callable, list, list]:
     """``make_trainer``'s ``wrap=``: the wrapped loss, the units' key paths and
-    which of them stack layers (:func:`discover`).
+    which of them stack layers (:func:`discover`, then :func:`check`).
 
     Raises:
-      ValueError: without ``example_batch``, or with ``per_layer``/``stacked``.
+      ValueError: without ``example_batch``, with ``per_layer``/``stacked``,
+        or from :func:`discover` and :func:`check`.
     """
     if example_batch is None:
         raise ValueError(
@@ -104,6 +127,7 @@ def prepare(
         paths, stacked = wrap_nnx.discover(loss_fn, params, example_batch, nnx_classes, key)
         return wrap_nnx.wrap_loss(loss_fn, nnx_classes, paths), paths, stacked
     paths, stacked = discover(loss_fn, params, example_batch, classes, key)
+    check(loss_fn, params, example_batch, classes, paths, key)
     return wrap_loss(loss_fn, classes), paths, stacked
 
 
@@ -123,9 +147,10 @@ def discover(
 
     Returns:
       ``(paths, stacked)``: distinct key paths into ``params`` (tuples of
-      str), in call order, modules with no parameters skipped; and those
-      whose parameters carry a leading layer axis the module does not see
-      (a module under ``nn.scan``: one unit per layer).
+      str), in call order (of any method but ``setup``), modules with no
+      parameters skipped; and those whose parameters carry a leading layer
+      axis the module does not see (a module under ``nn.scan``: one unit per
+      layer).
 
     Raises:
       ValueError: if no instance of ``classes`` is called with parameters.
@@ -137,7 +162,7 @@ def discover(
     stacked: list[tuple[str, ...]] = []
 
     def record(next_fun, args, kwargs, context):
-        if not _is_target(context, classes):
+        if context.method_name == "setup" or not _is_target(context, classes):
             return next_fun(*args, **kwargs)
         path = tuple(context.module.scope.path)
         outer = subtree(params, path)
@@ -154,52 +179,191 @@ def discover(
     return found, stacked
 
 
-def _apply_block(module: Any, unit: Unit, args: tuple, kwargs: dict, rngs: dict) -> Any:
-    """A Linen ``module(*args, **kwargs)`` on ``gather(unit)``, as one ``layer``.
+@jax.tree_util.register_pytree_node_class
+class _Sealed:
+    """A wrapped block's parameters in :func:`check`'s trace: a pytree node
+    (children: the parameters, sliced by ``nn.scan`` like a ``Unit``; aux:
+    the path) whose reads as a mapping raise the ``ValueError`` that refuses
+    a read outside the block's methods."""
 
-    The block's PRNG keys (``rngs``: stream name -> key, typed keys as raw
-    ``uint32`` key data) and its other variable collections (read only, e.g.
-    frozen ``batch_stats``) enter the layer as its inputs, not closed over:
-    under ``nn.scan`` or ``nn.remat`` they are tracers of that transform,
-    which the layer's backward (a ``custom_vjp``) must not capture.
+    def __init__(self, value: Any, path: tuple[str, ...]):
+        self.value = value
+        self.path = path
+
+    def tree_flatten(self):
+        return (self.value,), self.path
+
+    @classmethod
+    def tree_unflatten(cls, path, children):
+        return cls(children[0], path)
+
+    def _refuse(self, *_: Any) -> Any:
+        where = "/".join(self.path)
+        raise ValueError(
+            f"wrap: the parameters of the wrapped block at {where} are read outside "
+            "its methods (by another module reading its variables, e.g. a tied head "
+            "reading the embedding table); only a call of one of the block's methods "
+            "gathers them (Embed.attend does). "
+            "Leave the block's class out of wrap= (its parameters then join the rest "
+            "unit, gathered before the loss), or read them through a method of the block"
+        )
+
+    __getitem__ = __contains__ = __iter__ = keys = items = values = get = _refuse
+
+
+def _seal(params: Any, paths: Sequence[tuple[str, ...]], prefix: tuple = ()) -> Any:
+    """``params`` (nested mappings) with the sub-tree at each path a :class:`_Sealed`."""
+    if prefix in paths:
+        return _Sealed(params, prefix)
+    if not any(p[:len(prefix)] == prefix for p in paths):
+        return params
+    return {k: _seal(v, paths, prefix + (k,)) for k, v in params.items()}
+
+
+def check(
+    loss_fn: Callable, params: Any, example_batch: Any, classes: Sequence[type],
+    paths: Sequence[tuple[str, ...]], extra_args: tuple = (),
+) -> None:
+    """Traces ``loss_fn`` abstractly as :func:`wrap_loss` runs it, the blocks'
+    parameters (at ``paths``, from :func:`discover`) sealed: they reach each
+    block only through its intercepted methods, applied without a gather.
+
+    Raises:
+      ValueError: if anything else reads them (:class:`_Sealed`) or an
+        attribute a block sets in its ``setup``, or a block is called with
+        mutable collections.
+    """
+    import flax.linen as nn
+
+    intercept = _interceptor(_check_classes(classes), _Sealed,
+                             lambda apply, sealed, args, kwargs, state:
+                             _inside(apply, sealed.value, state, *args, **kwargs))
+
+    def traced(p, b, rest):
+        with nn.intercept_methods(intercept):
+            return loss_fn(_seal(p, paths), b, *rest)
+
+    try:
+        jax.eval_shape(traced, params, example_batch, tuple(extra_args))
+    except AttributeError as e:  # the same trace without the wrapping passed (discover)
+        raise ValueError(
+            f"wrap: loss_fn failed with the blocks wrapped ({e}): an attribute a wrapped "
+            "block defines in its setup (e.g. Embed.embedding) cannot be read from "
+            "outside it, as its setup runs only when one of its methods is called. "
+            "Call a method of the block instead, or leave its class out of wrap="
+        ) from e
+
+
+def _inside(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    with inside_block():
+        return fn(*args, **kwargs)
+
+
+def _resume_streams(scope: Any) -> tuple[list, Callable]:
+    """A Linen scope's random streams, to continue in another module apply.
+
+    This is the one place that uses flax internals (``flax.core.scope``): a
+    stream of ``scope`` is a ``LazyRng`` (a root key and a static suffix of
+    scope names, folded in by ``make_rng``), and ``scope.rng_counters``
+    (stream name -> calls so far, plus one nested dict per child scope) picks
+    the key of each call.
+
+    Returns:
+      ``(roots, apply)``: the streams' root keys (sorted by stream name; a
+      typed key or ``uint32`` key data each, possibly tracers of ``nn.scan``)
+      and ``apply(top, method, variables, roots, *args, **kwargs)``, which is
+      ``top.apply(variables, *args, method=method, **kwargs)`` whose module
+      scope has ``scope``'s streams (``roots`` as their root keys) and
+      counters, and which writes the advanced counters back to ``scope``.
+    """
+    from flax.core.scope import LazyRng
+
+    names = sorted(scope.rngs)
+    suffixes = [scope.rngs[n].suffix for n in names]
+    counters = _copy_counters(scope.rng_counters)
+
+    def apply(top, method, variables, roots, *args, **kwargs):
+        def run(module, *a, **kw):
+            module.scope.rng_counters.update(_copy_counters(counters))
+            out = getattr(module, method)(*a, **kw)
+            scope.rng_counters.clear()
+            scope.rng_counters.update(module.scope.rng_counters)
+            return out
+
+        rngs = {n: LazyRng(r, s) for n, r, s in zip(names, roots, suffixes, strict=True)}
+        return top.apply(variables, *args, rngs=rngs or None, method=run, **kwargs)
+
+    return [scope.rngs[n].rng for n in names], apply
+
+
+def _copy_counters(counters: dict) -> dict:
+    """A copy of nested ``rng_counters`` dicts (keys kept: flax's child token
+    is compared by identity)."""
+    return {k: _copy_counters(v) if isinstance(v, dict) else v for k, v in counters.items()}
+
+
+def _block(module: Any, method: str) -> tuple[Callable, Any]:
+    """A Linen ``module``'s ``method`` as ``(apply, state)``:
+    ``apply(params, state, *args, **kwargs)`` runs it on ``params`` (the
+    block's, gathered) as a fresh top-level module.
+
+    ``state`` holds the block's PRNG root keys (typed keys as raw ``uint32``
+    key data, :func:`_resume_streams`) and its other variable collections
+    (read only, e.g. frozen ``batch_stats``); they enter a layer as its
+    inputs, not closed over: under ``nn.scan`` or ``nn.remat`` they are
+    tracers of that transform, which the layer's backward (a
+    ``custom_vjp``) must not capture.
     """
     top = module.clone(parent=None, name=None)
-    names = sorted(rngs)
-    data, impls = keys_as_data([rngs[n] for n in names])
+    roots, resume = _resume_streams(module.scope)
+    data, impls = keys_as_data(roots)
     others = {c: v for c, v in module.variables.items() if c != "params"}
 
     def apply(params, state, *a, **kw):
         data, variables = state
-        keys = dict(zip(names, keys_from_data(data, impls)))
-        return top.apply({**variables, "params": params}, *a, rngs=keys or None, **kw)
+        roots = keys_from_data(data, impls)
+        return resume(top, method, {**variables, "params": params}, roots, *a, **kw)
 
-    return as_layer(apply, unit, args, kwargs, state=(data, others))
+    return apply, (data, others)
+
+
+def _interceptor(classes: tuple[type, ...], held: type, run: Callable) -> Callable:
+    """A flax method interceptor for wrapped blocks whose parameters are a
+    ``held`` (``Unit`` in the step, :class:`_Sealed` in :func:`check`): it
+    skips their ``setup`` and returns ``run(apply, params, args, kwargs,
+    state)`` for their other methods (``apply, state``: :func:`_block`)."""
+
+    def intercept(next_fun, args, kwargs, context):
+        if not _is_target(context, classes):
+            return next_fun(*args, **kwargs)
+        module = context.module
+        params = module.variables.get("params")  # a layer's slice under nn.scan
+        if not isinstance(params, held):
+            return next_fun(*args, **kwargs)
+        if context.method_name == "setup":  # it runs inside the layer, on the gathered params
+            return None
+        if module.scope.mutable:  # False, or an empty set under nn.scan
+            raise ValueError(
+                f"wrap: {type(module).__name__} at {'/'.join(module.scope.path)} "
+                "is called with mutable collections; wrapped blocks must be pure"
+            )
+        apply, state = _block(module, context.method_name)
+        return run(apply, params, args, kwargs, state)
+
+    return intercept
 
 
 def wrap_loss(loss_fn: Callable, classes: Sequence[type]) -> Callable:
-    """``loss_fn`` with every call of ``classes`` applied to its gathered unit.
+    """``loss_fn`` with every method call of ``classes`` applied to its gathered unit.
 
     Outside a ZeRO step (plain parameters at the blocks' paths) the calls run
     unchanged, so the returned function is ``loss_fn`` on one device.
     """
     import flax.linen as nn
 
-    classes = _check_classes(classes)
-
-    def intercept(next_fun, args, kwargs, context):
-        if not _is_target(context, classes):
-            return next_fun(*args, **kwargs)
-        module = context.module
-        unit = module.variables.get("params")  # a layer's slice under nn.scan
-        if not isinstance(unit, Unit):
-            return next_fun(*args, **kwargs)
-        if module.scope.mutable:  # False, or an empty set under nn.scan
-            raise ValueError(
-                f"wrap: {type(module).__name__} at {'/'.join(module.scope.path)} "
-                "is called with mutable collections; wrapped blocks must be pure"
-            )
-        rngs = {name: module.make_rng(name) for name in module.scope.rngs if name != "params"}
-        return _apply_block(module, unit, args, kwargs, rngs)
+    intercept = _interceptor(_check_classes(classes), Unit,
+                             lambda apply, unit, args, kwargs, state:
+                             as_layer(apply, unit, args, kwargs, state=state))
 
     def wrapped(params, batch, *rest):
         with nn.intercept_methods(intercept):
