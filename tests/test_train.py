@@ -423,17 +423,25 @@ def _freeze_embedding(params):
      r"moved no leaf in 1024 stand-in steps.*check_optimizer=False"),
     (optax.MultiSteps(optax.adam(1e-3), 10), None),
 ], ids=["multisteps-10-freeze", "muon", "lr-0-for-2000-steps", "multisteps-10-adam"])
-def test_the_optimizer_check_waits_for_a_move_and_refuses_when_none_comes(optimizer, match):
+def test_the_optimizer_check_waits_for_a_move_and_says_when_none_comes(optimizer, match):
     """An optimizer that holds still for its first steps (accumulation, a
     learning rate at 0) is checked on the first stand-in step that moves;
-    one that moves nothing in all of them is refused as unchecked, never
-    passed; a rule by rank (muon's for matrices) is named in the refusal."""
+    one that moves nothing in all of them passes with a warning that it was
+    not checked; a rule by rank (muon's for matrices) is named in the
+    refusal."""
+    import warnings
+
     from zeropp_jax.step.rules import check_leaf_uniform
 
     params = {"embed": jnp.zeros((8, 4)), "dense": {"kernel": jnp.zeros((4, 4)),
                                                     "bias": jnp.zeros((4,))}}
     if match is None:
-        check_leaf_uniform(optimizer, params)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            check_leaf_uniform(optimizer, params)
+    elif "moved no leaf" in match:
+        with pytest.warns(UserWarning, match=match):
+            check_leaf_uniform(optimizer, params)
     else:
         with pytest.raises(ValueError, match=match):
             check_leaf_uniform(optimizer, params)
