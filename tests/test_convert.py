@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import warnings
 
 import jax
@@ -75,7 +76,7 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_onebit_adam_restores_into_zero3(saved):
+def test_onebit_adam_restores_into_zero3(saved, caplog):
     """mu = m + d * carries / b1 and nu = v * (1 - b2**count) / (1 - b2**v_count),
     computed here from the saved state; then zero3 steps on from it."""
     run = saved["zeropp-max"]
@@ -85,6 +86,7 @@ def test_onebit_adam_restores_into_zero3(saved):
                                  "clip_norm": 1.0}
     with pytest.warns(UserWarning, match="FOLDED the error-feedback carries"):
         restored = Checkpointer(run["dir"]).restore(zero3)
+    assert not [r for r in caplog.records if "FOLDED" in r.getMessage()]  # said once
     inner, qgz = run["state"].opt_state.inner, run["state"].opt_state.qgz
     count, v_count = int(inner.count), int(inner.v_count)
     assert (count, v_count) == (ONEBIT_STEPS, 5)  # v last updated by the refresh (step 4)
@@ -206,3 +208,32 @@ def test_export_of_node_replicated_checkpoint_drops_the_node_axis(tmp_path):
     units[name][1, ..., 0] += 1.0
     with pytest.raises(ValueError, match=rf"unit '{name}' .* node 1's copy differs"):
         _stored_state_dict(units, meta["layout"], meta["step"])
+
+
+def test_another_optimizer_of_the_same_kind_is_refused_on_restore(tmp_path):
+    """No conversion asked for: an optax state another chain of transformations
+    wrote (AdaBelief or AdamW for Adam: the same leaves) and 1-bit Adam's
+    state under other betas are refused, naming both; the learning rate may
+    change, and a checkpoint that does not record the state restores."""
+    clip = functools.partial(optax.chain, optax.clip_by_global_norm(1.0))
+    adam_dir = _init_checkpoint(tmp_path / "adam", trainer("zero3"))
+    for other, name in ((optax.adabelief(3e-3), "ScaleByBeliefState"),
+                        (optax.adamw(3e-3), r"EmptyState\(\), EmptyState\(\)\)")):
+        with pytest.raises(CheckpointMismatchError, match=r"written with another optimizer: its "
+                           r"optax state is \(EmptyState\(\), \(ScaleByAdamState\(count=\*, "
+                           rf"mu=\{{units: \*\}}, nu=\{{units: \*\}}\), EmptyState\(\)\)\), .*{name}"):
+            Checkpointer(adam_dir).restore(trainer("zero3", clip(other)))
+    Checkpointer(adam_dir).restore(trainer("zero3", clip(optax.adam(1e-2))))  # another rate
+
+    path = adam_dir / "0" / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    del meta["optimizer"]["state"]  # as written before the field
+    path.write_text(json.dumps(meta))
+    Checkpointer(adam_dir).restore(trainer("zero3"))
+
+    onebit_dir = _init_checkpoint(tmp_path / "onebit", trainer("zeropp-max"))
+    with pytest.raises(CheckpointMismatchError, match=r"1-bit Adam with b2=0.999, the trainer's "
+                       r"has b2=0.99: .* Build zeropp_jax.onebit_adam with b2=0.999"):
+        Checkpointer(onebit_dir).restore(
+            trainer("zeropp-max", zp.onebit_adam(3e-3, b2=0.99, clip_norm=1.0)))
+    Checkpointer(onebit_dir).restore(trainer("zeropp-max", zp.onebit_adam(1e-3, clip_norm=1.0)))

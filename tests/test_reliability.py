@@ -290,3 +290,97 @@ def test_launch_refuses_a_coordinator_port_in_use(capsys):
         rc = launch.main(["-n", "2", "--port", str(port), "--", sys.executable, "-c", "pass"])
     err = capsys.readouterr().err
     assert rc == 2 and f"coordinator port {port} on 127.0.0.1 is in use" in err, err
+
+
+def _truncate_largest_array_file(step_dir) -> None:
+    """Cuts the largest data file of the step's params in half (a copy cut short)."""
+    files = [os.path.join(root, name) for root, _, names in os.walk(step_dir / "params")
+             for name in names if os.path.basename(root) == "d"]
+    largest = max(files, key=os.path.getsize)
+    with open(largest, "r+b") as f:
+        f.truncate(os.path.getsize(largest) // 2)
+
+
+@pytest.mark.slow
+def test_a_truncated_checkpoint_is_one_line_naming_the_step_and_what_to_do(tmp_path):
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state_at(1), trainer())
+        ckpt.save(2, state_at(2), trainer())
+    _truncate_largest_array_file(tmp_path / "2")
+    with pytest.raises(CheckpointError) as unreadable:
+        Checkpointer(tmp_path).restore(trainer(), step=2)
+    message = str(unreadable.value)
+    assert "\n" not in message and "TensorStore" not in message and len(message) < 400, message
+    assert f"checkpoint step 2 ({tmp_path}/2): its array data cannot be read" in message
+    assert "truncated or corrupted. Restore an earlier step" in message
+    assert unreadable.value.__cause__ is not None  # Orbax's error, chained
+    with pytest.warns(UserWarning, match=r"skipping unreadable checkpoint .*/2: checkpoint step 2"):
+        assert int(Checkpointer(tmp_path).restore(trainer()).step) == 1
+
+
+@pytest.mark.slow
+def test_cli_checkpoints_and_stops_on_ctrl_c_and_a_second_one_stops_at_once(
+    tmp_path, capsys, monkeypatch
+):
+    """One process: a first Ctrl-C (SIGINT during step 2's input) stops the run
+    before step 3 with a checkpoint, exit status 130; two Ctrl-C raise
+    KeyboardInterrupt at once, saving nothing."""
+    import signal
+
+    from zeropp_jax import distributed
+    from zeropp_jax.cli import train
+
+    local_rows = train._local_rows
+    presses = {"n": 1, "at": 2}
+
+    def rows(batches, step):
+        if step == presses["at"]:
+            for _ in range(presses["n"]):
+                os.kill(os.getpid(), signal.SIGINT)
+        return local_rows(batches, step)
+
+    monkeypatch.setattr(train, "_local_rows", rows)
+    previous = signal.getsignal(signal.SIGINT)
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    run = ["--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics), "--lr-schedule",
+           "constant"]
+    rc, out, err = _train(run + ["--steps", "6"], capsys)
+    assert signal.getsignal(signal.SIGINT) is previous  # put back as it was
+    assert rc == distributed.INTERRUPTED_EXIT == 130, (out, err)
+    assert (f"stopped at step 3 of 6 on Ctrl-C (SIGINT; a second one stops at once); "
+            f"checkpoint {ckpt}/3") in err
+    assert Checkpointer(ckpt).all_steps() == [3] and _steps(metrics) == [0, 1, 2]
+
+    presses.update(n=2, at=4)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(TRAIN + run + ["--steps", "6", "--resume"])
+    assert signal.getsignal(signal.SIGINT) is previous
+    assert Checkpointer(ckpt).all_steps() == [3]
+
+
+@pytest.mark.slow
+def test_cli_resume_refuses_before_it_converts_and_names_its_flags(tmp_path, capsys, caplog):
+    """A 1-bit Adam checkpoint resumed as zero3 under another --lr-schedule is
+    refused for the schedule before the state is converted (no conversion
+    notice); one of gradient qgZ with error feedback, resumed as 1-bit Adam,
+    names the library's fields and zeropp-train's flags."""
+    import warnings
+
+    onebit, gradient = tmp_path / "onebit", tmp_path / "gradient"
+    for directory, flags in ((onebit, []), (gradient, ["--qgz-target", "gradient"])):
+        rc, out, err = _train(["--preset", "zeropp", "--steps", "1", "--checkpoint-dir",
+                               str(directory), *flags], capsys)
+        assert rc == 0, (out, err)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc, _, err = _train(["--preset", "zero3", "--lr-schedule", "constant", "--resume",
+                             "--checkpoint-dir", str(onebit), "--steps", "2"], capsys)
+    assert rc == 2 and "pass --lr-schedule cosine" in err, err
+    notices = [str(w.message) for w in caught] + [r.getMessage() for r in caplog.records]
+    assert not any("restoring 1-bit Adam" in n for n in notices) and "restoring" not in err
+
+    rc, _, err = _train(["--preset", "zeropp", "--resume", "--checkpoint-dir", str(gradient),
+                         "--steps", "2"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "ZeroConfig(qgz_target='gradient')" in err
+    assert err.strip().endswith("; with zeropp-train: pass --qgz-target gradient"), err

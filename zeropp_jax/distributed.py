@@ -27,7 +27,8 @@ gloo on CPU, 2 processes, SIGKILL / SIGSTOP in the middle of training):
 
 SIGTERM is a preemption notice: JAX's notifier catches it in a multi-process
 run, and :class:`PreemptionNotice` tells a training loop when to checkpoint
-and stop (on one process too).
+and stop (on one process too, where Ctrl-C does the same; a second Ctrl-C
+stops at once).
 
 Under ``zeropp-launch``, :func:`initialize` also starts beating to the
 launcher (:mod:`zeropp_jax.heartbeat`): the launcher names a process that
@@ -57,6 +58,9 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 60
 # Exit status of a run stopped by a preemption notice (PreemptionNotice):
 # 128 + SIGTERM, as if the signal had ended it (the run is not finished).
 PREEMPTED_EXIT = 128 + int(signal.SIGTERM)
+# Exit status of a one-process run stopped by Ctrl-C (checkpointed like a
+# preemption): 128 + SIGINT, as a shell reports an interrupted program.
+INTERRUPTED_EXIT = 128 + int(signal.SIGINT)
 
 
 def _cluster_environment() -> bool:
@@ -253,7 +257,7 @@ def _use_gloo_on_cpu(jax) -> None:
 
 class PreemptionNotice:
     """Context manager around a training loop: whether a preemption notice
-    (SIGTERM) asks it to checkpoint and stop, on one process or many alike.
+    (SIGTERM), or a Ctrl-C on one process, asks it to checkpoint and stop.
 
     A scheduler (SLURM, Kubernetes, a spot-instance reclaim, ``zeropp-launch``
     stopping its processes) sends SIGTERM some seconds before it kills a job.
@@ -261,48 +265,70 @@ class PreemptionNotice:
     * multi-process: JAX's preemption notifier catches the SIGTERM of any
       process, and the processes agree on the step to stop at (the step after
       the furthest one any of them reached), which each asks for at every step
-      (``jax.experimental.multihost_utils.reached_preemption_sync_point``);
-    * one process: a SIGTERM handler, installed in the ``with`` block (main
-      thread only) and put back after it, notes the signal.
+      (``jax.experimental.multihost_utils.reached_preemption_sync_point``).
+      Ctrl-C (SIGINT) is not caught: it ends the process (and so the run,
+      :func:`initialize`);
+    * one process: handlers of SIGTERM and SIGINT, installed in the ``with``
+      block (main thread only) and put back after it, note the signal. A
+      second Ctrl-C raises ``KeyboardInterrupt`` at once (e.g. while the
+      checkpoint is written); a second SIGTERM is noted again.
 
     Every process must call :meth:`reached` at every step, with the same step
     numbers (they start at the same step). ``zeropp-train`` then saves a
-    checkpoint and exits with :data:`PREEMPTED_EXIT`.
+    checkpoint and exits with :attr:`exit_status` (:data:`PREEMPTED_EXIT`
+    after SIGTERM, :data:`INTERRUPTED_EXIT` after Ctrl-C).
+
+    Attributes:
+      received: the first signal noted (``signal.SIGTERM`` or
+        ``signal.SIGINT``), else ``None``.
     """
 
     def __init__(self) -> None:
         self._multi = False
-        self._noticed = False
-        self._previous = None
-        self._installed = False
+        self.received: signal.Signals | None = None
+        self._interrupted = False  # a Ctrl-C was noted
+        self._previous: dict = {}
 
     def __enter__(self) -> "PreemptionNotice":
         import jax
 
         self._multi = jax.process_count() > 1
         if not self._multi and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._note)
-            self._installed = True
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._note)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._installed:
-            signal.signal(signal.SIGTERM, self._previous if self._previous is not None
-                          else signal.SIG_DFL)
-            self._installed = False
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
 
     def _note(self, signum, frame) -> None:
-        self._noticed = True
+        if signum == signal.SIGINT:
+            if self._interrupted:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now, no checkpoint
+            self._interrupted = True
+        if self.received is None:
+            self.received = signal.Signals(signum)
+
+    @property
+    def exit_status(self) -> int:
+        """128 + the signal that stopped the run (143 for SIGTERM, 130 for Ctrl-C)."""
+        return 128 + int(self.received or signal.SIGTERM)
 
     def reached(self, step: int) -> bool:
         """Whether to checkpoint and stop before step ``step`` (``step``
-        steps done): a SIGTERM was received (by any process)."""
+        steps done): a SIGTERM was received (by any process), or a Ctrl-C
+        (one process)."""
         if not self._multi:
-            return self._noticed
+            return self.received is not None
         from jax.experimental import multihost_utils
 
         try:
-            return multihost_utils.reached_preemption_sync_point(step)
+            if multihost_utils.reached_preemption_sync_point(step):
+                self.received = signal.SIGTERM
+                return True
+            return False
         except RuntimeError:
             # JAX's preemption service is off, so JAX does not catch SIGTERM
             # either: the signal ends the process as it would any program.

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 import warnings
-from typing import Mapping
+from typing import Callable, Mapping
 
 import jax
 import orbax.checkpoint as ocp
@@ -185,7 +185,7 @@ class Checkpointer:
                 f"{self.directory} already holds a checkpoint at step {latest} >= {step}; "
                 "resume from it, or save into another directory"
             )
-        meta = describe_checkpoint(trainer, step, extra_metadata)
+        meta = describe_checkpoint(trainer, step, extra_metadata, state.opt_state.inner)
         meta["checksums"] = checksum.checksums_of_finite(
             {storage.PARAMS: state.params, storage.OPT: state.opt_state},
             f"step {step}",
@@ -243,11 +243,16 @@ class Checkpointer:
         return self.restore_with_metadata(trainer, step)[0]
 
     def restore_with_metadata(
-        self, trainer: Trainer, step: int | None = None
+        self, trainer: Trainer, step: int | None = None, *,
+        check: Callable[[dict], None] | None = None,
     ) -> tuple[TrainState, dict]:
-        """Like :meth:`restore`, also returning the checkpoint's JSON metadata."""
+        """Like :meth:`restore`, also returning the checkpoint's JSON metadata.
+
+        ``check(meta)`` runs once the arrays are read and verified, before the
+        state is built (and a conversion announced); it may refuse the
+        checkpoint by raising :class:`CheckpointMismatchError`."""
         self.wait()
-        return self._newest_good(step, lambda s: self._restore_step(trainer, s))
+        return self._newest_good(step, lambda s: self._restore_step(trainer, s, check))
 
     def read_params(self, step: int | None = None) -> tuple[dict, dict]:
         """``(units, metadata)``: the stored (padded) units to host numpy, float32 ``([L,] padded)``."""
@@ -298,13 +303,15 @@ class Checkpointer:
             multihost_utils.sync_global_devices("zeropp_checkpoint_quarantine")
         self._manager.reload()
 
-    def _restore_step(self, trainer: Trainer, step: int) -> tuple[TrainState, dict]:
+    def _restore_step(self, trainer: Trainer, step: int, check=None) -> tuple[TrainState, dict]:
         meta, stored, path = self._check_files(step), self._item_trees(step), self.step_path(step)
         where = f"checkpoint {path}"
         restore_args, build = plan_restore(meta, stored, trainer, where,
                                            converter_for(meta, trainer, where))
         values = storage.read_arrays(self._manager, step, path, restore_args)
         checksum.verify(meta.get("checksums"), values, f"checkpoint {path}")
+        if check is not None:
+            check(meta)
         return build(values, step), meta
 
 

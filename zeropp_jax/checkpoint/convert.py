@@ -5,8 +5,8 @@ A checkpoint of a 1-bit Adam preset (``qgz_target="momentum"``: ``qgz``,
 Adam (``zero3``, ``hpz``, ... with ``optax.adam`` inside an
 ``optax.chain``), and the reverse, by converting the optimizer state on the
 host while it is re-laid out (:mod:`~zeropp_jax.checkpoint.remesh`). The
-conversion is announced (a logged warning, and a ``UserWarning`` where a
-deferred quantity changes form); anything that does not fit is refused with
+conversion is announced once: a logged warning where it is exact, a
+``UserWarning`` where a deferred quantity changes form; anything that does not fit is refused with
 :class:`~zeropp_jax.checkpoint.errors.CheckpointMismatchError`.
 
 Both optimizers divide the bias-corrected momentum by a preconditioner:
@@ -232,8 +232,7 @@ def _announce_onebit_to_adam(where: str, values: dict, moments: dict, hyper: dic
     else:
         folded = (f"; DROPPED the error-feedback carries (largest |d * carry| = "
                   f"{largest:.3g}): with b1 = 0 Adam keeps no momentum to carry them")
-    log.warning("%s%s", message, folded)
-    warnings.warn(message + folded, stacklevel=2)
+    warnings.warn(message + folded, stacklevel=2)  # once: a warning, not also a log line
 
 
 # ------------------------------------------------------ optax -> 1-bit

@@ -11,5 +11,17 @@ class CheckpointMismatchError(CheckpointError):
     """A readable checkpoint that does not fit the trainer (model or optimizer)."""
 
 
+class QgzTargetMismatchError(CheckpointMismatchError):
+    """A checkpoint of the other ``qgz_target`` (1-bit Adam vs optax) that does not convert.
+
+    ``stored_config``: the checkpoint's ``ZeroConfig.describe()``, from which a
+    front end can name its own options for the checkpoint's optimizer.
+    """
+
+    def __init__(self, message: str, *, stored_config: dict):
+        super().__init__(message)
+        self.stored_config = stored_config
+
+
 class NonFiniteStateError(ValueError):
     """A state to be saved holds ``inf`` or ``nan``: it is not written."""

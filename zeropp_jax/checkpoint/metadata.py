@@ -17,7 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from zeropp_jax.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from zeropp_jax.checkpoint.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    QgzTargetMismatchError,
+)
 from zeropp_jax.layout import LeafSpec, ParamLayout, UnitLayout
 from zeropp_jax.mesh import mesh_shape
 from zeropp_jax.step.onebit_adam import OneBitAdam
@@ -95,7 +99,8 @@ def unit_from_json(unit: Mapping) -> UnitLayout:
 
 
 # ------------------------------------------------------------- describe
-def describe_checkpoint(trainer: Trainer, step: int, extra_metadata: Mapping | None = None) -> dict:
+def describe_checkpoint(trainer: Trainer, step: int, extra_metadata: Mapping | None = None,
+                        opt_state: Any = None) -> dict:
     """The JSON stored with a checkpoint.
 
     Args:
@@ -103,6 +108,8 @@ def describe_checkpoint(trainer: Trainer, step: int, extra_metadata: Mapping | N
       step: the optimizer step of the state.
       extra_metadata: JSON-serializable caller data (model config, seed,
         data position, ...), stored under ``"extra"``.
+      opt_state: the optimizer's own state (``ZeroOptState.inner``), whose
+        structure is recorded for an optax optimizer (:func:`optimizer_to_json`).
 
     Returns:
       A dict with ``format``, ``version``, ``step``, ``mesh``,
@@ -121,7 +128,7 @@ def describe_checkpoint(trainer: Trainer, step: int, extra_metadata: Mapping | N
         "qgz_active": trainer.qgz_active,
         "error_feedback": trainer.error_feedback,
         "layout": layout_to_json(trainer.layout),
-        "optimizer": optimizer_to_json(trainer.optimizer),
+        "optimizer": optimizer_to_json(trainer.optimizer, opt_state, trainer.layout.names),
         "extra": dict(extra_metadata or {}),
         "time": time.time(),
         "versions": {"jax": jax.__version__, "orbax": getattr(ocp, "__version__", "?")},
@@ -154,41 +161,77 @@ def check_meta(meta: Any, step: int, path: str) -> dict:
 
 
 def check_layout(saved: dict, layout: ParamLayout, where: str) -> None:
-    """Raises :class:`CheckpointMismatchError` unless the models agree."""
+    """Raises :class:`CheckpointMismatchError` unless the models agree.
+
+    The parameters are compared first, leaf by leaf over the whole model
+    (the first that differs is named); then, for the same parameters, how
+    they are cut into units (``per_layer``, ``stacked``, a wrap policy).
+    """
     current = layout_to_json(layout)
-    old = {u["name"]: u for u in saved["units"]}
-    new = {u["name"]: u for u in current["units"]}
-    if list(old) != list(new):
-        missing, unexpected = sorted(set(new) - set(old)), sorted(set(old) - set(new))
-        raise CheckpointMismatchError(
-            f"{where}: the checkpoint's parameter units {list(old)} do not match the "
-            f"trainer's {list(new)} (missing in the checkpoint: {missing}, not in the "
-            f"model: {unexpected}); was it written for another model?"
-        )
-    if saved["whole_model"] != current["whole_model"]:
-        raise CheckpointMismatchError(
-            f"{where}: the checkpoint was written with per_layer="
-            f"{not saved['whole_model']}, the trainer uses per_layer={not current['whole_model']}"
-        )
-    for name, u in new.items():
-        o = old[name]
-        if (o["numel"], o["stack"]) != (u["numel"], u["stack"]):
+    old, new = _model_leaves(saved), _model_leaves(current)
+    for key, leaf in new.items():
+        if key not in old:
             raise CheckpointMismatchError(
-                f"{where}: unit {name!r} has {o['numel']} parameters per layer x "
-                f"{o['stack'] or 1} layers in the checkpoint but {u['numel']} x "
-                f"{u['stack'] or 1} in the trainer's model"
-            )
-        for lo, ln in zip(o["leaves"], u["leaves"]):
-            if (lo["path"], lo["shape"]) != (ln["path"], ln["shape"]):
-                raise CheckpointMismatchError(
-                    f"{where}: unit {name!r}: checkpoint leaf {lo['path']} {tuple(lo['shape'])} "
-                    f"does not match the model's leaf {ln['path']} {tuple(ln['shape'])}"
-                )
-        if len(o["leaves"]) != len(u["leaves"]):
+                f"{where}: the trainer's model has the parameter {_show(key, leaf)}, which the "
+                "checkpoint does not; was it written for another model?")
+        if old[key][0] != leaf[0]:  # the shape (stored as float32 whatever the dtype)
             raise CheckpointMismatchError(
-                f"{where}: unit {name!r} has {len(o['leaves'])} leaves in the checkpoint "
-                f"but {len(u['leaves'])} in the model"
-            )
+                f"{where}: parameter {'/'.join(key)} is {_array(old[key])} in the checkpoint "
+                f"but {_array(leaf)} in the trainer's model; build the model with the "
+                "checkpoint's configuration (its shapes), or start a new run")
+    for key, leaf in old.items():
+        if key not in new:
+            raise CheckpointMismatchError(
+                f"{where}: the checkpoint has the parameter {_show(key, leaf)}, which the "
+                "trainer's model does not; was it written for another model?")
+    if _units(saved) != _units(current):
+        raise CheckpointMismatchError(
+            f"{where}: the same parameters, cut into other units: the checkpoint has "
+            f"{_describe_units(saved)}, the trainer {_describe_units(current)}. Build the "
+            "trainer with the unit layout of the checkpoint (make_trainer's per_layer, "
+            "stacked and wrap as when it was written)")
+
+
+def _model_leaves(layout: Mapping) -> dict[tuple[str, ...], tuple[tuple[int, ...], str]]:
+    """Every parameter leaf of a stored layout: model key path -> (full shape, dtype)."""
+    paths = [tuple(p) for p in layout.get("paths", [])]
+    out = {}
+    for i, unit in enumerate(layout["units"]):
+        if layout["whole_model"]:
+            prefix: tuple[str, ...] = ()
+        elif paths:
+            prefix = paths[i]
+        else:
+            prefix = (unit["name"],)
+        stack = (unit["stack"],) if unit["stack"] else ()
+        for leaf in unit["leaves"]:
+            keys = tuple(leaf["keys"]) if "keys" in leaf else (leaf["path"],)
+            out[prefix + keys] = (stack + tuple(leaf["shape"]), leaf["dtype"])
+    return out
+
+
+def _array(leaf: tuple[tuple[int, ...], str]) -> str:
+    shape, dtype = leaf
+    return f"{dtype}{list(shape)}"
+
+
+def _show(key: tuple[str, ...], leaf: tuple[tuple[int, ...], str]) -> str:
+    return f"{'/'.join(key)} {_array(leaf)}"
+
+
+def _units(layout: Mapping) -> list:
+    """The unit layout: names, stacking and leaves of each unit (not padding)."""
+    return [(u["name"], u["stack"], [leaf["path"] for leaf in u["leaves"]])
+            for u in layout["units"]]
+
+
+def _describe_units(layout: Mapping) -> str:
+    if layout["whole_model"]:
+        return "one unit (per_layer=False)"
+    names = [u["name"] + (f" (stacked x{u['stack']})" if u["stack"] else "")
+             for u in layout["units"]]
+    how = "a wrap policy's" if layout.get("paths") else "per_layer=True"
+    return f"{how} units {names}"
 
 
 def check_qgz_target(meta: dict, trainer: Trainer, where: str) -> None:
@@ -200,42 +243,117 @@ def check_qgz_target(meta: dict, trainer: Trainer, where: str) -> None:
         raise qgz_target_mismatch(meta, trainer, where, "no conversion was asked for.")
 
 
-def qgz_target_mismatch(meta: dict, trainer: Trainer, where: str, why: str) -> CheckpointMismatchError:
+def qgz_target_mismatch(meta: dict, trainer: Trainer, where: str, why: str) -> QgzTargetMismatchError:
     """The error for a checkpoint of the other ``qgz_target`` that cannot be converted.
 
     Args:
       why: the reason the conversion does not apply (one sentence).
     """
     stored = meta["config"].get("qgz_target", "gradient")  # written before the field
-    return CheckpointMismatchError(
+    return QgzTargetMismatchError(
         f"{where} was written with qgz_target={stored!r} (preset "
         f"{meta['config'].get('preset')!r}) and the trainer has "
         f"qgz_target={trainer.config.qgz_target!r}: their optimizer states differ (1-bit "
         "Adam's per-node m and v and two carries vs an optax state). Restore converts "
         "1-bit Adam's state into an optax Adam's (optax.adam inside the chain, same b1 and "
         f"b2) and back, but not here: {why} Build the trainer with "
-        f"{_same_optimizer_flags(meta['config'])}; the presets qgz and zeropp meant "
-        "qgz_target='gradient' before they ran 1-bit Adam"
+        f"{_same_optimizer(meta['config'])}; the presets qgz and zeropp meant "
+        "qgz_target='gradient' before they ran 1-bit Adam",
+        stored_config=meta["config"],
     )
 
 
-def _same_optimizer_flags(stored: dict) -> str:
-    """zeropp-train flags that give a trainer the stored config's optimizer."""
-    target = stored.get("qgz_target", "gradient")
-    if target == "momentum":  # 1-bit Adam needs qgZ on and a warm-up
-        flags = (f"--qgz {stored.get('qgz')} --qgz-target momentum "
-                 f"--qgz-warmup {stored.get('qgz_warmup_steps')} "
-                 f"--qgz-refresh-every {stored.get('qgz_refresh_every')}")
-        return f"1-bit Adam: --preset {stored.get('preset')}, or {flags}"
-    return "qgz_target='gradient' (--qgz-target gradient)"
+def _same_optimizer(stored: dict) -> str:
+    """The optimizer and ZeroConfig fields that give a trainer the stored config's optimizer."""
+    if stored.get("qgz_target", "gradient") == "momentum":  # qgZ on and a warm-up
+        return (f"zeropp_jax.onebit_adam and ZeroConfig(qgz={stored.get('qgz')!r}, "
+                f"qgz_target='momentum', qgz_warmup_steps={stored.get('qgz_warmup_steps')}, "
+                f"qgz_refresh_every={stored.get('qgz_refresh_every')}) (e.g. "
+                f"ZeroConfig.from_preset({stored.get('preset')!r}))")
+    return "an optax optimizer and ZeroConfig(qgz_target='gradient')"
 
 
-def optimizer_to_json(optimizer: Any) -> dict:
-    """The optimizer's hyperparameters that a conversion needs (see
-    :mod:`~zeropp_jax.checkpoint.convert`): 1-bit Adam's ``b1``, ``b2``,
-    ``eps`` and ``clip_norm``; an optax optimizer keeps its hyperparameters
-    in closures, so only its name."""
+# ------------------------------------------------------------- optimizer
+def optimizer_to_json(optimizer: Any, opt_state: Any = None, units: tuple[str, ...] = ()) -> dict:
+    """What the checkpoint records of the optimizer.
+
+    1-bit Adam: its ``b1``, ``b2``, ``eps`` and ``clip_norm`` (a conversion
+    needs them, see :mod:`~zeropp_jax.checkpoint.convert`, and a restore
+    checks them). An optax optimizer keeps its hyperparameters in closures:
+    its name, and with ``opt_state`` (its state, ``ZeroOptState.inner``) the
+    state's structure (:func:`state_structure`; ``units``: the parameter
+    units' names), which tells its transformations apart (Adam, AdaBelief,
+    AdamW, a schedule...), not their hyperparameters.
+    """
     if isinstance(optimizer, OneBitAdam):
         return {"name": "onebit_adam", "b1": optimizer.b1, "b2": optimizer.b2,
                 "eps": optimizer.eps, "clip_norm": optimizer.clip_norm}
-    return {"name": "optax"}
+    if opt_state is None:
+        return {"name": "optax"}
+    return {"name": "optax", "state": state_structure(opt_state, units)}
+
+
+def state_structure(tree: Any, units: tuple[str, ...] = ()) -> str:
+    """A pytree's structure as text: node type names, fields and keys, ``*``
+    for a leaf, ``{units: ...}`` for a dict keyed by the names ``units`` (the
+    same per unit), e.g. ``(ScaleByAdamState(count=*, mu={units: *}, nu={units: *}),
+    EmptyState())``. Independent of shapes, shardings and JAX's own repr."""
+    return _node_text(jax.tree.structure(tree), sorted(units))
+
+
+def _node_text(treedef: Any, units: list[str]) -> str:
+    data = treedef.node_data()
+    if data is None:
+        return "*"
+    kind, aux = data
+    kids = [_node_text(c, units) for c in treedef.children()]
+    if kind is type(None):
+        return "None"
+    if kind is dict:
+        if units and sorted(aux) == units and len(set(kids)) == 1:  # e.g. Adam's mu
+            return f"{{units: {kids[0]}}}"
+        return "{" + ", ".join(f"{k}: {c}" for k, c in zip(aux, kids)) + "}"
+    if kind in (tuple, list):
+        inner = ", ".join(kids)
+        return f"({inner})" if kind is tuple else f"[{inner}]"
+    fields = getattr(kind, "_fields", None)
+    if fields is not None and len(fields) == len(kids):
+        return f"{kind.__name__}(" + ", ".join(f"{f}={c}" for f, c in zip(fields, kids)) + ")"
+    return f"{kind.__name__}(" + ", ".join(kids) + ")"
+
+
+_ONEBIT_STATE_HYPER = ("b1", "b2", "eps")  # what m, v and v's bias correction follow
+
+
+def check_optimizer(meta: dict, trainer: Trainer, opt_state: Any, where: str) -> None:
+    """Refuses a checkpoint whose optimizer state another optimizer wrote.
+
+    For the same ``qgz_target`` (no conversion): 1-bit Adam's ``b1``, ``b2``
+    and ``eps`` must be the checkpoint's; an optax optimizer's state
+    structure must be (``opt_state``: the trainer's, abstract). The learning
+    rate, its schedule's values and ``clip_norm`` may change. A checkpoint
+    written before the optimizer was recorded is not checked.
+    """
+    stored = meta.get("optimizer") or {}
+    if isinstance(trainer.optimizer, OneBitAdam):
+        if stored.get("name") != "onebit_adam":
+            return
+        ours = trainer.optimizer
+        changed = [k for k in _ONEBIT_STATE_HYPER if float(stored[k]) != float(getattr(ours, k))]
+        if changed:
+            old = ", ".join(f"{k}={stored[k]}" for k in changed)
+            new = ", ".join(f"{k}={getattr(ours, k)}" for k in changed)
+            raise CheckpointMismatchError(
+                f"{where} was written by 1-bit Adam with {old}, the trainer's has {new}: its "
+                "m and v (and v's bias correction 1 - b2**v_count) were accumulated with "
+                f"the checkpoint's. Build zeropp_jax.onebit_adam with {old} (the learning "
+                "rate and clip_norm may change)")
+        return
+    recorded = stored.get("state")
+    current = state_structure(opt_state, trainer.layout.names)
+    if recorded is not None and recorded != current:
+        raise CheckpointMismatchError(
+            f"{where} was written with another optimizer: its optax state is {recorded}, "
+            f"the trainer's optimizer makes {current}. Build the trainer with the "
+            "checkpoint's optimizer (the same transformations in the same order; the "
+            "learning rate and the schedule's values may change)")

@@ -47,6 +47,7 @@ import orbax.checkpoint as ocp
 from zeropp_jax.checkpoint.errors import CheckpointMismatchError
 from zeropp_jax.checkpoint.metadata import (
     check_layout,
+    check_optimizer,
     check_qgz_target,
     flat_with_keys,
     unit_from_json,
@@ -93,6 +94,8 @@ def plan_restore(
     if convert_opt is None:
         check_qgz_target(meta, trainer, where)
     target = _abstract_state(trainer)
+    if convert_opt is None:
+        check_optimizer(meta, trainer, target.opt_state.inner, where)
     plan = _Plan(meta, trainer, where)
     params_args, params_fill = plan.item(
         flat_with_keys(stored[PARAMS]), flat_with_keys(target.params), params=True
@@ -105,10 +108,10 @@ def plan_restore(
         opt_args, opt_fill = convert_opt(
             plan, flat_with_keys(stored[OPT]), flat_with_keys(target.opt_state), target.opt_state
         )
-    if plan.dropped_carry:
-        _warn_dropped_carry(meta, trainer, where)
 
     def build(values: dict, step: int) -> TrainState:
+        if plan.dropped_carry:  # announced with the state, once it is read and checked
+            _warn_dropped_carry(meta, trainer, where)
         params = params_fill(flat_with_keys(values[PARAMS]))
         opt_state = opt_fill(flat_with_keys(values[OPT]))
         step_array = place(np.asarray(step, np.int32), target.step)
@@ -353,6 +356,5 @@ def _warn_dropped_carry(meta: dict, trainer: Trainer, where: str) -> None:
         f"trainer has no error feedback because {why}. Training continues, but the "
         "deferred gradient is lost."
     )
-    log.warning(message)
-    # stacklevel 5: Checkpointer._newest_good, the loop over steps that restores.
-    warnings.warn(message, stacklevel=5)
+    # stacklevel 6: Checkpointer._newest_good, the loop over steps that restores.
+    warnings.warn(message, stacklevel=6)

@@ -56,10 +56,7 @@ def read_meta(manager: ocp.CheckpointManager, step: int, step_dir: str) -> dict:
             step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()})
         )[META]
     except Exception as e:  # noqa: BLE001 - any read failure means unreadable
-        raise CheckpointError(
-            f"checkpoint step {step}: cannot read its metadata {path} "
-            f"({type(e).__name__}: {e}); the checkpoint is incomplete or corrupted"
-        ) from e
+        raise _unreadable(step, step_dir, f"its metadata {path}", e) from e
     return check_meta(meta, step, path)
 
 
@@ -69,11 +66,7 @@ def read_item_trees(manager: ocp.CheckpointManager, step: int, step_dir: str) ->
         items = manager.item_metadata(step)
         trees = {name: items[name].tree for name in (PARAMS, OPT)}
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(
-            f"checkpoint step {step} in {step_dir}: cannot read the "
-            f"array metadata of its params/opt_state ({type(e).__name__}: {e}); "
-            "the checkpoint is incomplete or corrupted"
-        ) from e
+        raise _unreadable(step, step_dir, "the array metadata of its params/opt_state", e) from e
     return trees
 
 
@@ -98,11 +91,7 @@ def read_arrays(
     try:
         return manager.restore(step, args=ocp.args.Composite(**composite))
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(
-            f"checkpoint step {step}: cannot read the arrays under "
-            f"{step_dir} ({type(e).__name__}: {e}); the checkpoint "
-            "is incomplete or corrupted"
-        ) from e
+        raise _unreadable(step, step_dir, "its array data", e) from e
 
 
 def read_to_host(manager: ocp.CheckpointManager, step: int, step_dir: str, name: str) -> Any:
@@ -110,6 +99,16 @@ def read_to_host(manager: ocp.CheckpointManager, step: int, step_dir: str, name:
     tree = read_item_trees(manager, step, step_dir)[name]
     args = {k: NUMPY for k in flat_with_keys(tree)}
     return read_arrays(manager, step, step_dir, {name: (tree, args)})[name]
+
+
+def _unreadable(step: int, step_dir: str, what: str, cause: Exception) -> CheckpointError:
+    """One line for a step that cannot be read; Orbax's own error (often a
+    whole TensorStore spec) is only chained to it, as its cause."""
+    return CheckpointError(
+        f"checkpoint step {step} ({step_dir}): {what} cannot be read "
+        f"({type(cause).__name__}, chained as the cause): its files are missing, "
+        "truncated or corrupted. Restore an earlier step (without a step, restore "
+        f"takes the newest readable one), or move {step_dir} aside")
 
 
 def _item_and_args(stored_tree: Any, keyed: dict[tuple[str, ...], Any]):

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -178,9 +179,9 @@ def run(args: argparse.Namespace) -> int:
     # The newest saved step, from what every process knows alike (not from a
     # listing of the directory, which may differ between processes).
     last_saved = first_step if restored_meta is not None else None  # resumed from it
-    stopped_at = None  # the step a preemption notice (SIGTERM) stopped the run at
+    stopped_at = None  # the step a preemption notice (SIGTERM) or Ctrl-C stopped the run at
     # The notice covers the loop and the saves after it: a second SIGTERM while
-    # the preemption checkpoint is written is noted again, not fatal.
+    # the preemption checkpoint is written is noted again, not fatal; a second Ctrl-C is.
     with distributed.PreemptionNotice() as notice:
         try:
             for step in range(first_step, args.steps):
@@ -217,9 +218,11 @@ def run(args: argparse.Namespace) -> int:
             kept = (f"checkpoint {ckpt.step_path(stopped_at)} holds it: the same command "
                     "with --resume continues" if ckpt is not None else
                     "no --checkpoint-dir, so the trained steps are not saved")
-            print(f"zeropp-train: stopped at step {stopped_at} of {args.steps} on a "
-                  f"preemption notice (SIGTERM); {kept}", file=sys.stderr, flush=True)
-        return distributed.PREEMPTED_EXIT
+            why = ("Ctrl-C (SIGINT; a second one stops at once)"
+                   if notice.received == signal.SIGINT else "a preemption notice (SIGTERM)")
+            print(f"zeropp-train: stopped at step {stopped_at} of {args.steps} on "
+                  f"{why}; {kept}", file=sys.stderr, flush=True)
+        return notice.exit_status
 
     diverged = guards.diverged(history)
     if is_main:
@@ -289,6 +292,7 @@ def _open_checkpoints(args, trainer, is_main: bool, record_of_run: dict):
     if args.checkpoint_dir is None:
         return None, None, None
     from zeropp_jax.checkpoint import CheckpointError, Checkpointer, CheckpointMismatchError
+    from zeropp_jax.checkpoint.errors import QgzTargetMismatchError
 
     try:
         ckpt = Checkpointer(args.checkpoint_dir, max_to_keep=args.keep)
@@ -307,18 +311,26 @@ def _open_checkpoints(args, trainer, is_main: bool, record_of_run: dict):
             f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints (steps "
             f"{steps}); pass --resume to continue from the newest, or use another directory"
         )
+
+    def refuse(meta: dict) -> list[str]:
+        return _refuse_changes(ckpt, meta, args, trainer, record_of_run)
+
     try:
         try:
             # The newest readable checkpoint: an unreadable newer one is skipped
-            # (and set aside), so the command is compared with ``meta``.
-            state, meta = ckpt.restore_with_metadata(trainer)
-        except CheckpointMismatchError:
+            # (and set aside). The command is compared with its ``meta`` before
+            # the state is built, so a refusal comes before any conversion notice.
+            state, meta = ckpt.restore_with_metadata(trainer, check=refuse)
+        except CheckpointMismatchError as e:
             # The command's own difference (model, schedule) says more.
             recorded = _newest_readable_meta(ckpt)
             if recorded is not None:
-                _refuse_changes(ckpt, recorded, args, trainer, record_of_run)
+                refuse(recorded)
+            if isinstance(e, QgzTargetMismatchError):
+                raise CheckpointMismatchError(
+                    f"{e}; with {PROG}: {_same_optimizer_flags(e.stored_config)}") from e
             raise
-        changed = _refuse_changes(ckpt, meta, args, trainer, record_of_run)
+        changed = refuse(meta)
     except (CheckpointError, FileNotFoundError) as e:
         ckpt.close()
         common.fail(PROG, str(e))
@@ -348,18 +360,28 @@ def _newest_readable_meta(ckpt) -> dict | None:
 
 def _refuse_changes(ckpt, meta: dict, args, trainer, record_of_run: dict) -> list[str]:
     """The command's changes from the run of checkpoint ``meta`` (warnings);
-    raises ``CheckpointError`` for those the state cannot follow."""
-    from zeropp_jax.checkpoint import CheckpointError
+    raises ``CheckpointMismatchError`` for those the state cannot follow."""
+    from zeropp_jax.checkpoint import CheckpointMismatchError
 
     errors, changed = guards.resume_changes(
         meta.get("extra", {}), args, record_of_run["model"],
         trainer.config.describe(), meta["config"],
     )
     if errors:
-        raise CheckpointError(
+        raise CheckpointMismatchError(
             f"cannot resume from {ckpt.step_path(meta['step'])}: " + "; ".join(errors)
         )
     return changed
+
+
+def _same_optimizer_flags(stored: dict) -> str:
+    """The flags that give a trainer the optimizer of a checkpoint's ``config``."""
+    if stored.get("qgz_target", "gradient") == "momentum":  # 1-bit Adam: qgZ on, a warm-up
+        flags = (f"--qgz {stored.get('qgz')} --qgz-target momentum "
+                 f"--qgz-warmup {stored.get('qgz_warmup_steps')} "
+                 f"--qgz-refresh-every {stored.get('qgz_refresh_every')}")
+        return f"pass --preset {stored.get('preset')}, or {flags}"
+    return "pass --qgz-target gradient"
 
 
 def _open_metrics(path: str | None, first_step: int):
