@@ -103,6 +103,9 @@ def test_summary_line_reports_first_and_final_loss(mesh_runs, mesh):
     assert summary["first_loss"] == pytest.approx(metrics[0]["loss"], rel=1e-7)
     assert summary["final_loss"] == pytest.approx(metrics[-1]["loss"], rel=1e-7)
     assert summary["final_loss"] < summary["first_loss"]
+    # where it came from: every flag, the code's commit (None outside a checkout), the machine
+    assert summary["flags"]["preset"] == "zero3" and summary["flags"]["mesh"] == mesh
+    assert {"git", "host", "jax", "date", "devices"} <= set(summary["provenance"])
 
 
 # --- 2. the default model learns the default data ---------------------------

@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 
+from zeropp_jax import provenance
 from zeropp_jax.cli import common, guards
 
 DEFAULT_PRESET = "zeropp"
@@ -250,7 +251,10 @@ def run(args: argparse.Namespace) -> int:
             "tokens_per_second": round(n * tokens_per_step / elapsed, 1),
         }
         summary.update(figures)
-        print("summary: " + json.dumps(summary), flush=True)
+        # where the figures came from: every flag's value, the code's commit, the machine
+        summary["flags"] = vars(args)
+        summary["provenance"] = provenance.record()
+        print("summary: " + json.dumps(summary, default=str), flush=True)
         for line in headline.summary_line(summary, steps=args.steps).splitlines():
             print("zeropp-train: " + line, flush=True)
         if diverged:
