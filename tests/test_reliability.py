@@ -324,7 +324,8 @@ def test_cli_checkpoints_and_stops_on_ctrl_c_and_a_second_one_stops_at_once(
 ):
     """One process: a first Ctrl-C (SIGINT during step 2's input) stops the run
     before step 3 with a checkpoint, exit status 130; two Ctrl-C raise
-    KeyboardInterrupt at once, saving nothing."""
+    KeyboardInterrupt at once, saving nothing; one in the last step stops the
+    run before its closing report; an ignored SIGINT (nohup) stays ignored."""
     import signal
 
     from zeropp_jax import distributed
@@ -356,6 +357,21 @@ def test_cli_checkpoints_and_stops_on_ctrl_c_and_a_second_one_stops_at_once(
         train.main(TRAIN + run + ["--steps", "6", "--resume"])
     assert signal.getsignal(signal.SIGINT) is previous
     assert Checkpointer(ckpt).all_steps() == [3]
+
+    presses.update(n=1, at=5)  # in the last step: the run ends there, without its report
+    rc, out, err = _train(run + ["--steps", "6", "--resume"], capsys)
+    assert rc == 130 and "stopped at step 6 of 6 on Ctrl-C" in err and "summary:" not in out
+    assert Checkpointer(ckpt).all_steps() == [3, 6]
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under nohup: Ctrl-C stays ignored
+    try:
+        presses.update(n=1, at=1)
+        rc, out, err = _train(run + ["--steps", "2", "--checkpoint-dir", str(tmp_path / "ign")],
+                              capsys)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert rc == 0 and "summary:" in out, err
 
 
 @pytest.mark.slow

@@ -643,10 +643,11 @@ def test_wrapped_linen_modules_may_be_applied_by_other_methods():
                                ("rest", "emb", "head"))
 
 
-@pytest.mark.parametrize("read", ["variables", "attribute"])
+@pytest.mark.parametrize("read", ["variables", "copy", "attribute"])
 def test_a_wrapped_linen_modules_parameters_read_from_outside_are_refused(read):
     """Another module reading a wrapped ``Embed``'s table (Hugging Face
-    GPT-2's tied head reads ``variables``) is refused at make_trainer."""
+    GPT-2's tied head reads ``variables``; or a copy of its dict) is refused
+    at make_trainer, as is an attribute its setup defines."""
     import flax.linen as nn
 
     class Model(nn.Module):
@@ -654,12 +655,13 @@ def test_a_wrapped_linen_modules_parameters_read_from_outside_are_refused(read):
         def __call__(self, x):
             emb = nn.Embed(VOCAB, 16, name="emb")
             h = jnp.tanh(nn.Dense(16)(emb(x)))
-            table = (self.variables["params"]["emb"]["embedding"] if read == "variables"
-                     else emb.embedding)
+            table = {"variables": lambda: self.variables["params"]["emb"]["embedding"],
+                     "copy": lambda: self.variables["params"]["emb"].copy()["embedding"],
+                     "attribute": lambda: emb.embedding}[read]()
             return h @ table.T
 
     params, loss, batch = _token_model(Model)
-    match = "read outside its methods" if read == "variables" else "defines in its setup"
+    match = "defines in its setup" if read == "attribute" else "read outside its methods"
     with pytest.raises(ValueError, match=match):
         zp.make_trainer(loss, optax.sgd(0.1), params, mesh=zp.make_mesh(2, 4),
                         wrap=(nn.Embed,), example_batch=batch)

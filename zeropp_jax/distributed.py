@@ -295,6 +295,8 @@ class PreemptionNotice:
         self._multi = jax.process_count() > 1
         if not self._multi and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
+                if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
+                    continue  # ignored (nohup, a background job): it stays ignored
                 self._previous[sig] = signal.signal(sig, self._note)
         return self
 

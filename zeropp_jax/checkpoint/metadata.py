@@ -296,30 +296,35 @@ def optimizer_to_json(optimizer: Any, opt_state: Any = None, units: tuple[str, .
 def state_structure(tree: Any, units: tuple[str, ...] = ()) -> str:
     """A pytree's structure as text: node type names, fields and keys, ``*``
     for a leaf, ``{units: ...}`` for a dict keyed by the names ``units`` (the
-    same per unit), e.g. ``(ScaleByAdamState(count=*, mu={units: *}, nu={units: *}),
-    EmptyState())``. Independent of shapes, shardings and JAX's own repr."""
-    return _node_text(jax.tree.structure(tree), sorted(units))
+    same per unit), e.g. ``(ScaleByAdamState(count=*, mu={units: *}, nu={units: *}))``.
+    Nodes that hold no array (optax's ``EmptyState`` of a stateless
+    transformation, a weight-decay mask's ``MaskedState``) are left out: they
+    restore under any optimizer. Independent of shapes, shardings and JAX's
+    own repr."""
+    return _node_text(jax.tree.structure(tree), sorted(units)) or "()"
 
 
 def _node_text(treedef: Any, units: list[str]) -> str:
+    """:func:`state_structure` of one node; ``""`` for a node without leaves."""
+    if treedef.num_leaves == 0:
+        return ""
     data = treedef.node_data()
     if data is None:
         return "*"
     kind, aux = data
     kids = [_node_text(c, units) for c in treedef.children()]
-    if kind is type(None):
-        return "None"
     if kind is dict:
         if units and sorted(aux) == units and len(set(kids)) == 1:  # e.g. Adam's mu
             return f"{{units: {kids[0]}}}"
-        return "{" + ", ".join(f"{k}: {c}" for k, c in zip(aux, kids)) + "}"
+        return "{" + ", ".join(f"{k}: {c}" for k, c in zip(aux, kids) if c) + "}"
     if kind in (tuple, list):
-        inner = ", ".join(kids)
+        inner = ", ".join(c for c in kids if c)
         return f"({inner})" if kind is tuple else f"[{inner}]"
     fields = getattr(kind, "_fields", None)
     if fields is not None and len(fields) == len(kids):
-        return f"{kind.__name__}(" + ", ".join(f"{f}={c}" for f, c in zip(fields, kids)) + ")"
-    return f"{kind.__name__}(" + ", ".join(kids) + ")"
+        inner = ", ".join(f"{f}={c}" for f, c in zip(fields, kids) if c)
+        return f"{kind.__name__}({inner})"
+    return f"{kind.__name__}(" + ", ".join(c for c in kids if c) + ")"
 
 
 _ONEBIT_STATE_HYPER = ("b1", "b2", "eps")  # what m, v and v's bias correction follow
@@ -354,6 +359,8 @@ def check_optimizer(meta: dict, trainer: Trainer, opt_state: Any, where: str) ->
     if recorded is not None and recorded != current:
         raise CheckpointMismatchError(
             f"{where} was written with another optimizer: its optax state is {recorded}, "
-            f"the trainer's optimizer makes {current}. Build the trainer with the "
-            "checkpoint's optimizer (the same transformations in the same order; the "
-            "learning rate and the schedule's values may change)")
+            f"the trainer's optimizer makes {current} (states without arrays left out). "
+            "Build the trainer with the checkpoint's optimizer: the same stateful "
+            "transformations in the same order. The learning rate and a schedule's values "
+            "may change, but a schedule in place of a constant learning rate (or the other "
+            "way round) adds (or removes) a step count in the state")

@@ -205,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
                     last_saved = done
             if pending is not None:
                 record(*pending)
+            if stopped_at is None and notice.received == signal.SIGINT:
+                stopped_at = args.steps  # a Ctrl-C in the last step: stop before the report
             if stopped_at is not None and ckpt is not None and stopped_at != last_saved:
                 _save(ckpt, stopped_at, state, trainer, record_of_run, args.lr)
         finally:

@@ -210,6 +210,11 @@ class _Sealed:
 
     __getitem__ = __contains__ = __iter__ = keys = items = values = get = _refuse
 
+    def __getattr__(self, name: str) -> Any:  # e.g. .copy() of a FrozenDict
+        if name.startswith("__") or name in ("value", "path"):  # protocol probes, or
+            raise AttributeError(name)                          # not yet set (a copy)
+        self._refuse()
+
 
 def _seal(params: Any, paths: Sequence[tuple[str, ...]], prefix: tuple = ()) -> Any:
     """``params`` (nested mappings) with the sub-tree at each path a :class:`_Sealed`."""
@@ -235,7 +240,8 @@ def check(
     """
     import flax.linen as nn
 
-    intercept = _interceptor(_check_classes(classes), _Sealed,
+    classes = _check_classes(classes)
+    intercept = _interceptor(classes, _Sealed,
                              lambda apply, sealed, args, kwargs, state:
                              _inside(apply, sealed.value, state, *args, **kwargs))
 
@@ -246,6 +252,8 @@ def check(
     try:
         jax.eval_shape(traced, params, example_batch, tuple(extra_args))
     except AttributeError as e:  # the same trace without the wrapping passed (discover)
+        if not isinstance(getattr(e, "obj", None), classes):
+            raise  # not an attribute of a wrapped block
         raise ValueError(
             f"wrap: loss_fn failed with the blocks wrapped ({e}): an attribute a wrapped "
             "block defines in its setup (e.g. Embed.embedding) cannot be read from "
