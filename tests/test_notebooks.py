@@ -37,6 +37,7 @@ def test_notebook_runs_and_saves_figures(name, tmp_path, monkeypatch):
     monkeypatch.setenv("ZEROPP_NB_STEPS", CI_STEPS)
     monkeypatch.setenv("ZEROPP_NB_ACCUMS", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.setenv("TQDM_DISABLE", "1")  # no progress bars in the captured output
     book = nbformat.read(NOTEBOOKS / name, as_version=4)
     client = nbclient.NotebookClient(
         book, timeout=900, kernel_name="python3",
