@@ -497,6 +497,7 @@ def test_cli_resume_matches_an_uninterrupted_run(tmp_path):
     proc = run_cli(*args, "--resume", "--metrics-out", str(part))
     _cli_ok(proc)
     assert f"resumed from {ckpt}/4" in proc.stdout
+    assert "differs from the checkpoint's" not in proc.stderr  # the same flags
     resumed = _jsonl(part)
     assert [r["step"] for r in resumed] == list(range(8))
     for a, b in zip(resumed, lines):

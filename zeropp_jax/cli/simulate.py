@@ -219,13 +219,14 @@ def simulate(args: argparse.Namespace) -> dict:
 def _averaged_over(config, nodes: int, steps: int | None) -> str:
     """What the target's figures average (the profile's mesh has ``nodes``
     nodes): the run's steps, or the steady state."""
-    from zeropp_jax.analysis.comm_profile import full_precision_share
+    from zeropp_jax.analysis.headline import full_precision_steps
     from zeropp_jax.step.schedule import QgzSchedule
 
-    if not QgzSchedule.from_config(config, nodes).active:
+    schedule = QgzSchedule.from_config(config, nodes)
+    if not schedule.active:
         return "every step (no qgZ schedule)"
     if steps is not None:
-        full = round(full_precision_share(config, nodes, steps) * steps)
+        full = full_precision_steps(schedule, steps)
         return f"a {steps}-step run: {full} full-precision steps (warm-up and refreshes) included"
     refresh = (f"one refresh cycle ({config.qgz_refresh_every - 1} compressed steps + 1 "
                "full-precision)" if config.qgz_refresh_every else "the compressed step")

@@ -318,8 +318,10 @@ def _open_checkpoints(args, trainer, is_main: bool, record_of_run: dict):
             f"{steps}); pass --resume to continue from the newest, or use another directory"
         )
 
-    def refuse(meta: dict) -> list[str]:
-        return _refuse_changes(ckpt, meta, args, trainer, record_of_run)
+    changed: list[str] = []  # the command's changes from the restored step's run
+
+    def refuse(meta: dict) -> None:
+        changed[:] = _refuse_changes(ckpt, meta, args, trainer, record_of_run)
 
     try:
         try:
@@ -336,7 +338,6 @@ def _open_checkpoints(args, trainer, is_main: bool, record_of_run: dict):
                 raise CheckpointMismatchError(
                     f"{e}; with {PROG}: {_same_optimizer_flags(e.stored_config)}") from e
             raise
-        changed = refuse(meta)
     except (CheckpointError, FileNotFoundError) as e:
         ckpt.close()
         common.fail(PROG, str(e))
