@@ -1,8 +1,10 @@
 """Every notebook in notebooks/ runs top to bottom and writes its figures.
 
-Runs small so the four fit in CI's time: short training (``ZEROPP_NB_STEPS``)
-and one gradient-accumulation setting (``ZEROPP_NB_ACCUMS``; accumulation's
-bytes are tests/test_zeropp.py's). Figures go to a temporary folder, never
+Runs small so the four fit in CI's time: short training (``ZEROPP_NB_STEPS``),
+one gradient-accumulation setting (``ZEROPP_NB_ACCUMS``; accumulation's
+bytes are tests/test_zeropp.py's) and four of the convergence study's nine
+runs (``ZEROPP_NB_RUNS``; the other five configurations train in
+tests/test_zeropp.py, test_momentum.py and test_dither.py). Figures go to a temporary folder, never
 over the committed ones.
 """
 
@@ -25,6 +27,9 @@ FIGURES = {
 # Steps of training in the notebooks that train (the full runs use 200-400);
 # 8 keeps a warm-up step before the compressed ones.
 CI_STEPS = "8"
+# 03_convergence's runs at CI size: the reference and one per code path the
+# figure shows (1-bit Adam, 1-bit gradients with error feedback, zeropp).
+CI_RUNS = "zero3|qgz (1-bit Adam)|qgz 1-bit gradients + EF|zeropp"
 
 
 def test_every_notebook_is_listed():
@@ -36,6 +41,7 @@ def test_notebook_runs_and_saves_figures(name, tmp_path, monkeypatch):
     monkeypatch.setenv("ZEROPP_FIGURES", str(tmp_path))
     monkeypatch.setenv("ZEROPP_NB_STEPS", CI_STEPS)
     monkeypatch.setenv("ZEROPP_NB_ACCUMS", "1")
+    monkeypatch.setenv("ZEROPP_NB_RUNS", CI_RUNS)
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("TQDM_DISABLE", "1")  # no progress bars in the captured output
     book = nbformat.read(NOTEBOOKS / name, as_version=4)
