@@ -526,7 +526,9 @@ def test_layout_mismatch_names_the_first_differing_leaf_or_the_unit_layout():
 
     model = {"enc": {"w": (4, 8), "b": (8,)}, "head": {"w": (8, 3)}}
     saved = layout_to_json(layout(model, per_layer=True))
-    check_layout(saved, layout(model, per_layer=True), "ckpt")  # the same model fits
+    check_layout(saved, layout(model, per_layer=True), "ckpt")  # the same model fits,
+    reordered = {"head": model["head"], "enc": model["enc"]}  # also with its keys in another
+    check_layout(saved, layout(reordered, per_layer=True), "ckpt")  # order (jax.eval_shape's)
     wider = {"enc": {"w": (4, 8), "b": (8,)}, "head": {"w": (8, 5)}}
     with pytest.raises(CheckpointMismatchError, match=r"ckpt: parameter head/w is "
                        r"float32\[8, 3\] in the checkpoint but float32\[8, 5\] in the trainer's"):

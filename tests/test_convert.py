@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import pickle
 import warnings
 
 import jax
@@ -173,8 +174,14 @@ def test_conversion_is_refused_where_it_does_not_fit(tmp_path):
                        match=r"qgz_target='momentum'.*has 0 ScaleByAdamState.*exactly one"):
         Checkpointer(onebit_dir).restore(trainer("zero3", clipped_sgd))
     other_b2 = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(3e-3, b2=0.99))
-    with pytest.raises(CheckpointMismatchError, match=r"b2=0.999 .* b2=0.99 \("):
+    with pytest.raises(CheckpointMismatchError, match=r"b2=0.999 .* b2=0.99 \(") as refused:
         Checkpointer(onebit_dir).restore(trainer("zero3", other_b2))
+    # It names the checkpoint's config (a front end names its flags from it),
+    # and survives a copy or a trip through pickle (e.g. to another process).
+    assert refused.value.stored_config["qgz_target"] == "momentum"
+    again = pickle.loads(pickle.dumps(refused.value))
+    assert (type(again), str(again)) == (type(refused.value), str(refused.value))
+    assert again.stored_config == refused.value.stored_config
     sgd_dir = _init_checkpoint(tmp_path / "sgd", trainer("zero3", clipped_sgd))
     with pytest.raises(CheckpointMismatchError,
                        match=r"optax state has 0 Adam states .* exactly one"):
@@ -208,6 +215,31 @@ def test_export_of_node_replicated_checkpoint_drops_the_node_axis(tmp_path):
     units[name][1, ..., 0] += 1.0
     with pytest.raises(ValueError, match=rf"unit '{name}' .* node 1's copy differs"):
         _stored_state_dict(units, meta["layout"], meta["step"])
+
+
+def test_an_older_onebit_checkpoint_is_checked_before_its_conversion_is_announced(tmp_path):
+    """A 1-bit Adam checkpoint written before its b1, b2 and eps were recorded
+    converts with the trainer's optax Adam's betas and says so, but only once
+    the restore's ``check`` has passed: a refused restore prints nothing."""
+    import warnings
+
+    onebit_dir = _init_checkpoint(tmp_path / "onebit", trainer("zeropp-max"))
+    path = onebit_dir / "0" / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    del meta["optimizer"]  # as written before the field
+    path.write_text(json.dumps(meta))
+
+    def refuse(meta):
+        raise CheckpointMismatchError("refused by the command's check")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointMismatchError, match="refused by the command's check"):
+            Checkpointer(onebit_dir).restore_with_metadata(trainer("zero3"), check=refuse)
+    assert not [w for w in caught if "1-bit Adam" in str(w.message)], caught
+    with pytest.warns(UserWarning, match=r"does not record 1-bit Adam's hyperparameters: "
+                      r"taking b1, b2 = the trainer's optax Adam's \(0\.8999"):
+        Checkpointer(onebit_dir).restore(trainer("zero3"))
 
 
 def test_another_optimizer_of_the_same_kind_is_refused_on_restore(tmp_path):

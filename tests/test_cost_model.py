@@ -304,6 +304,7 @@ def test_simulate_averages_a_whole_run_with_steps(compile_once, capsys):
     (["--sweep-gbps", "100,-4"], "positive bandwidths"),
     (["--efficiency", "2"], "efficiency must be in"),
     (["--published", "--params", "1B", "--qgz", "int8"], "drop --params, --qgz"),
+    (["--published", "--steps", "400"], "drop --steps"),
     (["--grad-accum", "3"], "batch"),
 ])
 def test_simulate_cli_bad_flags(argv, match, capsys):

@@ -324,8 +324,9 @@ def test_cli_checkpoints_and_stops_on_ctrl_c_and_a_second_one_stops_at_once(
 ):
     """One process: a first Ctrl-C (SIGINT during step 2's input) stops the run
     before step 3 with a checkpoint, exit status 130; two Ctrl-C raise
-    KeyboardInterrupt at once, saving nothing; one in the last step stops the
-    run before its closing report; an ignored SIGINT (nohup) stays ignored."""
+    KeyboardInterrupt at once, saving nothing; one in the last step, or while
+    its checkpoint is finished, stops the run before its closing report; an
+    ignored SIGINT (nohup) stays ignored."""
     import signal
 
     from zeropp_jax import distributed
@@ -362,6 +363,19 @@ def test_cli_checkpoints_and_stops_on_ctrl_c_and_a_second_one_stops_at_once(
     rc, out, err = _train(run + ["--steps", "6", "--resume"], capsys)
     assert rc == 130 and "stopped at step 6 of 6 on Ctrl-C" in err and "summary:" not in out
     assert Checkpointer(ckpt).all_steps() == [3, 6]
+
+    presses.update(n=0)  # while the last checkpoint is finished: the same
+    close = Checkpointer.close
+
+    def close_pressed(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        close(self)
+
+    monkeypatch.setattr(Checkpointer, "close", close_pressed)
+    rc, out, err = _train(run + ["--steps", "7", "--resume"], capsys)
+    assert rc == 130 and "stopped at step 7 of 7 on Ctrl-C" in err and "summary:" not in out
+    assert Checkpointer(ckpt).all_steps() == [3, 6, 7]
+    monkeypatch.setattr(Checkpointer, "close", close)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under nohup: Ctrl-C stays ignored
     try:

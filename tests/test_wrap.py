@@ -643,6 +643,38 @@ def test_wrapped_linen_modules_may_be_applied_by_other_methods():
                                ("rest", "emb", "head"))
 
 
+def test_frozen_dict_parameters_reach_the_loss_as_a_frozen_dict():
+    """Parameters given as a ``FrozenDict`` (``flax.core.freeze``) and a loss
+    calling its methods: make_trainer's check traces the loss with a
+    ``FrozenDict`` too (it once rebuilt plain dicts: AttributeError)."""
+    import flax.linen as nn
+    from flax.core import FrozenDict, freeze
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            return h + jnp.tanh(nn.Dense(16)(h))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Embed(VOCAB, 16)(x)
+            for i in range(2):
+                h = Block(name=f"b{i}")(h)
+            return nn.Dense(VOCAB)(h)
+
+    params, loss, batch = _token_model(Model)
+
+    def frozen_loss(p, b):
+        assert isinstance(p, FrozenDict)
+        return loss(p.unfreeze(), b)
+
+    trainer = zp.make_trainer(frozen_loss, optax.sgd(0.1), freeze(params), mesh=zp.make_mesh(2, 4),
+                              config=zp.ZeroConfig(compute_dtype="float32"),
+                              wrap=(Block,), example_batch=batch)
+    assert trainer.layout.names == ("rest", "b0", "b1")
+
+
 @pytest.mark.parametrize("read", ["variables", "copy", "attribute"])
 def test_a_wrapped_linen_modules_parameters_read_from_outside_are_refused(read):
     """Another module reading a wrapped ``Embed``'s table (Hugging Face

@@ -315,8 +315,8 @@ class PreemptionNotice:
 
     @property
     def exit_status(self) -> int:
-        """128 + the signal that stopped the run (143 for SIGTERM, 130 for Ctrl-C)."""
-        return 128 + int(self.received or signal.SIGTERM)
+        """:data:`INTERRUPTED_EXIT` after a Ctrl-C, else :data:`PREEMPTED_EXIT`."""
+        return INTERRUPTED_EXIT if self.received == signal.SIGINT else PREEMPTED_EXIT
 
     def reached(self, step: int) -> bool:
         """Whether to checkpoint and stop before step ``step`` (``step``

@@ -92,8 +92,8 @@ def converter_for(meta: dict, trainer: Trainer, where: str) -> Callable | None:
     if stored == trainer.config.qgz_target:
         return None
     if stored == "momentum":
-        hyper = _onebit_hyper(meta, trainer, where)
-        return functools.partial(_onebit_to_adam, hyper, where)
+        hyper, notices = _onebit_hyper(meta, trainer, where)
+        return functools.partial(_onebit_to_adam, hyper, notices, where)
     if meta.get("error_feedback"):
         raise qgz_target_mismatch(
             meta, trainer, where, "its qgZ carry is gradient that compression deferred, "
@@ -128,8 +128,10 @@ def optax_adam_betas(optimizer: optax.GradientTransformation) -> tuple[float, fl
     return float(b.mu["probe"][0]) / mu, float(b.nu["probe"][0]) / nu
 
 
-def _onebit_hyper(meta: dict, trainer: Trainer, where: str) -> dict:
-    """1-bit Adam's ``b1``, ``b2``, ``eps`` (stored), checked against the trainer's Adam."""
+def _onebit_hyper(meta: dict, trainer: Trainer, where: str) -> tuple[dict, list[str]]:
+    """1-bit Adam's ``b1``, ``b2``, ``eps`` (stored), checked against the
+    trainer's Adam, and the notices of what was assumed (warned when the
+    state is filled, after the restore's checks)."""
     prefixes = _adam_states(_abstract_opt(trainer), paths=True)
     if len(prefixes) != 1:
         raise qgz_target_mismatch(
@@ -137,30 +139,31 @@ def _onebit_hyper(meta: dict, trainer: Trainer, where: str) -> dict:
             "ScaleByAdamState (optax.adam and the like) where the conversion needs exactly one.")
     stored = meta.get("optimizer") or {}
     betas = optax_adam_betas(trainer.optimizer)
+    notices = []
     if stored.get("name") == "onebit_adam":
         hyper = {k: float(stored[k]) for k in ("b1", "b2", "eps")}
     elif betas is not None:  # written before meta["optimizer"]
         hyper = {"b1": betas[0], "b2": betas[1], "eps": 1e-8}
-        warnings.warn(f"{where} does not record 1-bit Adam's hyperparameters: taking b1, b2 "
-                      f"= the trainer's optax Adam's {betas} and eps = 1e-8", stacklevel=2)
+        notices.append(f"{where} does not record 1-bit Adam's hyperparameters: taking b1, "
+                       f"b2 = the trainer's optax Adam's {betas} and eps = 1e-8")
     else:
         raise qgz_target_mismatch(
             meta, trainer, where, "the checkpoint does not record 1-bit Adam's b1, b2 and "
             "eps, and the trainer's optax Adam's could not be read back.")
     if betas is None:
-        warnings.warn(f"{where}: could not read b1 and b2 back from the trainer's optax "
-                      f"optimizer; converting with 1-bit Adam's {hyper} and taking them "
-                      "to be the same", stacklevel=2)
+        notices.append(f"{where}: could not read b1 and b2 back from the trainer's optax "
+                       f"optimizer; converting with 1-bit Adam's {hyper} and taking them "
+                       "to be the same")
     elif max(abs(betas[0] - hyper["b1"]), abs(betas[1] - hyper["b2"])) > _BETA_TOLERANCE:
         raise qgz_target_mismatch(
             meta, trainer, where, f"the checkpoint's 1-bit Adam has b1={hyper['b1']}, "
             f"b2={hyper['b2']} and the trainer's optax Adam b1={betas[0]:.6g}, "
             f"b2={betas[1]:.6g} (build it with the same betas).")
-    return hyper
+    return hyper, notices
 
 
 # ------------------------------------------------------ 1-bit -> optax
-def _onebit_to_adam(hyper: dict, where: str, plan: Any,
+def _onebit_to_adam(hyper: dict, notices: list[str], where: str, plan: Any,
                     stored: dict[Key, Any], target: dict[Key, Any], target_tree: Any):
     """Plans optax Adam's leaves from 1-bit Adam's (all read to host)."""
     (adam,) = _adam_states(target_tree.inner, paths=True)
@@ -180,6 +183,8 @@ def _onebit_to_adam(hyper: dict, where: str, plan: Any,
             raise _unconvertible(where, "/".join(key), "the trainer's optax state")
 
     def fill(values: dict) -> list[jax.Array]:
+        for notice in notices:
+            warnings.warn(notice, stacklevel=2)
         moments = {name: _adam_moments(values, name, plan.old_nodes, hyper)
                    for name in plan.new_units}
         _announce_onebit_to_adam(where, values, moments, hyper)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 
 class CheckpointError(ValueError):
     """A checkpoint is missing files, corrupted, or not a zeropp_jax checkpoint."""
@@ -21,6 +23,9 @@ class QgzTargetMismatchError(CheckpointMismatchError):
     def __init__(self, message: str, *, stored_config: dict):
         super().__init__(message)
         self.stored_config = stored_config
+
+    def __reduce__(self):  # copy and pickle: the keyword-only field too
+        return functools.partial(type(self), stored_config=self.stored_config), self.args
 
 
 class NonFiniteStateError(ValueError):

@@ -184,7 +184,7 @@ def check_layout(saved: dict, layout: ParamLayout, where: str) -> None:
             raise CheckpointMismatchError(
                 f"{where}: the checkpoint has the parameter {_show(key, leaf)}, which the "
                 "trainer's model does not; was it written for another model?")
-    if _units(saved) != _units(current):
+    if sorted(_units(saved)) != sorted(_units(current)):  # restored by name: order is free
         raise CheckpointMismatchError(
             f"{where}: the same parameters, cut into other units: the checkpoint has "
             f"{_describe_units(saved)}, the trainer {_describe_units(current)}. Build the "
@@ -220,7 +220,9 @@ def _show(key: tuple[str, ...], leaf: tuple[tuple[int, ...], str]) -> str:
 
 
 def _units(layout: Mapping) -> list:
-    """The unit layout: names, stacking and leaves of each unit (not padding)."""
+    """The unit layout: names, stacking and leaves of each unit (not padding),
+    in the order of the params' keys (``model.init``'s creation order, or
+    ``jax.eval_shape``'s sorted keys for the same model)."""
     return [(u["name"], u["stack"], [leaf["path"] for leaf in u["leaves"]])
             for u in layout["units"]]
 
@@ -282,8 +284,11 @@ def optimizer_to_json(optimizer: Any, opt_state: Any = None, units: tuple[str, .
     checks them). An optax optimizer keeps its hyperparameters in closures:
     its name, and with ``opt_state`` (its state, ``ZeroOptState.inner``) the
     state's structure (:func:`state_structure`; ``units``: the parameter
-    units' names), which tells its transformations apart (Adam, AdaBelief,
-    AdamW, a schedule...), not their hyperparameters.
+    units' names): the types of its states, which tell stateful
+    transformations apart where their states differ (Adam from AdaBelief, a
+    schedule added), not where they share one (optax's adam, adamax, nadam,
+    radam and yogi all keep a ``ScaleByAdamState``), nor stateless ones
+    (AdamW's weight decay) or hyperparameters.
     """
     if isinstance(optimizer, OneBitAdam):
         return {"name": "onebit_adam", "b1": optimizer.b1, "b2": optimizer.b2,

@@ -356,5 +356,6 @@ def _warn_dropped_carry(meta: dict, trainer: Trainer, where: str) -> None:
         f"trainer has no error feedback because {why}. Training continues, but the "
         "deferred gradient is lost."
     )
-    # stacklevel 6: Checkpointer._newest_good, the loop over steps that restores.
+    # stacklevel 6: Checkpointer.restore_with_metadata (which restore() calls),
+    # above _newest_good's loop over steps, _restore_step and build.
     warnings.warn(message, stacklevel=6)

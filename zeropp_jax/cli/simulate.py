@@ -97,10 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# The target cluster and workload: --published compares fixed ones.
+# The target cluster and workload (a run's length too): --published compares
+# fixed ones, the steady states the paper measured.
 _TARGET_FLAGS = (
     "sweep_gbps", "nodes", "gpus_per_node", "inter_node_gbps", "intra_node_gbs",
-    "peak_tflops", "efficiency", "params", "tokens_per_gpu", "float_bytes",
+    "peak_tflops", "efficiency", "params", "tokens_per_gpu", "float_bytes", "steps",
 )
 # ZeroConfig flags that every profiled config takes, the baselines' too (preset_config).
 _SHARED_CONFIG_FLAGS = ("dtype", "grad_accum")

@@ -205,13 +205,15 @@ def run(args: argparse.Namespace) -> int:
                     last_saved = done
             if pending is not None:
                 record(*pending)
-            if stopped_at is None and notice.received == signal.SIGINT:
-                stopped_at = args.steps  # a Ctrl-C in the last step: stop before the report
             if stopped_at is not None and ckpt is not None and stopped_at != last_saved:
                 _save(ckpt, stopped_at, state, trainer, record_of_run, args.lr)
         finally:
             if ckpt is not None:
                 ckpt.close()  # waits for the last (asynchronous) save
+    if stopped_at is None and notice.received == signal.SIGINT:
+        # A Ctrl-C in the last step or while its checkpoint was finished (the
+        # step is saved if there is a --checkpoint-dir): stop before the report.
+        stopped_at = args.steps
     bar.close()
     elapsed = time.perf_counter() - start
     if metrics_file is not None:

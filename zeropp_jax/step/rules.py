@@ -143,13 +143,28 @@ def _stand_in_moves(optimizer: optax.GradientTransformation, ones: Any) -> np.nd
     ``(1,) * rank``), also the gradients. Returns one float per leaf (its
     update's element), or ``None`` if no step of ``_PROBE_STEPS`` moved any.
     """
+    def probe(state):  # every leaf's move in one array: one transfer a step
+        updates, state = optimizer.update(ones, state, ones)
+        leaves = jax.tree.leaves(updates)
+        return jnp.stack([u.reshape(-1)[0].astype(jnp.float32) for u in leaves]), state
+
     state = optimizer.init(ones)
-    update = optimizer.update
-    for step in range(_PROBE_STEPS):
-        if step == _PROBE_EAGER_STEPS:
-            update = jax.jit(optimizer.update)
-        updates, state = update(ones, state, ones)
-        moves = np.array([float(np.asarray(u).reshape(-1)[0]) for u in jax.tree.leaves(updates)])
+    for _ in range(_PROBE_EAGER_STEPS):  # most optimizers move at once: nothing compiled
+        moves, state = probe(state)
+        moves = np.asarray(moves)
         if np.any(moves != 0):
             return moves
-    return None
+
+    def search(state):  # the rest in one compiled loop, to the first step that moves
+        def still(carry):
+            step, moves, _ = carry
+            return (step < _PROBE_STEPS - _PROBE_EAGER_STEPS) & jnp.all(moves == 0)
+
+        def advance(carry):
+            step, _, state = carry
+            return (step + 1, *probe(state))
+
+        return jax.lax.while_loop(still, advance, (0, jnp.zeros_like(moves), state))[1]
+
+    moves = np.asarray(jax.jit(search)(state))
+    return moves if np.any(moves != 0) else None

@@ -217,12 +217,14 @@ class _Sealed:
 
 
 def _seal(params: Any, paths: Sequence[tuple[str, ...]], prefix: tuple = ()) -> Any:
-    """``params`` (nested mappings) with the sub-tree at each path a :class:`_Sealed`."""
+    """``params`` (nested mappings) with the sub-tree at each path a
+    :class:`_Sealed`; each mapping on the way keeps its type (a ``FrozenDict``
+    stays one, so a loss calling ``params.unfreeze()`` traces as it runs)."""
     if prefix in paths:
         return _Sealed(params, prefix)
     if not any(p[:len(prefix)] == prefix for p in paths):
         return params
-    return {k: _seal(v, paths, prefix + (k,)) for k, v in params.items()}
+    return type(params)({k: _seal(v, paths, prefix + (k,)) for k, v in params.items()})
 
 
 def check(
