@@ -265,6 +265,22 @@ def test_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
     assert Checkpointer(directory).all_steps() == [0, 1]
 
 
+@pytest.mark.slow
+def test_a_save_the_script_never_waits_for_is_finished_at_exit(tmp_path):
+    """A script that saves asynchronously and ends without wait() or close():
+    its interpreter's exit waits for the commit (Orbax's thread pool would
+    otherwise be shut first, leaving step 1 a temporary directory)."""
+    directory = tmp_path / "ckpt"
+    script = tmp_path / "ends.py"
+    ends = KILLED_SAVE.replace("os.kill(os.getpid(), signal.SIGKILL)", "print('ends')")
+    script.write_text(ends.format(tests=TESTS_DIR))
+    proc = run_cli(str(script), str(directory), env_devices=8, timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert sorted(os.listdir(directory)) == ["0", "1"]
+    state = Checkpointer(directory).restore(trainer("zero3", 2, 4))
+    assert int(state.step) == 1
+
+
 def _corrupt_arrays(step_dir):
     """Truncates every array data file of the step's params."""
     hit = 0

@@ -548,3 +548,8 @@ def test_closing_figures_of_a_float32_run_are_also_given_at_bfloat16():
     assert "at_bf16" not in native and native["dtype"] == "bfloat16"
     assert native["schedule_inter_node_bytes"] == bf16["schedule_inter_node_bytes"]
     assert len(headline.summary_line(native, steps=120).splitlines()) == 1
+    # On one node nothing crosses nodes: no ratio to zero3 (it read "0.0x as much").
+    alone = {**native, "inter_node_bytes": 0, "schedule_inter_node_bytes": 0,
+             "zero3_inter_node_bytes": 0}
+    assert headline.summary_line(alone, steps=120).endswith(
+        "(one node: nothing crosses nodes, for zero3 either)")

@@ -301,6 +301,8 @@ def test_simulate_averages_a_whole_run_with_steps(compile_once, capsys):
 
 @pytest.mark.parametrize("argv,match", [
     (["--params", "lots"], "model size"),
+    (["--params", "18"], "'18' is 18 parameters, fewer than 1e+06: give the size with its "
+                         "unit, e.g. 18B or 18M"),
     (["--sweep-gbps", "100,-4"], "positive bandwidths"),
     (["--efficiency", "2"], "efficiency must be in"),
     (["--published", "--params", "1B", "--qgz", "int8"], "drop --params, --qgz"),

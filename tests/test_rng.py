@@ -106,6 +106,21 @@ def test_bad_rng():
         zp.make_trainer(dropout_loss, optax.sgd(0.1), PARAMS, mesh=mesh_of(2, 4), rng="seven")
 
 
+
+def test_a_loss_and_rng_that_do_not_fit_are_refused_at_make_trainer():
+    """rng= means a third argument, the key: a loss without one (or one that
+    needs it, without rng=) is named with the fix before anything is traced."""
+    def keyless(params, batch):
+        return dropout_loss(params, batch, jax.random.key(0))
+
+    with pytest.raises(TypeError, match=r"calls loss_fn\(params, batch, key\), which this "
+                       r"loss_fn does not accept .* add one, or leave out rng="):
+        zp.make_trainer(keyless, optax.sgd(0.1), PARAMS, mesh=mesh_of(2, 4), rng=0)
+    with pytest.raises(TypeError, match=r"calls loss_fn\(params, batch\), which .*'key'.* "
+                       r"make_trainer is given rng="):
+        zp.make_trainer(dropout_loss, optax.sgd(0.1), PARAMS, mesh=mesh_of(2, 4))
+
+
 class NnxDropoutMLP(nnx.Module):
     def __init__(self, rngs):
         self.l1 = nnx.Linear(8, 32, rngs=rngs)

@@ -183,12 +183,19 @@ def test_sharding_invariance(preset):
         assert shard.shape[-1] * 8 == x.shape[-1]
 
 
-def test_bad_input_errors():
+def test_bad_input_errors(monkeypatch):
     params = gpt.init_params(TINY, jax.random.key(0))
     with pytest.raises(ValueError, match="needs 6 devices but 8") as error:
         zp.make_mesh(2, 3)
-    # on the CPU the message says how to simulate as many devices
-    assert "XLA_FLAGS=--xla_force_host_platform_device_count=6" in str(error.value)
+    # On the CPU the message says how to simulate as many devices: here (as
+    # conftest set it) by changing the count XLA_FLAGS gives, or by setting one.
+    assert ("change --xla_force_host_platform_device_count=8 in XLA_FLAGS to 6 (the CLI "
+            "tools set it from --mesh only where XLA_FLAGS does not)") in str(error.value)
+    monkeypatch.delenv("XLA_FLAGS")
+    with pytest.raises(ValueError, match="needs 6 devices but 8") as error:
+        zp.make_mesh(2, 3)
+    assert "set XLA_FLAGS=--xla_force_host_platform_device_count=6" in str(error.value)
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="unknown preset 'zero4'"):
         zp.ZeroConfig.from_preset("zero4")
     with pytest.raises(ValueError, match="qwz_bits"):

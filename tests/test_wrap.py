@@ -646,7 +646,8 @@ def test_wrapped_linen_modules_may_be_applied_by_other_methods():
 def test_frozen_dict_parameters_reach_the_loss_as_a_frozen_dict():
     """Parameters given as a ``FrozenDict`` (``flax.core.freeze``) and a loss
     calling its methods: make_trainer's check traces the loss with a
-    ``FrozenDict`` too (it once rebuilt plain dicts: AttributeError)."""
+    ``FrozenDict`` too (it once rebuilt plain dicts: AttributeError). A bare
+    class is taken for a tuple of one."""
     import flax.linen as nn
     from flax.core import FrozenDict, freeze
 
@@ -671,7 +672,7 @@ def test_frozen_dict_parameters_reach_the_loss_as_a_frozen_dict():
 
     trainer = zp.make_trainer(frozen_loss, optax.sgd(0.1), freeze(params), mesh=zp.make_mesh(2, 4),
                               config=zp.ZeroConfig(compute_dtype="float32"),
-                              wrap=(Block,), example_batch=batch)
+                              wrap=Block, example_batch=batch)  # one class: (Block,)
     assert trainer.layout.names == ("rest", "b0", "b1")
 
 

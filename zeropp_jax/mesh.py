@@ -9,6 +9,7 @@ asked for, to simulate several nodes.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Sequence
 
@@ -39,6 +40,20 @@ def parse_mesh_shape(text: str) -> tuple[int, int]:
     if nodes < 1 or local < 1:
         raise ValueError(f"mesh shape {text!r} needs positive sizes, e.g. '2x4'")
     return nodes, local
+
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def _simulate_hint(count: int) -> str:
+    """How to simulate ``count`` CPU devices, given this process's ``XLA_FLAGS``."""
+    given = re.search(rf"{_DEVICE_COUNT_FLAG}=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    if given:
+        return (f", or, to simulate {count} devices on the CPU, change {_DEVICE_COUNT_FLAG}"
+                f"={given.group(1)} in XLA_FLAGS to {count} (the CLI tools set it from "
+                "--mesh only where XLA_FLAGS does not)")
+    return (f", or, to simulate {count} devices on the CPU, set XLA_FLAGS={_DEVICE_COUNT_FLAG}"
+            f"={count} before JAX starts (the CLI tools do)")
 
 
 def make_mesh(
@@ -89,12 +104,8 @@ def make_mesh(
                 f" ({n_proc} processes x {n_dev // n_proc} devices; with zeropp-launch "
                 f"pass --devices-per-process {local})" if n_proc > 1 else ""
             )
-            + (
-                f", or, to simulate {nodes * local} devices on the CPU, set "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={nodes * local} before "
-                f"JAX starts (the CLI tools do)"
-                if devices[0].platform == "cpu" and n_proc == 1 else ""
-            )
+            + (_simulate_hint(nodes * local) if devices[0].platform == "cpu" and n_proc == 1
+               else "")
         )
     if n_proc > 1:
         if nodes != n_proc:

@@ -197,6 +197,8 @@ def _line(figures: dict, *, steps: int, full_steps: int, zero3_source: str) -> s
                  f"over the {steps} steps ({full_steps} at full precision)")
     if zero3_source == "compiled":
         return line + " (this is zero3)"
+    if not figures["zero3_inter_node_bytes"]:  # one node: no ratio to give
+        return line + " (one node: nothing crosses nodes, for zero3 either)"
     ratio = figures["zero3_inter_node_bytes"] / max(figures["schedule_inter_node_bytes"], 1)
     of = f"the {steps}-step average" if full_steps else "as much"
     return line + (f"; zero3 would move about {mib(figures['zero3_inter_node_bytes'])} (3 passes "

@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import warnings
+import weakref
 from typing import Callable, Mapping
 
 import jax
@@ -49,8 +51,32 @@ def _manager(directory: str, max_to_keep: int | None, async_save: bool,
             read_only=read_only,
             create=not read_only,
         )
-        return ocp.CheckpointManager(directory, options=options,
-                                     item_handlers=storage.item_handlers())
+        manager = ocp.CheckpointManager(directory, options=options,
+                                        item_handlers=storage.item_handlers())
+    if async_save and not read_only:
+        _finish_at_exit(manager)
+    return manager
+
+
+def _finish_at_exit(manager: ocp.CheckpointManager) -> None:
+    """Has the interpreter's exit wait for ``manager``'s pending save.
+
+    A script that saves and ends without :meth:`Checkpointer.wait` or
+    ``close`` would otherwise lose the step: Orbax commits it on a thread
+    pool that ``concurrent.futures`` shuts down at exit, before ``atexit``
+    hooks run (the step stayed a ``*.orbax-checkpoint-tmp`` directory). The
+    hook runs where ``concurrent.futures``' own does, in ``threading``'s exit
+    (``threading._register_atexit``, the standard library's, since Python
+    3.9), registered later, so it runs first. It holds the manager weakly.
+    """
+    ref = weakref.ref(manager)
+
+    def finish():
+        alive = ref()
+        if alive is not None:
+            alive.wait_until_finished()
+
+    threading._register_atexit(finish)
 
 
 @contextlib.contextmanager

@@ -26,13 +26,23 @@ _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 PROG = "zeropp-simulate"  # the name in --help and in error lines
 
 
+# The smallest --params taken: below it a number was meant with a suffix
+# (--params 18 for 18B), and no cluster trains such a model data-parallel.
+MIN_PARAMS = 1e6
+
+
 def model_size(text: str) -> float:
-    """``18B``, ``1.3b``, ``350M``, ``2e9`` -> parameters."""
+    """``18B``, ``1.3b``, ``350M``, ``2e9`` -> parameters (at least ``MIN_PARAMS``)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([kmbgt]?)\s*", text.lower())
     if not m or float(m.group(1)) <= 0:
         raise argparse.ArgumentTypeError(
             f"expected a model size such as 18B, 350M or 1.3e9, got {text!r}")
-    return float(m.group(1)) * _SUFFIX[m.group(2)]
+    params = float(m.group(1)) * _SUFFIX[m.group(2)]
+    if params < MIN_PARAMS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {params:g} parameters, fewer than {MIN_PARAMS:g}: give the size "
+            f"with its unit, e.g. {text.strip()}B or {text.strip()}M")
+    return params
 
 
 def gbps_list(text: str) -> list[float]:

@@ -11,6 +11,7 @@ only parameter traffic across nodes.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import jax
@@ -22,6 +23,27 @@ from zeropp_jax.step.gather import Unit, gather, secondary_payload
 from zeropp_jax.step.geometry import DATA_AXES, StepGeometry, node_level_once, sink_dtype
 from zeropp_jax.wire import collectives
 
+
+
+def check_loss_arguments(loss_fn: Callable, takes_key: bool) -> None:
+    """Raises a TypeError now, naming ``rng=``, if ``loss_fn`` cannot be called
+    as the step calls it: ``loss_fn(params, batch)``, or with ``takes_key``
+    (``make_trainer`` given ``rng``) ``loss_fn(params, batch, key)``. A
+    callable without a signature to read is left to the first step."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*(None,) * (3 if takes_key else 2))
+    except TypeError as e:
+        call = "loss_fn(params, batch, key)" if takes_key else "loss_fn(params, batch)"
+        fix = ("make_trainer was given rng=, so the loss takes a PRNG key as a third "
+               "argument: add one, or leave out rng=" if takes_key else
+               "a loss that takes a PRNG key (dropout) gets it when make_trainer is given "
+               "rng= (a seed or a key): pass one, or drop the key argument")
+        raise TypeError(f"the train step calls {call}, which this loss_fn does not "
+                        f"accept ({e}); {fix}") from None
 
 def unit_source(geo: StepGeometry, primary: jax.Array, per_layer: bool = False) -> Any:
     """What a unit's per-layer gathers send, prepared once per step.

@@ -47,6 +47,7 @@ from zeropp_jax.layout import (
     unflatten_unit,
 )
 from zeropp_jax.mesh import mesh_shape
+from zeropp_jax.step.accumulate import check_loss_arguments
 # global_batch_size_check: re-exported (the CLI imports it from here).
 from zeropp_jax.step.batch import global_batch_size_check, place_batch  # noqa: F401
 from zeropp_jax.step.geometry import StepGeometry, check_kernel_blocks
@@ -371,7 +372,7 @@ def make_trainer(
         and the micro-batch's first global row, so a resumed run draws the
         same keys. (A key closed over in ``loss_fn`` instead would draw the
         same dropout mask at every step.)
-      wrap: flax Linen or NNX module classes (e.g. a transformer block):
+      wrap: a flax Linen or NNX module class or a tuple of them (a block):
         every instance ``loss_fn`` calls becomes its own unit, gathered when
         it is called and again in the backward; the other parameters are one
         unit gathered before the loss (:mod:`~zeropp_jax.step.wrap`;
@@ -398,6 +399,7 @@ def make_trainer(
       state, metrics = trainer.step(state, batch)
     """
     config = config or ZeroConfig()
+    check_loss_arguments(loss_fn, takes_key=rng is not None)
     rule = rule_for(optimizer, config)
     if check_optimizer and not isinstance(optimizer, OneBitAdam):
         check_leaf_uniform(optimizer, params)

@@ -121,6 +121,8 @@ def prepare(
         )
     if per_layer or stacked:
         raise ValueError("wrap= replaces per_layer= and stacked=; pass only wrap")
+    if isinstance(classes, type):  # wrap=Block for wrap=(Block,), as isinstance takes
+        classes = (classes,)
     key = () if rng is None else (jax.random.key(0),)  # the loss takes a key
     nnx_classes = _nnx_classes(classes)
     if nnx_classes:
