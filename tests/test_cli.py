@@ -228,6 +228,39 @@ def test_bad_launcher_environment_is_a_usage_error(tmp_path, capsys, monkeypatch
     _assert_rejected(argv, needles, out.out, out.err, metrics)
 
 
+def test_multihost_flags_under_the_launcher_are_a_usage_error(tmp_path, capsys, monkeypatch):
+    """A cluster command reused under zeropp-launch: its flags would give every
+    process the same --process-id; refused, naming both."""
+    from zeropp_jax import distributed
+    from zeropp_jax.cli import train
+
+    monkeypatch.setenv(distributed.ENV_COORDINATOR, "127.0.0.1:1234")
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
+    monkeypatch.setenv(distributed.ENV_PROCESS_ID, "1")
+    metrics = tmp_path / "m.jsonl"
+    argv = ["--no-progress", "--metrics-out", str(metrics), *TINY_ARGS, "--steps", "3",
+            "--coordinator", "127.0.0.1:29999", "--num-processes", "2", "--process-id", "0"]
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(argv)
+    assert exit_info.value.code == 2
+    out = capsys.readouterr()
+    _assert_rejected(argv, ["process 1 of 2", "--process-id 0", "leave those flags out"],
+                     out.out, out.err, metrics)
+
+
+@pytest.mark.slow
+def test_a_cluster_environment_jax_cannot_read_is_named(tmp_path, monkeypatch):
+    """SLURM_NTASKS=2 outside srun (e.g. in an salloc shell): an error naming
+    the variable and the flags to give, not JAX's traceback."""
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    proc = run_cli(*TRAIN, "--no-progress", *TINY_ARGS, "--steps", "1")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert ("zeropp-train: error: the environment says this is one of several processes "
+            "(SLURM_NTASKS=2)") in proc.stderr and "--process-id" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("case", ["unknown_dtype", "mesh_3x3_on_8_devices"])
 def test_console_script_rejects_bad_input_quickly(tmp_path, case):
     """The same through the script in its own process: a flag rejected while

@@ -355,6 +355,29 @@ def test_launcher_ctrl_c_stops_all_processes(tmp_path):
             os.kill(pid, 0)
 
 
+def test_launcher_sigterm_stops_all_processes_and_exits_143(tmp_path):
+    """A scheduler's SIGTERM to the launcher: 128 + SIGTERM, as a preempted
+    run, and a line saying how each process ended."""
+    err = tmp_path / "err"
+    with open(err, "w") as fe:
+        proc = subprocess.Popen(
+            [sys.executable, *LAUNCH, "-n", "2", "--", "sleep", "300"],
+            stdout=subprocess.DEVNULL, stderr=fe, env=_env(),
+        )
+    try:
+        _wait_for(lambda: re.search(r"\[0\]=(\d+) \[1\]=(\d+)", err.read_text()), 60,
+                  "the pids line")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = err.read_text()
+    assert "got SIGTERM; stopping all 2 process(es)" in text, text
+    assert "stopped: [0] " in text and "[1] " in text and "(stopped by zeropp-launch)" in text
+
+
 def test_launcher_prefixes_every_line_and_progress_bar_redraw():
     out, lock = io.BytesIO(), threading.Lock()
     _Output(io.BytesIO(b"start\n\rbar 1\rbar 2\r\nlast, unterminated"), out, b"[3] ", lock).thread.join(10)

@@ -196,6 +196,10 @@ def test_bad_input_errors(monkeypatch):
         zp.make_mesh(2, 3)
     assert "set XLA_FLAGS=--xla_force_host_platform_device_count=6" in str(error.value)
     monkeypatch.undo()
+    # On several processes: the count of processes (one a node), or of devices in each.
+    from zeropp_jax.mesh import _processes_hint
+    assert "pass -n 4 for mesh 4x2, or use --mesh 2x2" in _processes_hint(4, 2, 2, 4)
+    assert _processes_hint(2, 4, 2, 4).endswith("pass --devices-per-process 4)")
     with pytest.raises(ValueError, match="unknown preset 'zero4'"):
         zp.ZeroConfig.from_preset("zero4")
     with pytest.raises(ValueError, match="qwz_bits"):

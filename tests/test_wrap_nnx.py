@@ -390,6 +390,23 @@ def test_nnx_loss_refuses_or_warns_of_state_the_trainer_would_drop():
     with pytest.raises(ValueError, match=r"created state \['blocks/0/act', 'blocks/1/act'\]"
                                          r".*nnx.pop"):
         loss_of(Net(SowingBlock, rngs()))
+    # a BatchNorm whose mode is given per call (None): not refused when built;
+    # called in training mode, its statistics are named in the warning
+    class CallMode(NormBlock):
+        def __init__(self, rngs, train):
+            super().__init__(rngs)
+            self.norm = nnx.BatchNorm(WIDTH, use_running_average=None, rngs=rngs)
+            self.train = train
+
+        def __call__(self, h):
+            return h + jnp.tanh(self.norm(self.lin(h), use_running_average=not self.train))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        loss_of(Net(functools.partial(CallMode, train=False), rngs()))
+    with pytest.warns(UserWarning, match=r"\['blocks/0/norm/mean', .*\] are batch statistics: a "
+                                         r"BatchNorm called with use_running_average=False"):
+        loss_of(Net(functools.partial(CallMode, train=True), rngs()))
     # a counter written: a new value tracing cannot tell from a transform's copy
     with pytest.warns(UserWarning, match=r"\['blocks/0/calls', 'blocks/1/calls'\] has new "
                                          r"values.*drops what it writes"):

@@ -74,6 +74,12 @@ def _cluster_environment() -> bool:
     return size("SLURM_NTASKS") > 1 or size("OMPI_COMM_WORLD_SIZE") > 1
 
 
+def _cluster_variables() -> str:
+    """The variables :func:`_cluster_environment` read, as ``NAME=value``."""
+    names = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+    return ", ".join(f"{name}={os.environ[name]}" for name in names if name in os.environ)
+
+
 def initialize(
     coordinator: str | None = None,
     num_processes: int | None = None,
@@ -127,12 +133,21 @@ def initialize(
         return False
 
     _use_gloo_on_cpu(jax)
-    jax.distributed.initialize(
-        **where,
-        initialization_timeout=init_timeout_s,
-        heartbeat_timeout_seconds=heartbeat_timeout_s,
-        shutdown_timeout_seconds=shutdown_timeout_s,
-    )
+    try:
+        jax.distributed.initialize(
+            **where,
+            initialization_timeout=init_timeout_s,
+            heartbeat_timeout_seconds=heartbeat_timeout_s,
+            shutdown_timeout_seconds=shutdown_timeout_s,
+        )
+    except ValueError as e:
+        if where:
+            raise
+        raise ValueError(
+            f"the environment says this is one of several processes ({_cluster_variables()}), "
+            f"but JAX could not set the run up from it ({e}): start each process with srun "
+            "or mpirun, or give --coordinator HOST:PORT, --num-processes and --process-id"
+        ) from e
     if exit_on_uncaught_exception and not _interactive():
         _install_excepthook()
     return True
@@ -164,6 +179,17 @@ def resolve(
         names = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
         coordinator = os.environ[ENV_COORDINATOR]
         num_processes, process_id = _env_int(ENV_NUM_PROCESSES), _env_int(ENV_PROCESS_ID)
+    elif os.environ.get(ENV_COORDINATOR):  # flags in a command zeropp-launch started
+        launched = (os.environ[ENV_COORDINATOR], _env_int(ENV_NUM_PROCESSES),
+                    _env_int(ENV_PROCESS_ID))
+        if (coordinator, num_processes, process_id) != launched:
+            raise ValueError(
+                f"zeropp-launch started this process as process {launched[2]} of "
+                f"{launched[1]} (coordinator {launched[0]}), but the command passes "
+                f"--coordinator {coordinator} --num-processes {num_processes} --process-id "
+                f"{process_id}, which would override it in every process alike: leave "
+                "those flags out under zeropp-launch, which sets them per process"
+            )
     given = dict(zip(names, (coordinator, num_processes, process_id)))
     missing = [name for name, value in given.items() if value is None]
     if missing:

@@ -42,6 +42,16 @@ def parse_mesh_shape(text: str) -> tuple[int, int]:
     return nodes, local
 
 
+def _processes_hint(nodes: int, local: int, n_proc: int, n_dev: int) -> str:
+    """What to change when a multi-process run's devices do not fit the mesh:
+    the number of processes (one per node) or the devices each one has."""
+    have = f" ({n_proc} processes x {n_dev // n_proc} devices"
+    if nodes != n_proc:
+        return (f"{have}; a node is one process: with zeropp-launch pass -n {nodes} for "
+                f"mesh {nodes}x{local}, or use --mesh {n_proc}x{n_dev // n_proc})")
+    return f"{have}; with zeropp-launch pass --devices-per-process {local})"
+
+
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -100,10 +110,7 @@ def make_mesh(
             f"mesh {nodes}x{local} needs {nodes * local} devices but "
             f"{n_dev} are available ({devices[0].platform}); choose NODESxLOCAL "
             f"with NODES*LOCAL == {n_dev}"
-            + (
-                f" ({n_proc} processes x {n_dev // n_proc} devices; with zeropp-launch "
-                f"pass --devices-per-process {local})" if n_proc > 1 else ""
-            )
+            + (_processes_hint(nodes, local, n_proc, n_dev) if n_proc > 1 else "")
             + (_simulate_hint(nodes * local) if devices[0].platform == "cpu" and n_proc == 1
                else "")
         )

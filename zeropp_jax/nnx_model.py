@@ -140,19 +140,32 @@ def check_state_writes(module: nnx.Module, before: dict[tuple, Any], *, who: str
         raise ValueError(f"{who} created state {created} (or changed its shape), which the "
                          f"trainer drops ({drops}). {fix}")
     if replaced:
+        stats = sorted(set(replaced) & set(_batch_stat_names(module)))
         warnings.warn(
             f"{who} ran, and the state {replaced} has new values: either written (a "
             f"counter, a statistic), and the trainer drops what it writes ({drops}), or put "
-            "back unchanged by an NNX transform (nnx.remat, nnx.jit), which is harmless",
+            "back unchanged by an NNX transform (nnx.remat, nnx.jit), which is harmless"
+            + (f". {stats} are batch statistics: a BatchNorm called with "
+               "use_running_average=False writes them and normalizes over each device's "
+               "micro-batch; call it with use_running_average=True" if stats else ""),
             stacklevel=3)
+
+
+def _batch_stat_names(module: nnx.Module) -> list[str]:
+    """The ``/``-joined paths of ``module``'s ``nnx.BatchStat`` variables."""
+    state = nnx.state(module, nnx.BatchStat)
+    return ["/".join(str(e.key) for e in path if isinstance(e, jax.tree_util.DictKey))
+            for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
 
 
 def check_no_training_batch_norm(model: nnx.Module) -> None:
     """Raises ``ValueError`` naming each ``nnx.BatchNorm`` of ``model`` set to
     update its running statistics (``use_running_average=False``): the
-    trainer would drop them, and normalize over each device's micro-batch."""
+    trainer would drop them, and normalize over each device's micro-batch.
+    One built with ``None`` takes its mode at each call: a call in training
+    mode is warned of when the loss is traced (:func:`check_state_writes`)."""
     found = ["/".join(map(str, path)) for path, node in nnx.iter_graph(model)
-             if isinstance(node, nnx.BatchNorm) and not node.use_running_average]
+             if isinstance(node, nnx.BatchNorm) and node.use_running_average is False]
     if found:
         raise ValueError(
             f"nnx_loss: BatchNorm {found} update their running statistics in training "

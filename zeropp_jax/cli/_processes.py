@@ -160,6 +160,10 @@ def _set_parent_death_signal(parent: int | None = None) -> None:
 class _Stop(Exception):
     """Raised in the main thread when the launcher gets SIGTERM / SIGHUP."""
 
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
 
 def launch(
     command: Sequence[str],
@@ -200,7 +204,8 @@ def launch(
       0 if every process exited with status 0; otherwise the exit code of the
       first process seen to fail (128 + N if it was killed by signal N), 1
       when a process stalled or did not start (also when a process failed
-      while a peer had stalled), 124 on timeout, 130 on Ctrl-C.
+      while a peer had stalled), 124 on timeout, 128 + N when the launcher
+      got signal N (130 on Ctrl-C, 143 on SIGTERM, 129 on SIGHUP).
     """
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
@@ -263,10 +268,16 @@ def launch(
         )
         status = _watch(procs, timeout_s, kill_grace_s, say, received, monitor)
     except (KeyboardInterrupt, _Stop) as e:
-        what = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else "got a stop signal"
+        signum = signal.SIGINT if isinstance(e, KeyboardInterrupt) else e.signum
+        what = ("interrupted (Ctrl-C)" if signum == signal.SIGINT
+                else f"got {signal.Signals(signum).name}")
         say(f"{what}; stopping all {len(procs)} process(es)")
+        running = [p.poll() is None for p in procs]
         _stop(procs, kill_grace_s)
-        status = 130
+        say("stopped: " + ", ".join(
+            f"[{j}] {describe_status(p.returncode)}"
+            + (" (stopped by zeropp-launch)" if running[j] else "") for j, p in enumerate(procs)))
+        status = 128 + int(signum)
     finally:
         _restore_handlers(previous)
         for p in procs:

@@ -227,7 +227,7 @@ def parse_and_prepare(
     validate_args(parser, args)
     check_processes(parser, args)
     prepare_devices(args)
-    init_distributed(args)
+    init_distributed(args, parser.prog)
     return args
 
 
@@ -242,15 +242,18 @@ def check_processes(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error(str(e))
 
 
-def init_distributed(args: argparse.Namespace) -> None:
+def init_distributed(args: argparse.Namespace, prog: str) -> None:
     """Joins a multi-process run if the flags or the environment describe one."""
     from zeropp_jax import distributed
 
-    distributed.initialize(
-        coordinator=args.coordinator,
-        num_processes=args.num_processes,
-        process_id=args.process_id,
-    )
+    try:
+        distributed.initialize(
+            coordinator=args.coordinator,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+        )
+    except ValueError as e:  # a cluster environment JAX cannot set up from
+        sys.exit(f"{prog}: error: {e}")
 
 
 def build_mesh(args: argparse.Namespace):
