@@ -333,7 +333,9 @@ def test_launcher_timeout():
     assert time.monotonic() - start < 60
 
 
-def test_launcher_ctrl_c_stops_all_processes(tmp_path):
+def _signal_the_launcher(tmp_path, sig) -> tuple[int, str, list[int]]:
+    """``zeropp-launch -n 2 -- sleep 300`` sent ``sig`` once it has started
+    both: its exit status, its stderr and the two processes' pids."""
     err = tmp_path / "err"
     with open(err, "w") as fe:
         proc = subprocess.Popen(
@@ -343,14 +345,19 @@ def test_launcher_ctrl_c_stops_all_processes(tmp_path):
     try:
         match = _wait_for(lambda: re.search(r"\[0\]=(\d+) \[1\]=(\d+)", err.read_text()),
                           60, "the pids line")
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 130
+        proc.send_signal(sig)
+        status = proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert "interrupted" in err.read_text()
-    for pid in map(int, match.groups()):
+    return status, err.read_text(), [int(pid) for pid in match.groups()]
+
+
+def test_launcher_ctrl_c_stops_all_processes(tmp_path):
+    status, err, pids = _signal_the_launcher(tmp_path, signal.SIGINT)
+    assert status == 130 and "interrupted" in err, err
+    for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
 
@@ -358,24 +365,10 @@ def test_launcher_ctrl_c_stops_all_processes(tmp_path):
 def test_launcher_sigterm_stops_all_processes_and_exits_143(tmp_path):
     """A scheduler's SIGTERM to the launcher: 128 + SIGTERM, as a preempted
     run, and a line saying how each process ended."""
-    err = tmp_path / "err"
-    with open(err, "w") as fe:
-        proc = subprocess.Popen(
-            [sys.executable, *LAUNCH, "-n", "2", "--", "sleep", "300"],
-            stdout=subprocess.DEVNULL, stderr=fe, env=_env(),
-        )
-    try:
-        _wait_for(lambda: re.search(r"\[0\]=(\d+) \[1\]=(\d+)", err.read_text()), 60,
-                  "the pids line")
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    text = err.read_text()
-    assert "got SIGTERM; stopping all 2 process(es)" in text, text
-    assert "stopped: [0] " in text and "[1] " in text and "(stopped by zeropp-launch)" in text
+    status, err, _ = _signal_the_launcher(tmp_path, signal.SIGTERM)
+    assert status == 128 + signal.SIGTERM, err
+    assert "got SIGTERM; stopping all 2 process(es)" in err, err
+    assert "stopped: [0] " in err and "[1] " in err and "(stopped by zeropp-launch)" in err
 
 
 def test_launcher_prefixes_every_line_and_progress_bar_redraw():
