@@ -320,7 +320,7 @@ def test_a_truncated_checkpoint_is_one_line_naming_the_step_and_what_to_do(tmp_p
 
 @pytest.mark.slow
 def test_cli_checkpoints_and_stops_on_ctrl_c_and_a_second_one_stops_at_once(
-    tmp_path, capsys, monkeypatch
+    tmp_path, capsys, monkeypatch, request
 ):
     """One process: a first Ctrl-C (SIGINT during step 2's input) stops the run
     before step 3 with a checkpoint, exit status 130; two Ctrl-C raise
@@ -342,6 +342,10 @@ def test_cli_checkpoints_and_stops_on_ctrl_c_and_a_second_one_stops_at_once(
         return local_rows(batches, step)
 
     monkeypatch.setattr(train, "_local_rows", rows)
+    # Ctrl-C as in a terminal, whatever the test runner inherited (a shell's
+    # background job starts with SIGINT ignored, which the run respects).
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, inherited))
     previous = signal.getsignal(signal.SIGINT)
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     run = ["--checkpoint-dir", str(ckpt), "--metrics-out", str(metrics), "--lr-schedule",
