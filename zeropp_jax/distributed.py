@@ -63,6 +63,10 @@ PREEMPTED_EXIT = 128 + int(signal.SIGTERM)
 INTERRUPTED_EXIT = 128 + int(signal.SIGINT)
 
 
+# The process counts SLURM and Open MPI set (srun, mpirun).
+_CLUSTER_SIZE_VARIABLES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+
+
 def _cluster_environment() -> bool:
     """Whether a multi-process launcher JAX can auto-detect started us."""
     def size(name):
@@ -71,13 +75,13 @@ def _cluster_environment() -> bool:
         except ValueError:
             return 1
 
-    return size("SLURM_NTASKS") > 1 or size("OMPI_COMM_WORLD_SIZE") > 1
+    return any(size(name) > 1 for name in _CLUSTER_SIZE_VARIABLES)
 
 
 def _cluster_variables() -> str:
     """The variables :func:`_cluster_environment` read, as ``NAME=value``."""
-    names = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
-    return ", ".join(f"{name}={os.environ[name]}" for name in names if name in os.environ)
+    return ", ".join(f"{name}={os.environ[name]}" for name in _CLUSTER_SIZE_VARIABLES
+                     if name in os.environ)
 
 
 def initialize(

@@ -121,7 +121,7 @@ def written_state(module: nnx.Module, before: dict[tuple, Any]) -> tuple[list[st
         old = before.get(path)
         if old is leaf:
             continue
-        name = "/".join(str(e.key) for e in path if isinstance(e, jax.tree_util.DictKey))
+        name = _path_name(path)
         same = old is not None and (jnp.shape(old), jnp.result_type(old)) == (
             jnp.shape(leaf), jnp.result_type(leaf))
         (replaced if same else created).add(name)
@@ -154,8 +154,12 @@ def check_state_writes(module: nnx.Module, before: dict[tuple, Any], *, who: str
 def _batch_stat_names(module: nnx.Module) -> list[str]:
     """The ``/``-joined paths of ``module``'s ``nnx.BatchStat`` variables."""
     state = nnx.state(module, nnx.BatchStat)
-    return ["/".join(str(e.key) for e in path if isinstance(e, jax.tree_util.DictKey))
-            for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    return [_path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+
+
+def _path_name(path: tuple) -> str:
+    """A state leaf's key path as the ``/``-joined variable path, e.g. ``bn/mean``."""
+    return "/".join(str(e.key) for e in path if isinstance(e, jax.tree_util.DictKey))
 
 
 def check_no_training_batch_norm(model: nnx.Module) -> None:

@@ -184,7 +184,7 @@ def check_layout(saved: dict, layout: ParamLayout, where: str) -> None:
             raise CheckpointMismatchError(
                 f"{where}: the checkpoint has the parameter {_show(key, leaf)}, which the "
                 "trainer's model does not; was it written for another model?")
-    if sorted(_units(saved)) != sorted(_units(current)):  # restored by name: order is free
+    if _units(saved) != _units(current):
         raise CheckpointMismatchError(
             f"{where}: the same parameters, cut into other units: the checkpoint has "
             f"{_describe_units(saved)}, the trainer {_describe_units(current)}. Build the "
@@ -219,12 +219,13 @@ def _show(key: tuple[str, ...], leaf: tuple[tuple[int, ...], str]) -> str:
     return f"{'/'.join(key)} {_array(leaf)}"
 
 
-def _units(layout: Mapping) -> list:
-    """The unit layout: names, stacking and leaves of each unit (not padding),
-    in the order of the params' keys (``model.init``'s creation order, or
-    ``jax.eval_shape``'s sorted keys for the same model)."""
-    return [(u["name"], u["stack"], [leaf["path"] for leaf in u["leaves"]])
-            for u in layout["units"]]
+def _units(layout: Mapping) -> dict:
+    """The unit layout: each unit's stacking and leaves (not padding), by
+    name. A restore goes by name, so the units' order (the params' key order:
+    ``model.init``'s creation order, ``jax.eval_shape``'s sorted keys) does
+    not matter."""
+    return {u["name"]: (u["stack"], [leaf["path"] for leaf in u["leaves"]])
+            for u in layout["units"]}
 
 
 def _describe_units(layout: Mapping) -> str:

@@ -272,11 +272,9 @@ def launch(
         what = ("interrupted (Ctrl-C)" if signum == signal.SIGINT
                 else f"got {signal.Signals(signum).name}")
         say(f"{what}; stopping all {len(procs)} process(es)")
-        running = [p.poll() is None for p in procs]
+        running = [j for j, p in enumerate(procs) if p.poll() is None]
         _stop(procs, kill_grace_s)
-        say("stopped: " + ", ".join(
-            f"[{j}] {describe_status(p.returncode)}"
-            + (" (stopped by zeropp-launch)" if running[j] else "") for j, p in enumerate(procs)))
+        say("stopped: " + _ended(procs, range(len(procs)), running))
         status = 128 + int(signum)
     finally:
         _restore_handlers(previous)
@@ -350,15 +348,23 @@ def _fail(procs, i: int, cause: str, running, kill_grace_s, say, status: int) ->
     say(f"process {i} (pid {procs[i].pid}) {cause}"
         + (f"; stopping the other {len(others)} process(es)" if others else ""))
     _stop(procs, kill_grace_s)
-    # killed by the signal, or (zeropp-train) stopped on it as a preemption notice
-    stopped = (-signal.SIGTERM, -signal.SIGKILL, 128 + signal.SIGTERM)
-    summary = [
-        f"[{j}] {describe_status(procs[j].returncode)}"
-        + (" (stopped by zeropp-launch)" if j in running and procs[j].returncode in stopped else "")
-        for j in range(len(procs)) if j != i
-    ]
-    say(f"FAILED: process {i} {cause}" + (f"; others: {', '.join(summary)}" if summary else ""))
+    rest = [j for j in range(len(procs)) if j != i]
+    say(f"FAILED: process {i} {cause}"
+        + (f"; others: {_ended(procs, rest, running)}" if rest else ""))
     return status
+
+
+def _ended(procs, which, running) -> str:
+    """How processes ``which`` ended, ``[j] exited with code 0, ...``; one of
+    ``running`` (indices running when the launcher stopped them) that ended
+    by the stop is marked so: killed by the signal, or (zeropp-train) stopped
+    on it as a preemption notice."""
+    stopped = (-signal.SIGTERM, -signal.SIGKILL, 128 + signal.SIGTERM)
+    return ", ".join(
+        f"[{j}] {describe_status(procs[j].returncode)}"
+        + (" (stopped by zeropp-launch)" if j in running and procs[j].returncode in stopped
+           else "")
+        for j in which)
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:

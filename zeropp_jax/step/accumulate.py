@@ -24,7 +24,6 @@ from zeropp_jax.step.geometry import DATA_AXES, StepGeometry, node_level_once, s
 from zeropp_jax.wire import collectives
 
 
-
 def check_loss_arguments(loss_fn: Callable, takes_key: bool) -> None:
     """Raises a TypeError now, naming ``rng=``, if ``loss_fn`` cannot be called
     as the step calls it: ``loss_fn(params, batch)``, or with ``takes_key``
@@ -44,6 +43,7 @@ def check_loss_arguments(loss_fn: Callable, takes_key: bool) -> None:
                "rng= (a seed or a key): pass one, or drop the key argument")
         raise TypeError(f"the train step calls {call}, which this loss_fn does not "
                         f"accept ({e}); {fix}") from None
+
 
 def unit_source(geo: StepGeometry, primary: jax.Array, per_layer: bool = False) -> Any:
     """What a unit's per-layer gathers send, prepared once per step.
