@@ -519,3 +519,30 @@ def test_simulate_refuses_training_flags_and_uses_the_vocabulary_of_data(
     with pytest.raises(SystemExit):
         simulate.main([*TINY_ARGS, "--data", str(tmp_path / "ids.npy")])
     assert seen == [1000] and "profiled" in capsys.readouterr().err
+
+
+def test_simulate_runs_zeropp_by_default_and_shows_the_baseline_once(capsys, monkeypatch):
+    """Without --preset the target is zeropp, beside zero3; with --preset zero3
+    the target is the baseline, profiled and shown once. (The profiles are
+    stand-ins without collectives: what is compiled is not at stake here.)"""
+    from zeropp_jax.analysis import cost_model
+    from zeropp_jax.analysis.comm_profile import CommProfile
+    from zeropp_jax.cli import simulate
+
+    profiled = []
+
+    def profile_config(config, *, label, mesh, **kwargs):
+        profiled.append((config.preset, label))
+        return CommProfile(label=label, mesh_shape=mesh.devices.shape, params=10**4,
+                           collectives=())
+
+    monkeypatch.setattr(cost_model, "profile_config", profile_config)
+    assert simulate.main([*TINY_ARGS, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [p["label"] for p in out["predictions"]] == ["zero3", "zeropp"]
+    assert simulate.main([*TINY_ARGS, "--preset", "zero3", "--sweep-gbps", "100"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert profiled == [("zero3", "zero3"), ("zeropp", "zeropp"), ("zero3", "zero3")]
+    rows = [line.split()[0] for line in lines if re.match(r"zero\S*\s+[\d.]+\s", line)]
+    assert rows == ["zero3"], lines
+    assert "zero3 is averaged over every step (no qgZ schedule)." in lines
