@@ -22,6 +22,11 @@ name               flags
                    dither --no-qgz-error-feedback`` (the unbiased 1-bit
                    code on gradients, block 16, float32 scales: 3 bits per
                    value)
+``zeropp-int4``    ``--preset zeropp --qgz int4 --qgz-target gradient
+                   --scale-dtype float32 --qgz-warmup 0``: ZeRO++ as
+                   DeepSpeed runs it (``cost_model.PUBLISHED_ZEROPP``: int4
+                   gradients with float32 scales from the first step, no
+                   full-precision warm-up)
 =================  ======================================================
 
 and measures
@@ -101,6 +106,11 @@ VARIANTS: dict[str, list[str]] = {
     "zeropp-dither": [
         "--preset", "zeropp", "--qgz-target", "gradient", "--qgz-code", "dither",
         "--no-qgz-error-feedback",
+    ],
+    # ZeRO++ as DeepSpeed runs it: cost_model.PUBLISHED_ZEROPP as flags (a test keeps them equal)
+    "zeropp-int4": [
+        "--preset", "zeropp", "--qgz", "int4", "--qgz-target", "gradient",
+        "--scale-dtype", "float32", "--qgz-warmup", "0",
     ],
 }
 BASELINE = "zero3"

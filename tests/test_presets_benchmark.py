@@ -62,3 +62,13 @@ def test_bad_flags(presets, argv, message, capsys):
     with pytest.raises(SystemExit):
         presets.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_zeropp_int4_runs_the_published_zeropp(presets):
+    """The zeropp-int4 variant is ZeRO++ as the cost model's published
+    comparison (and the cluster bench) configures it."""
+    from zeropp_jax.analysis import cost_model
+    from zeropp_jax.cli import common
+
+    assert presets.VARIANTS["zeropp-int4"] == [
+        "--preset", "zeropp", *common.config_args(cost_model.PUBLISHED_ZEROPP)]
