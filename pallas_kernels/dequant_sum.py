@@ -63,7 +63,17 @@ def dequantize_sum_reference(q: Quantized, *, bits: int, block: int) -> jax.Arra
     Returns:
       float32 ``(..., m)``.
     """
+    _check_chunk_axis(jnp.shape(q.values))
     return ordered_chunk_sum(_dequantize(q, bits=bits, block=block, dtype=jnp.float32))
+
+
+def _check_chunk_axis(shape: tuple[int, ...]) -> None:
+    """``q.values`` must be ``(..., k, bytes)``: a chunk axis before the bytes."""
+    if len(shape) < 2:
+        raise ValueError(
+            f"q.values must be (..., k, bytes) with a chunk axis, got shape {shape}; "
+            "add one with values[None] for a single chunk."
+        )
 
 
 def dequantize_sum_kernel(values_ref, scales_ref, out_ref, *, bits, k, decode="convert"):
@@ -118,11 +128,7 @@ def dequantize_sum(
     want = jnp.int8 if bits == 8 else jnp.uint8
     if values.dtype != want:
         raise ValueError(f"for bits={bits}, q.values must be {jnp.dtype(want)}, got {values.dtype}.")
-    if values.ndim < 2:
-        raise ValueError(
-            f"q.values must be (..., k, bytes) with a chunk axis, got shape {values.shape}; "
-            "add one with values[None] for a single chunk."
-        )
+    _check_chunk_axis(values.shape)
     *lead, k, nbytes = values.shape
     lead = tuple(lead)
     m = nbytes * 8 // bits

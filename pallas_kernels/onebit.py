@@ -52,6 +52,15 @@ from pallas_kernels.references.quantization import quantize as _quantize
 __all__ = ["compress_1bit_ef", "compress_1bit_ef_kernel", "compress_1bit_ef_reference"]
 
 
+def check_carry(g: jax.Array, carry: jax.Array) -> None:
+    """An error-feedback carry is float32 with the gradient's shape (no broadcasting)."""
+    if carry.dtype != jnp.float32 or carry.shape != g.shape:
+        raise ValueError(
+            f"carry must be float32 with the gradient's shape {g.shape}, got {carry.dtype} "
+            f"{carry.shape}; start from jnp.zeros(g.shape, jnp.float32)."
+        )
+
+
 @functools.partial(jax.jit, static_argnames=("block", "scale_dtype"))
 def compress_1bit_ef_reference(
     g: jax.typing.ArrayLike,
@@ -73,6 +82,7 @@ def compress_1bit_ef_reference(
       ``new_carry = (g + carry) - dequantize(q)``, float32 ``(..., n)``.
     """
     g, carry = jnp.asarray(g), jnp.asarray(carry)
+    check_carry(g, carry)
     x = g.astype(jnp.float32) + carry.astype(jnp.float32)
     q = _quantize(x, bits=1, block=block, scale_dtype=scale_dtype)
     return q, x - _dequantize(q, bits=1, block=block, dtype=jnp.float32)
@@ -132,11 +142,7 @@ def compress_1bit_ef(
     config = _common.get_config(config, "compress_1bit_ef", 1)
     g, carry = jnp.asarray(g), jnp.asarray(carry)
     _common.check_float_input(g, "g")
-    if carry.dtype != jnp.float32 or carry.shape != g.shape:
-        raise ValueError(
-            f"carry must be float32 with the gradient's shape {g.shape}, got {carry.dtype} "
-            f"{carry.shape}; start from jnp.zeros(g.shape, jnp.float32)."
-        )
+    check_carry(g, carry)
     _common.check_n(g.shape[-1], block, "g")
     nb = _common.num_blocks(g.shape, block)
     if nb == 0:

@@ -102,6 +102,10 @@ def test_non_finite_block_is_reported():
 
 def test_bad_dither_is_refused():
     x = _x((2, 32))
+    q = dither.quantize_dithered(x, _xi(x.shape, 0), block=16)
+    for block in (0, 4, 12):  # as the sender refuses them
+        with pytest.raises(ValueError, match="block must be a positive multiple of 8"):
+            dither.dequantize_dithered(q, _xi(x.shape, 0), block=block)
     with pytest.raises(ValueError, match="xi must be float32"):
         dither.quantize_dithered(x, jnp.zeros((2, 16)), block=16)
     with pytest.raises(ValueError, match="xi must be float32"):

@@ -568,13 +568,18 @@ def test_argument_errors():
         pk.quantize(x.astype(jnp.int32), bits=8, block=16, interpret=True)
     with pytest.raises(ValueError, match="scale_dtype"):
         pk.quantize(x, bits=8, block=16, scale_dtype=jnp.float16, interpret=True)
-    with pytest.raises(ValueError, match="carry"):
-        pk.compress_1bit_ef(x, jnp.zeros((2, 48), jnp.bfloat16), block=16, interpret=True)
+    for compress in (functools.partial(pk.compress_1bit_ef, interpret=True),
+                     pk.compress_1bit_ef_reference):
+        for carry in (jnp.zeros((2, 48), jnp.bfloat16), jnp.zeros((48,), jnp.float32)):
+            with pytest.raises(ValueError, match="carry must be float32 with the gradient's"):
+                compress(x, carry, block=16, scale_dtype=jnp.float32)
     q = qz.quantize(x, bits=4, block=16)
     with pytest.raises(ValueError, match="q.values"):
         pk.dequantize(q, bits=8, block=16, interpret=True)
-    with pytest.raises(ValueError, match="chunk axis"):
-        pk.dequantize_sum(qz.quantize(x[0], bits=4, block=16), bits=4, block=16, interpret=True)
+    for dequantize_sum in (functools.partial(pk.dequantize_sum, interpret=True),
+                           pk.dequantize_sum_reference):
+        with pytest.raises(ValueError, match="chunk axis"):
+            dequantize_sum(qz.quantize(x[0], bits=4, block=16), bits=4, block=16)
     with pytest.raises(ValueError, match="q.scales"):
         pk.dequantize_sum(q._replace(scales=q.scales[:, :1]), bits=4, block=16, interpret=True)
 

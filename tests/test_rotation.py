@@ -83,10 +83,17 @@ def test_per_node_patterns_make_the_codes_errors_independent():
     assert own < 0.88 * shared, (own, shared)
 
 
-@pytest.mark.parametrize("block,n", [(12, 48), (128, 100), (1, 8)])
+@pytest.mark.parametrize("block,n", [(12, 48), (128, 100), (1, 8), (16.0, 32), (None, 32)])
 def test_bad_blocks_are_rejected(block, n):
-    with pytest.raises(ValueError, match="power-of-two block|multiple of the block"):
+    with pytest.raises(ValueError, match="power-of-two block|power of two >= 2|multiple of the block"):
         rotation.rotate(jnp.ones((n,)), block)
+
+
+def test_a_numpy_pattern_is_range_checked_as_an_int():
+    x = jnp.ones((2, 16))
+    with pytest.raises(ValueError, match=r"pattern must be in \[0, 2\), got 5"):
+        rotation.rotate(x, 8, np.int64(5), 2)
+    np.testing.assert_array_equal(rotation.rotate(x, 8, np.int64(1), 2), rotation.rotate(x, 8, 1, 2))
 
 
 def test_rotation_spreads_an_outlier_error_over_its_block():

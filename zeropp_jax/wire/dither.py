@@ -49,7 +49,7 @@ from pallas_kernels.references.dither import block_scales as block_scales
 from pallas_kernels.references.dither import check_dither_input as check_dither_input
 from pallas_kernels.references.dither import quantize_dithered as quantize_dithered
 from pallas_kernels.references.packing import unpack_bits
-from pallas_kernels.references.quantization import Quantized, check_quantized
+from pallas_kernels.references.quantization import Quantized, check_block, check_quantized
 
 __all__ = [
     "mix32", "stream_key", "uniform_noise", "element_counters", "block_scales", "check_dither_input",
@@ -145,6 +145,7 @@ def dequantize_dithered(
     Returns:
       ``dtype`` ``(..., n)``.
     """
+    block = check_block(block)
     values, scales, dtype = check_quantized(q, bits=1, block=block, dtype=dtype)
     lead, n = values.shape[:-1], values.shape[-1] * 8
     xi = jnp.asarray(xi)

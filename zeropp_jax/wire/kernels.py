@@ -35,7 +35,6 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 import pallas_kernels
 from zeropp_jax.wire import dither, quantization
@@ -107,10 +106,8 @@ class Kernels:
             return pallas_kernels.compress_1bit_ef(
                 g, carry, block=block, scale_dtype=scale_dtype, interpret=self._interpret
             )
-        x = g.astype(jnp.float32) + carry
-        q = quantization.quantize(x, bits=1, block=block, scale_dtype=scale_dtype)
-        sent = quantization.dequantize(q, bits=1, block=block, dtype=jnp.float32)
-        return q, x - sent
+        return pallas_kernels.compress_1bit_ef_reference(
+            g, carry, block=block, scale_dtype=scale_dtype)
 
     def quantize_dithered(
         self, x: jax.Array, xi: jax.Array, *, block: int, scale_dtype: Any

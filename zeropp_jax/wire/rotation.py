@@ -45,6 +45,9 @@ _SPLITMIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
 def _check_block(n: int, block: int) -> None:
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)):
+        raise ValueError(f"the Hadamard rotation needs an int block (a power of two >= 2), "
+                         f"got {block!r}")
     if block < 2 or block & (block - 1):
         raise ValueError(f"the Hadamard rotation needs a power-of-two block >= 2, got {block}")
     if n % block:
@@ -130,10 +133,10 @@ def _sign_table(block: int, patterns: int) -> np.ndarray:
 
 def _pattern(block: int, pattern: int | jax.Array, patterns: int) -> jax.Array:
     """Sign pattern ``pattern`` of ``patterns``: float32 ``(block,)``."""
-    if isinstance(pattern, int):
+    if isinstance(pattern, (int, np.integer)):  # a traced pattern cannot be checked
         if not 0 <= pattern < patterns:
             raise ValueError(f"pattern must be in [0, {patterns}), got {pattern}")
-        return jnp.asarray(random_signs(block, pattern))
+        return jnp.asarray(random_signs(block, int(pattern)))
     return jnp.asarray(_sign_table(block, patterns))[pattern]
 
 
