@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from zeropp_jax.config import ZeroConfig
 from zeropp_jax.layout import ParamLayout, UnitLayout, padding_mask
 from zeropp_jax.mesh import LOCAL, NODE, SHARD_AXES, mesh_shape
-from zeropp_jax.step.gather import GatherPlan
+from zeropp_jax.step.plan import GatherPlan
 from zeropp_jax.wire import collectives, quantization
 from zeropp_jax.wire.kernels import Kernels, select
 
@@ -276,21 +276,6 @@ class StepGeometry:
     def shard_mask(self, unit: UnitLayout, width: int) -> jax.Array:
         """bool ``(width,)``: real entries of this device's ``U / D`` shard."""
         return padding_mask(unit, collectives.axes_index(SHARD_AXES), width)
-
-    def metrics(self, losses: jax.Array, sq_norm: jax.Array, compress: bool) -> dict:
-        """The step's metrics (inside shard_map): replicated float32 / int32 scalars.
-
-        Args:
-          losses: float32 ``(grad_accum,)`` micro-batch losses of this device.
-          sq_norm: the squared gradient norm, the same on every device.
-          compress: whether this variant compresses (qgZ).
-        """
-        return {
-            "loss": jax.lax.pmean(jnp.mean(losses), DATA_AXES),
-            "grad_norm": jnp.sqrt(sq_norm),
-            "grad_rms": jnp.sqrt(sq_norm / self.layout.numel),
-            "compressed": jnp.asarray(int(compress and self.qgz_active), jnp.int32),
-        }
 
 
 def node_level_once(geo: StepGeometry, unit: UnitLayout) -> bool:
