@@ -311,7 +311,7 @@ def test_bad_batches_name_the_leaf():
         ({"tokens": rows, "mask": np.ones((8, 17))}, r"share their leading .*batch\['mask'\]: 8"),
         ({"tokens": rows, "text": np.array(["a"] * 16)}, r"batch\['text'\] has dtype <U1"),
         ({"tokens": [[1, 2], [3]]}, r"batch\['tokens'\] is not a rectangular array"),
-        ({"tokens": rows[:12]}, r"batch size 12 must be divisible by .* 8"),
+        ({"tokens": rows[:12]}, r"batch size 12 must be divisible by .* 8: 8 or 16 rows would do"),
         ({}, "the batch has no arrays"),
     ]
     for batch, match in cases:
@@ -404,6 +404,37 @@ def test_init_checks_the_structure_of_stacked_units():
     renamed = dict(params, blocks={"a": params["blocks"]["a"], "c": params["blocks"]["b"]})
     with pytest.raises(ValueError, match=r"unit 'blocks' have structure .*'c'.*expected .*'b'"):
         trainer.init(renamed)
+
+
+def test_a_flax_model_given_unit_handles_is_told_to_gather_or_wrap():
+    """per_layer=True hands the loss one Unit per layer; a Flax model applied
+    to them as parameters fails naming the handle and the ways out."""
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(nn.tanh(nn.Dense(8)(x)))
+
+    net = Net()
+    x = np.ones((16, 4), np.float32)
+    params = net.init(jax.random.key(0), x)["params"]
+
+    def loss(p, b):
+        return jnp.mean((net.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+
+    trainer = zp.make_trainer(loss, optax.sgd(0.1), params, mesh=mesh_of(2, 4), per_layer=True)
+    state = trainer.init(params)
+    with pytest.raises(TypeError, match=r"used the zeropp_jax.Unit handle of unit 'Dense_\d' as "
+                       r"parameters.*zp.gather\(unit\).*wrap=\(BlockClass,\).*per_layer=False"):
+        trainer.step(state, {"x": x, "y": np.zeros((16, 1), np.float32)})
+    for misuse in (lambda u: "kernel" in u, lambda u: u["kernel"], lambda u: jnp.asarray(u),
+                   lambda u: np.asarray(u), lambda u: list(u)):
+        with pytest.raises(TypeError, match="used the zeropp_jax.Unit handle"):
+            misuse(zp.Unit(None, None, _NamedLayout(), None))
+
+
+class _NamedLayout:
+    name, stack = "w", None
 
 
 def test_mesh_sizes_that_do_not_divide_the_devices_name_the_divisors():

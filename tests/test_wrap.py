@@ -495,16 +495,39 @@ def test_wrapped_linen_blocks_read_frozen_batch_stats():
     _steps_match_optax(trainer, jax.jit(loss), opt, params, batch, 2)
 
 
-def test_a_loss_returning_loss_and_aux_is_refused():
-    params = {"w": np.ones((8, 1), np.float32)}
+def test_a_loss_may_return_loss_and_aux():
+    """``(loss, aux)``, as jax.value_and_grad(has_aux=True) takes: the step
+    trains exactly as with the loss alone, and ``metrics["aux"]`` holds each
+    leaf averaged over micro-batches and devices (a constant and an int too)."""
+    params = {"w": np.linspace(-1, 1, 8, dtype=np.float32).reshape(8, 1)}
+    batch = _linen_batch()
 
-    def loss(p, b):  # jax.value_and_grad(has_aux=True)'s idiom
-        value = jnp.mean((b["x"] @ p["w"])[:, 0] - b["y"]) ** 2
-        return value, {"mse": value}
+    def plain(p, b):
+        return jnp.mean(((b["x"] @ p["w"])[:, 0] - b["y"]) ** 2)
 
-    trainer = zp.make_trainer(loss, optax.sgd(0.1), params, mesh=zp.make_mesh(2, 4))
-    with pytest.raises(ValueError, match=r"got a \(loss, aux\) tuple.*return the scalar loss only"):
-        trainer.step(trainer.init(params), _linen_batch())
+    def with_aux(p, b):
+        value = plain(p, b)
+        return value, {"mse": value, "rows": b["x"].shape[0], "one": 1.0,
+                       "x0": jnp.mean(b["x"][:, 0])}
+
+    runs = []
+    for loss in (plain, with_aux):
+        trainer = zp.make_trainer(loss, optax.adam(0.1), params, mesh=zp.make_mesh(2, 4),
+                                  config=zp.ZeroConfig(grad_accum=2))
+        state, metrics = trainer.step(trainer.init(params), batch)
+        runs.append((trainer.gather_params(state)["w"], metrics))
+    (w_plain, m_plain), (w_aux, m_aux) = runs
+    np.testing.assert_array_equal(w_aux, w_plain)
+    assert "aux" not in m_plain and m_aux["loss"] == m_plain["loss"]
+    aux = {k: float(v) for k, v in m_aux["aux"].items()}
+    assert aux["mse"] == pytest.approx(float(m_aux["loss"]), rel=1e-6)
+    assert aux["rows"] == 1 and aux["one"] == 1  # 16 rows / 8 devices / 2 micro-batches
+    assert aux["x0"] == pytest.approx(batch["x"][:, 0].mean(), rel=1e-5)
+    with pytest.raises(ValueError, match=r"aux\['mask'\] has dtype complex64; aux leaves must "
+                       "be numeric"):
+        trainer = zp.make_trainer(lambda p, b: (plain(p, b), {"mask": jnp.ones(2, jnp.complex64)}),
+                                  optax.sgd(0.1), params, mesh=zp.make_mesh(2, 4))
+        trainer.step(trainer.init(params), batch)
 
 
 def _hf_decay_mask(params):

@@ -12,14 +12,14 @@ only parameter traffic across nodes.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from zeropp_jax.layout import REMAINDER, join_units
-from zeropp_jax.step.gather import Unit, gather, secondary_payload
+from zeropp_jax.step.gather import Unit, gather, secondary_payload, varying_axes
 from zeropp_jax.step.geometry import DATA_AXES, StepGeometry, node_level_once, sink_dtype
 from zeropp_jax.wire import collectives
 
@@ -113,15 +113,14 @@ def accumulate(
         (:meth:`~zeropp_jax.step.geometry.StepGeometry.plan_of`).
 
     Returns:
-      ``(acc, losses)``: name -> float32 summed gradient, the node-partial
+      ``(acc, outputs)``: name -> float32 summed gradient, the node-partial
       ``([L,] U / local)`` with hierarchical gradients (reduced over
       ``local`` only), else the ``([L,] U / D)`` shard summed over all
-      devices; and the float32 ``(grad_accum,)`` micro-batch losses of this
-      device.
+      devices; and this device's :class:`LossOutputs` of the micro-batches.
 
     Raises:
-      ValueError: if ``loss_fn`` does not return a scalar array (e.g. a
-        ``(loss, aux)`` tuple).
+      ValueError: if ``loss_fn`` returns neither a scalar array nor a
+        ``(scalar, aux)`` pair (:func:`split_loss_output`).
     """
     cfg = geo.config
     accum = cfg.grad_accum
@@ -150,19 +149,8 @@ def accumulate(
         if geo.layout.whole_model:
             tree = gather(tree)
         if micro_key is None:
-            loss = loss_fn(tree, micro_batch)
-        else:
-            loss = loss_fn(tree, micro_batch, micro_key)
-        if not isinstance(loss, (jax.Array, np.ndarray, np.generic)):
-            kind = "a (loss, aux) tuple" if isinstance(loss, tuple) else type(loss).__name__
-            raise ValueError(
-                f"loss_fn must return a scalar array (the loss), got {kind}; aux outputs "
-                "(jax.value_and_grad's has_aux) are not supported: return the scalar loss "
-                "only, and compute other metrics outside the step"
-            )
-        if jnp.shape(loss) != ():
-            raise ValueError(f"loss_fn must return a scalar, got shape {jnp.shape(loss)}")
-        return loss.astype(jnp.float32)
+            return split_loss_output(loss_fn(tree, micro_batch))
+        return split_loss_output(loss_fn(tree, micro_batch, micro_key))
 
     rows = jax.tree.leaves(batch)[0].shape[0]  # this device's rows, B / D
 
@@ -171,17 +159,84 @@ def accumulate(
         if key is not None:
             first_row = collectives.axes_index(DATA_AXES) * rows + index * (rows // accum)
             micro_key = micro_batch_key(key, step, first_row)
-        loss, g = jax.value_and_grad(loss_of_sinks)(sinks0, micro_batch, micro_key)
-        return g, loss
+        out, g = jax.value_and_grad(loss_of_sinks, has_aux=True)(sinks0, micro_batch, micro_key)
+        return g, LossOutputs(*out)
 
     def micro_step(acc, inputs):
-        g, loss = grads_of(*inputs)
-        return jax.tree.map(jnp.add, acc, g), loss
+        g, out = grads_of(*inputs)
+        return jax.tree.map(jnp.add, acc, g), out
 
     micro_batches = jax.tree.map(
         lambda x: jnp.reshape(x, (accum, x.shape[0] // accum) + x.shape[1:]), batch
     )
     if accum == 1:  # no loop, and no zeros + gradient pass
-        g, loss = grads_of(jax.tree.map(lambda x: x[0], micro_batches), 0)
-        return jax.tree.map(lambda x: x.astype(jnp.float32), g), loss[None]
+        g, out = grads_of(jax.tree.map(lambda x: x[0], micro_batches), 0)
+        return (jax.tree.map(lambda x: x.astype(jnp.float32), g),
+                jax.tree.map(lambda x: x[None], out))
     return jax.lax.scan(micro_step, sinks0, (micro_batches, jnp.arange(accum)))
+
+
+class LossOutputs(NamedTuple):
+    """What the loss returned for each micro-batch, on this device.
+
+    Attributes:
+      losses: float32 ``(grad_accum,)``.
+      aux: the loss's aux pytree (``{}`` without one), each leaf float32
+        ``(grad_accum, ...)``.
+    """
+
+    losses: jax.Array
+    aux: Any
+
+
+def split_loss_output(out: Any) -> tuple[jax.Array, Any]:
+    """``loss_fn``'s result as ``(float32 scalar loss, aux)``: a scalar array,
+    or a ``(scalar, aux)`` pair as ``jax.value_and_grad(has_aux=True)`` takes
+    (aux: a pytree of numeric arrays, cast to float32; ``{}`` without one)."""
+    aux = {}
+    if isinstance(out, (tuple, list)) and len(out) == 2:
+        out, aux = out
+    if not isinstance(out, (jax.Array, np.ndarray, np.generic)):
+        raise ValueError(
+            f"loss_fn must return a scalar array (the loss), or a (loss, aux) pair; got "
+            f"{type(out).__name__}")
+    if jnp.shape(out) != ():
+        raise ValueError(f"loss_fn must return a scalar, got shape {jnp.shape(out)}")
+
+    def as_float(path, leaf):
+        leaf = jnp.asarray(leaf)
+        if not any(jnp.issubdtype(leaf.dtype, t) for t in (jnp.floating, jnp.integer, bool)):
+            raise ValueError(f"the loss's aux{jax.tree_util.keystr(path)} has dtype "
+                             f"{leaf.dtype}; aux leaves must be numeric arrays (real: they "
+                             "are averaged in float32)")
+        return leaf.astype(jnp.float32)
+
+    return out.astype(jnp.float32), jax.tree_util.tree_map_with_path(as_float, aux)
+
+
+def step_metrics(geo: StepGeometry, outputs: LossOutputs, sq_norm: jax.Array,
+                 compress: bool) -> dict:
+    """The step's metrics (inside shard_map): replicated float32 / int32 scalars,
+    and the loss's aux (each leaf averaged over micro-batches and devices).
+
+    Args:
+      geo: the step geometry.
+      outputs: this device's :class:`LossOutputs`.
+      sq_norm: the squared gradient norm, the same on every device.
+      compress: whether this variant compresses (qgZ).
+    """
+    def mean(x):  # over micro-batches, then devices (an aux may not vary)
+        x = jnp.mean(x, axis=0)
+        missing = tuple(a for a in DATA_AXES if a not in varying_axes(x))
+        return jax.lax.pmean(jax.lax.pcast(x, missing, to="varying") if missing else x,
+                             DATA_AXES)
+
+    out = {
+        "loss": mean(outputs.losses),
+        "grad_norm": jnp.sqrt(sq_norm),
+        "grad_rms": jnp.sqrt(sq_norm / geo.layout.numel),
+        "compressed": jnp.asarray(int(compress and geo.qgz_active), jnp.int32),
+    }
+    if jax.tree.leaves(outputs.aux):
+        out["aux"] = jax.tree.map(mean, outputs.aux)
+    return out

@@ -17,6 +17,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 
+def _nearest_multiples(rows: int, multiple: int) -> str:
+    """``'8 or 16'``: the multiples of ``multiple`` around ``rows`` (at least one)."""
+    below = rows // multiple * multiple
+    return f"{below} or {below + multiple}" if below else f"{multiple}"
+
+
 def _is_list_data(x: Any) -> bool:
     """A (nested) Python list of numbers: one array, not a pytree of scalars."""
     if not isinstance(x, list) or not x:
@@ -83,7 +89,8 @@ def place_batch(batch: Any, sharding: NamedSharding, *, per_step: int, n_devices
     if global_b % per_step:
         raise ValueError(
             f"batch size {global_b} must be divisible by devices x grad_accum "
-            f"= {n_devices} x {grad_accum} = {per_step}"
+            f"= {n_devices} x {grad_accum} = {per_step}: "
+            f"{_nearest_multiples(global_b, per_step)} rows would do"
         )
 
     def put(arr):

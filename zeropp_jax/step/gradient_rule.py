@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zeropp_jax.step.accumulate import accumulate
+from zeropp_jax.step.accumulate import accumulate, step_metrics
 from zeropp_jax.step.geometry import DATA_AXES, StepGeometry, node_level_once
 from zeropp_jax.step.state import TrainState, ZeroOptState, initial_qgz_state
 from zeropp_jax.wire import dither
@@ -94,7 +94,7 @@ def _reduced_gradients(
       the cross-node reduction moves data over ``node``.
     """
     cfg = geo.config
-    acc, losses = accumulate(geo, loss_fn, params, batch, step=step, key=key)
+    acc, outputs = accumulate(geo, loss_fn, params, batch, step=step, key=key)
     dithered = cfg.qgz_code == "dither"
     local_index = jax.lax.axis_index(LOCAL) if dithered else None
 
@@ -118,4 +118,4 @@ def _reduced_gradients(
         grads[u.name] = jnp.where(geo.shard_mask(u, g.shape[-1]), g, 0.0)
 
     sq = jax.lax.psum(sum(jnp.sum(jnp.square(g)) for g in grads.values()), DATA_AXES)
-    return grads, new_carry, geo.metrics(losses, sq, compress)
+    return grads, new_carry, step_metrics(geo, outputs, sq, compress)

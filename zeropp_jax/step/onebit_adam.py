@@ -71,7 +71,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.layout import padding_mask
 from zeropp_jax.mesh import LOCAL, NODE
-from zeropp_jax.step.accumulate import accumulate
+from zeropp_jax.step.accumulate import accumulate, step_metrics
 from zeropp_jax.step.geometry import StepGeometry
 from zeropp_jax.step.state import TrainState, ZeroOptState, initial_qgz_state
 from zeropp_jax.wire import collectives
@@ -313,7 +313,7 @@ def _local_update(
         params = {name: p[0] for name, p in params.items()}
     # full precision: summed over nodes per layer where the unit's plan takes NODE
     summed = () if compress else (NODE,)
-    acc, losses = accumulate(geo, loss_fn, params, batch, step=step, key=key, sum_axes=summed)
+    acc, outputs = accumulate(geo, loss_fn, params, batch, step=step, key=key, sum_axes=summed)
     local_index = jax.lax.axis_index(LOCAL)
     slice_masks = {u.name: padding_mask(u, local_index, u.padded // geo.local)
                    for u in geo.layout.units}
@@ -377,7 +377,7 @@ def _local_update(
     # Compressed: the root mean square over nodes of each node's gradient norm
     # (the global gradient is never formed there); else the global norm.
     sq_metric = jax.lax.pmean(sq_norm, NODE)
-    metrics = geo.metrics(losses, sq_metric, compress)
+    metrics = step_metrics(geo, outputs, sq_metric, compress)
     return (new["params"], new["m"], new["v"], new["receiver"], new["sender"],
             new_v_count, metrics)
 

@@ -66,8 +66,8 @@ class Trainer:
     """A ZeRO-3 / ZeRO++ train step. Build it with :func:`make_trainer`.
 
     Attributes:
-      loss_fn: ``loss_fn(params, batch) -> float32 scalar`` (the local mean
-        over this device's micro-batch). With per-layer gathering ``params``
+      loss_fn: ``loss_fn(params, batch) -> scalar`` or ``(scalar, aux)`` (the local
+        mean over this device's micro-batch). With per-layer gathering ``params``
         holds :class:`~zeropp_jax.step.gather.Unit` handles the model passes
         to ``gather``; otherwise plain parameters.
       rule: the update rule (:class:`UpdateRule`).
@@ -164,8 +164,8 @@ class Trainer:
             <zeropp_jax.step.schedule.QgzSchedule.forced>`).
 
         Returns:
-          ``(new_state, metrics)``: metrics is a dict of scalars ``loss``,
-          ``grad_norm``, ``grad_rms`` and ``compressed`` (0 or 1).
+          ``(new_state, metrics)``: metrics is a dict of scalars ``loss``, ``grad_norm``,
+          ``grad_rms``, ``compressed`` (0 or 1); ``aux``: a loss's aux, each leaf averaged.
         """
         step = self._host_steps.get(state.step)
         if compress is None:
@@ -351,14 +351,16 @@ def make_trainer(
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss over the
-        micro-batch it is given.
+        micro-batch it is given, or ``-> (scalar, aux)`` (metrics["aux"]).
       optimizer: an optax ``GradientTransformation`` that treats every
         parameter leaf alike (it runs on flat units; a per-leaf mask or label
         is refused: :func:`~zeropp_jax.step.rules.check_leaf_uniform`); with
         ``config.qgz_target="momentum"``, :func:`zeropp_jax.onebit_adam`.
       params: the parameter pytree, or its shapes (``jax.eval_shape``).
       mesh: a ``(node, local)`` mesh from :func:`zeropp_jax.make_mesh`.
-      config: a :class:`ZeroConfig` (default: ``zero3``).
+      config: a :class:`ZeroConfig` (default: ``zero3``). The model computes in
+        its ``compute_dtype`` (default: bfloat16 on a GPU, float32 elsewhere)
+        over float32 master shards, whatever the parameters' dtype.
       per_layer: ``True`` if ``loss_fn`` gathers each top-level entry of
         ``params`` itself with :func:`zeropp_jax.gather` (inside
         :func:`zeropp_jax.layer`), like FSDP's wrap policy; ``False`` gathers
