@@ -121,6 +121,9 @@ def test_default_model_loss_falls(tmp_path):
     header = _header(proc.stdout)
     assert "mesh=2x4" in header  # the simulated default on a CPU-only host
     assert "vocab=256" in header
+    # the zeropp preset's 100-step warm-up outlasts this run, and it says so
+    assert (f"warm-up (100 steps) is not shorter than --steps {DEFAULT_MODEL_STEPS}: no step "
+            "will be compressed") in proc.stdout
     losses = np.array([m["loss"] for m in metrics])
     assert len(losses) == DEFAULT_MODEL_STEPS
     # Byte tokens start near ln(256) = 5.55 nats.
@@ -157,6 +160,18 @@ BAD_INPUTS = {
     "dither_with_error_feedback": (
         ("--preset", "zeropp", "--qgz-code", "dither"), None, ["dither", "error feedback"]
     ),
+    "refresh_every_step": (
+        ("--preset", "zeropp", "--qgz-refresh-every", "1"), None,
+        ["qgz_refresh_every=1", "no step would be compressed", "2 or more"],
+    ),
+    "infinite_gate": (
+        ("--preset", "qgz", "--qgz-target", "gradient", "--qgz-min-grad-rms", "inf"), None,
+        ["--qgz-min-grad-rms", "finite number >= 0", "'inf'"],
+    ),
+    "negative_seed": (("--seed", "-1"), None, ["--seed", "integer >= 0", "-1"]),
+    "not_an_integer": (("--qgz-warmup", "abc"), None, ["--qgz-warmup", "'abc'"]),
+    # XLA:CPU cannot compile the GPT's float16 logits (a GPU can)
+    "fp16_on_cpu": (("--dtype", "fp16"), None, ["--dtype fp16 does not run on a CPU", "bf16"]),
     # Multi-host flags: a usage error naming the flag, not a traceback.
     "coordinator_without_port": (
         ("--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"), None,
@@ -391,6 +406,7 @@ def test_comm_json_zeropp_cuts_inter_node_bytes(comm_runs):
     zero3 = _comm_json(comm_runs["zero3"])
     zeropp = _comm_json(comm_runs["zeropp"])
     assert zeropp["trainer"]["config"]["preset"] == "zeropp"
+    assert zeropp["schedule_inter_node_bytes"] == zeropp["schedule"]["inter_node_bytes"]
     assert 0 < zeropp["inter_node_bytes"] <= zero3["inter_node_bytes"] / 5, (
         zeropp["inter_node_bytes"], zero3["inter_node_bytes"]
     )

@@ -462,6 +462,19 @@ def test_pool_refuses_sweeps_of_other_workloads_and_run_flags(tmp_path, capsys):
     assert "--pool takes the flags of the sweeps it pools" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--json", "/nonexistent/x.json"], "--json /nonexistent/x.json: the directory /nonexistent"),
+    (["--figure", "f.xyz"], "--figure f.xyz: matplotlib cannot write this file type"),
+    (["--figure", "/nonexistent/f.png"], "--figure /nonexistent/f.png: the directory"),
+])
+def test_outputs_that_cannot_be_written_are_refused_before_the_sweep(flags, needle, capsys):
+    """A sweep writes its JSON and figure after its runs: a bad path must not
+    lose them at the end."""
+    with pytest.raises(SystemExit) as exit_info:
+        cluster_bench.parse_args(["--presets", "zero3-2level", *flags])
+    assert exit_info.value.code == 2 and needle in capsys.readouterr().err
+
+
 def test_the_bench_runs_zeropp_as_published():
     """zeropp-int4's flags, made from the cost model's PUBLISHED_ZEROPP (which
     zeropp-simulate --published predicts), build that very config."""

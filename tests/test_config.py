@@ -35,7 +35,8 @@ def test_replace_derives_a_defaulted_qgz_block_again():
     ("qgz_block", 32.0, "qgz_block must be a positive multiple of 8, got 32.0"),
     ("grad_accum", True, "grad_accum must be an integer >= 1, got True"),
     ("qgz_warmup_steps", 2.0, "qgz_warmup_steps must be an integer >= 0"),
-    ("qgz_min_grad_rms", "x", "qgz_min_grad_rms must be a number >= 0"),
+    ("qgz_min_grad_rms", "x", "qgz_min_grad_rms must be a finite number >= 0"),
+    ("qgz_min_grad_rms", float("inf"), "an infinite one would never compress"),
     ("compute_dtype", np.float64, r"compute_dtype must be one of \['float32', 'fp32', "
                                   r"'bfloat16', 'bf16', 'float16', 'fp16'\].*float64"),
     ("compute_dtype", "float64", "compute_dtype must be one of .*got 'float64'"),

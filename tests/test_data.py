@@ -108,6 +108,28 @@ def test_load_tokens_npy_bad_contents(tmp_path):
         data.load_tokens(str(flt))
 
 
+def test_load_tokens_knows_npy_by_its_header_and_refuses_what_is_not_token_ids(tmp_path):
+    ids = np.array([3, 1, 4, 1], np.int32)
+    np.save(tmp_path / "ids.npy", ids)
+    (tmp_path / "ids.npy").rename(tmp_path / "ids.NPY")  # another name, the same file
+    tokens, vocab = data.load_tokens(str(tmp_path / "ids.NPY"))
+    np.testing.assert_array_equal(tokens, ids)
+    assert vocab == 5
+    (tmp_path / "text.npy").write_bytes(b"not an array")
+    with pytest.raises(ValueError, match=r"text.npy' is not a NumPy .npy file"):
+        data.load_tokens(str(tmp_path / "text.npy"))
+    np.savez(tmp_path / "ids.npz", ids=ids)
+    with pytest.raises(ValueError, match=r"ids.npz' is a .npz archive; save the token ids as one"):
+        data.load_tokens(str(tmp_path / "ids.npz"))
+    sparse = ids.copy()
+    sparse[1] = 10**9  # one stray id
+    np.save(tmp_path / "sparse.npy", sparse)
+    with pytest.raises(ValueError, match=r"a vocabulary of 1,000,000,001 ids \(from 4 distinct "
+                       r"ones\) is above 1,048,576; remap"):
+        data.load_tokens(str(tmp_path / "sparse.npy"))
+    assert data.load_tokens(str(tmp_path / "sparse.npy"), vocab_size=10**9 + 1)[1] == 10**9 + 1
+
+
 def test_load_tokens_missing_and_empty(tmp_path):
     missing = tmp_path / "nope.txt"
     with pytest.raises(FileNotFoundError, match="nope.txt"):

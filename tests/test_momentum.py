@@ -233,6 +233,7 @@ def test_preset_inter_node_bytes_over_the_refresh_cycle_vs_zero3(accum, limit):
         (dict(qgz_min_grad_rms=0.1), "set qgz_min_grad_rms=0"),
         (dict(qgz_target="both"), "qgz_target must be one of"),
         (dict(qgz_refresh_every=-1), "qgz_refresh_every must be an integer >= 0"),
+        (dict(qgz_refresh_every=1), "qgz_refresh_every=1 makes every step after the warm-up"),
         (dict(qgz_target="gradient", qgz_refresh_every=10), "it needs qgz_target='momentum'"),
     ],
 )

@@ -290,6 +290,10 @@ def test_launch_refuses_a_coordinator_port_in_use(capsys):
         rc = launch.main(["-n", "2", "--port", str(port), "--", sys.executable, "-c", "pass"])
     err = capsys.readouterr().err
     assert rc == 2 and f"coordinator port {port} on 127.0.0.1 is in use" in err, err
+    with pytest.raises(SystemExit) as exit_info:  # no TCP port, a usage error
+        launch.main(["-n", "2", "--port", "70000", "--", sys.executable, "-c", "pass"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--port: expected an integer in 1..65535, got 70000" in err
 
 
 def _truncate_largest_array_file(step_dir) -> None:

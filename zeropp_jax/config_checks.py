@@ -92,10 +92,10 @@ def check_qgz_schedule(config) -> None:
         )
     rms = config.qgz_min_grad_rms
     if isinstance(rms, (bool, np.bool_)) or not isinstance(rms, (int, float, np.number)) \
-            or not rms >= 0:
+            or not 0 <= rms < float("inf"):
         raise ValueError(
-            "qgz_min_grad_rms must be a number >= 0 (0 disables the gate), "
-            f"got {config.qgz_min_grad_rms!r}"
+            "qgz_min_grad_rms must be a finite number >= 0 (0 disables the gate; an infinite "
+            f"one would never compress), got {config.qgz_min_grad_rms!r}"
         )
     if config.qgz_target not in QGZ_TARGETS:
         raise ValueError(f"qgz_target must be one of {QGZ_TARGETS}, got {config.qgz_target!r}")
@@ -196,6 +196,10 @@ def check_onebit_adam(config) -> None:
         raise ValueError(
             f"qgz_refresh_every must be an integer >= 0 (0: never), got {config.qgz_refresh_every!r}"
         )
+    if config.qgz_refresh_every == 1:
+        raise ValueError(
+            "qgz_refresh_every=1 makes every step after the warm-up a full-precision refresh, "
+            "so no step would be compressed; use 2 or more, or 0 to never refresh")
     if config.qgz_refresh_every and config.qgz_target != "momentum":
         raise ValueError(
             "qgz_refresh_every refreshes 1-bit Adam's frozen second moment; it needs "

@@ -19,6 +19,12 @@ import sysconfig
 import numpy as np
 
 VOCAB_SIZE_BYTES = 256
+# A .npy token file is recognised by its header, whatever its name.
+NPY_MAGIC = b"\x93NUMPY"
+NPZ_MAGIC = b"PK\x03\x04"  # a zip archive (np.savez)
+# The largest vocabulary inferred as ``max id + 1`` (2**20 ids; the largest
+# tokenizers have about 2**18): above it one stray id would size the embedding.
+MAX_INFERRED_VOCAB = 2**20
 
 # Directory names never descended into when collecting the default corpus:
 # installed third-party packages, the standard library's own test suites
@@ -104,14 +110,16 @@ def load_tokens(path: str | None, *, vocab_size: int | None = None) -> tuple[np.
     """Loads a 1-D token stream and its vocabulary size.
 
     * ``None``: the default corpus (:func:`default_corpus`) as byte tokens.
-    * a path ending in ``.npy``: an integer array of token ids (flattened).
-    * any other path: the file's raw bytes as tokens.
+    * a ``.npy`` file (recognised by its header, whatever its name): an
+      integer array of token ids (flattened).
+    * any other file: its raw bytes as tokens (a ``.npz`` archive, or a file
+      named ``.npy`` that is not one, is refused).
 
     Args:
       path: file to read, or ``None`` for the default corpus.
       vocab_size: vocabulary size to use. For ``.npy`` files it defaults to
-        ``max id + 1``; for byte tokens it defaults to 256. Every id must be
-        below it.
+        ``max id + 1`` (at most :data:`MAX_INFERRED_VOCAB`); for byte tokens
+        it defaults to 256. Every id must be below it.
 
     Returns:
       ``(tokens, vocab)``: tokens is int32 of shape ``(n,)`` with ``n >= 1`` and
@@ -144,7 +152,16 @@ def load_tokens(path: str | None, *, vocab_size: int | None = None) -> tuple[np.
     if not os.path.isfile(path):
         raise ValueError(f"Token file {path!r} is not a regular file.")
 
-    if path.endswith(".npy"):
+    with open(path, "rb") as f:
+        head = f.read(len(NPY_MAGIC))
+    if head.startswith(NPZ_MAGIC) and path.lower().endswith(".npz"):
+        raise ValueError(f"Token file {path!r} is a .npz archive; save the token ids as one "
+                         "array with np.save (a .npy file)")
+    if path.lower().endswith(".npy") and head != NPY_MAGIC:
+        raise ValueError(f"Token file {path!r} is not a NumPy .npy file (it does not start with "
+                         "the .npy header); save the ids with np.save, or give text without the "
+                         ".npy suffix to train on its bytes")
+    if head == NPY_MAGIC:  # an .npy file whatever its name
         arr = np.load(path, allow_pickle=False)
         if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
             raise ValueError(
@@ -161,6 +178,11 @@ def load_tokens(path: str | None, *, vocab_size: int | None = None) -> tuple[np.
         top = int(arr.max())
         if top > np.iinfo(np.int32).max:
             raise ValueError(f"Token file {path!r} holds id {top}, which does not fit in int32.")
+        if vocab_size is None and top >= MAX_INFERRED_VOCAB:
+            raise ValueError(
+                f"Token file {path!r} holds id {top}: a vocabulary of {top + 1:,} ids (from "
+                f"{len(np.unique(arr)):,} distinct ones) is above {MAX_INFERRED_VOCAB:,}; remap the "
+                "ids to 0..n-1 (np.unique(ids, return_inverse=True)), or pass vocab_size")
         vocab = top + 1 if vocab_size is None else int(vocab_size)
         tokens = arr.astype(np.int32)
     else:

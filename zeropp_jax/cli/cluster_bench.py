@@ -64,7 +64,7 @@ from typing import Sequence
 
 from zeropp_jax import provenance
 from zeropp_jax.analysis import cost_model
-from zeropp_jax.cli import cluster_model, cluster_report, common, netns
+from zeropp_jax.cli import cluster_model, cluster_report, common, guards, netns
 from zeropp_jax.cli.cluster_run import LOCAL, NODES, RunFailed, probe_link, run_once
 
 # Ends the qgZ presets' flags: their runs compress from step 1 (the timed
@@ -169,6 +169,11 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
     parser = build_parser()
     options, train_flags = parser.parse_known_args(argv)
+    # written after the sweep: a path that cannot be is refused now
+    problem = ((options.json and guards.check_output_file("--json", options.json))
+               or (options.figure and cluster_report.figure_problem(options.figure)))
+    if problem:
+        parser.error(problem)
     if options.pool is not None:
         given = sorted({a.split("=")[0] for a in argv if a.startswith("-")} - set(POOL_FLAGS))
         if given:

@@ -13,6 +13,7 @@ measured points.
 
 from __future__ import annotations
 
+import os
 import statistics
 from typing import Callable, Sequence
 
@@ -259,6 +260,18 @@ def format_table(records: Sequence[dict]) -> str:
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows)
+
+
+def figure_problem(path: str) -> str | None:
+    """Why :func:`draw` could not write ``path`` (one line), or ``None``."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from zeropp_jax.cli.guards import check_output_file
+
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if suffix not in FigureCanvasBase.get_supported_filetypes():
+        return f"--figure {path}: matplotlib cannot write this file type; use .png, .pdf or .svg"
+    return check_output_file("--figure", path)
 
 
 def draw(records: Sequence[dict], path: str, curves: dict[str, Callable] | None = None) -> None:

@@ -32,16 +32,23 @@ def positive_int(text: str) -> int:
 
 
 def non_negative_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
 
 
 def non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
+    """A finite number >= 0 (``inf`` and ``nan`` are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
 
 
@@ -73,7 +80,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--batch-size", type=positive_int, default=16, help="global batch (sequences per optimizer step)")
     g.add_argument("--seq-len", type=positive_int, default=128)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=non_negative_int, default=0)
 
     g = parser.add_argument_group("multi-host (jax.distributed)")
     g.add_argument(
@@ -297,8 +304,18 @@ def data_vocab(args: argparse.Namespace) -> int:
 
 
 def build_model(args: argparse.Namespace, vocab_size: int):
+    """The example GPT's config (``ValueError`` for ``--dtype fp16`` on a CPU)."""
+    import jax
+
+    from zeropp_jax.config_checks import parse_dtype
     from zeropp_jax.models import gpt
 
+    if args.dtype != "auto" and parse_dtype(args.dtype) == jax.numpy.float16 \
+            and jax.default_backend() == "cpu":
+        raise ValueError(
+            "--dtype fp16 does not run on a CPU: XLA:CPU has no float16 matrix product with "
+            "float32 results (the example GPT's logits); use --dtype bf16 or fp32 here "
+            "(fp16 runs on a GPU)")
     return gpt.GPTConfig(
         vocab_size=vocab_size,
         seq_len=args.seq_len,

@@ -54,6 +54,8 @@ from zeropp_jax.cli._processes import (
 )
 from zeropp_jax.mesh import parse_mesh_shape
 
+MAX_PORT = 65535  # TCP's largest port
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -85,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"processes (default: {DEFAULT_KILL_GRACE_S:g})",
     )
     parser.add_argument(
-        "--port", type=_int_at_least(1), default=None,
+        "--port", type=_int_at_least(1, MAX_PORT), default=None,
         help="coordinator port (default: a free one)",
     )
     parser.add_argument(
@@ -101,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _int_at_least(low: int):
+def _int_at_least(low: int, high: int | None = None):
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -109,6 +111,8 @@ def _int_at_least(low: int):
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"expected an integer in {low}..{high}, got {value}")
         return value
 
     return parse
