@@ -169,6 +169,10 @@ BAD_INPUTS = {
         ["--qgz-min-grad-rms", "finite number >= 0", "'inf'"],
     ),
     "negative_seed": (("--seed", "-1"), None, ["--seed", "integer >= 0", "-1"]),
+    "lr_warmup_outlasts_the_run": (("--lr-warmup", "3"), None, ["--lr-warmup 3", "--steps 3"]),
+    "data_shorter_than_a_window": (("--data", "{short}"), None, ["--seq-len 16", "17 tokens"]),
+    "metrics_out_is_the_data": (("--data", "{short}", "--metrics-out", "{short}"), None,
+                                ["is the --data file"]),
     "not_an_integer": (("--qgz-warmup", "abc"), None, ["--qgz-warmup", "'abc'"]),
     # XLA:CPU cannot compile the GPT's float16 logits (a GPU can)
     "fp16_on_cpu": (("--dtype", "fp16"), None, ["--dtype fp16 does not run on a CPU", "bf16"]),
@@ -191,9 +195,10 @@ BAD_INPUTS = {
 def _bad_args(case, tmp_path):
     """The case's flags after the tiny model's (so they override), and its needles."""
     args, env_devices, needles = BAD_INPUTS[case]
-    empty = tmp_path / "empty.txt"
+    empty, short = tmp_path / "empty.txt", tmp_path / "short.txt"
     empty.write_bytes(b"")
-    args = [a.replace("{empty}", str(empty)) for a in args]
+    short.write_bytes(b"ten bytes.")
+    args = [a.replace("{empty}", str(empty)).replace("{short}", str(short)) for a in args]
     needles = [n.replace("{empty}", re.escape(str(empty))) for n in needles]
     metrics = tmp_path / f"{case}.jsonl"
     argv = ["--no-progress", "--metrics-out", str(metrics), *TINY_ARGS, "--steps", "3", *args]
@@ -509,6 +514,16 @@ def test_simulate_published_refuses_every_config_flag_it_ignores(flags, shown, c
         simulate.main(["--published", *flags])
     err = _error_lines(capsys.readouterr().err)
     assert exit_info.value.code == 2 and f"drop {shown}," in err and "qgz_target" not in err, err
+
+
+def test_comm_refuses_training_flags_and_hides_them(capsys):
+    from zeropp_jax.cli import comm
+
+    with pytest.raises(SystemExit) as exit_info:
+        comm.main(["--seed", "3", "--lr-warmup", "5"])
+    err = _error_lines(capsys.readouterr().err)
+    assert exit_info.value.code == 2 and "--lr-warmup, --seed set the training run" in err, err
+    assert "--lr-schedule" not in comm.build_parser().format_help()
 
 
 def test_simulate_refuses_training_flags_and_uses_the_vocabulary_of_data(

@@ -245,7 +245,9 @@ class ZeroConfig:
         "for 1bit with the dither code, 256 for int8 and int4)", parse=int, at_least=1,
     )
     qgz_warmup_steps: int = _field(
-        0, "optimizer steps at full precision before qgZ compresses",
+        0, "optimizer steps at full precision before qgZ compresses (the presets: 100; "
+        "1-bit Adam freezes Adam's second moment at its end, so a short one gives large "
+        "steps where gradients were rarely seen)",
         flag="--qgz-warmup", parse=int, at_least=0,
     )
     qgz_min_grad_rms: float = _field(

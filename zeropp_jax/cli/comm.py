@@ -45,12 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="steps of the run whose qgZ schedule (warm-up, refreshes) the mean is taken over",
     )
     common.add_common_args(parser)
+    common.hide_training_flags(parser)  # refused by _check_flags
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = common.parse_and_prepare(parser, argv, check=_check_dump_hlo)
+    args = common.parse_and_prepare(parser, argv, check=_check_flags)
     try:
         result, hlo = report(args)
     except (ValueError, FileNotFoundError) as e:
@@ -69,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _check_dump_hlo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--dump-hlo``'s path, checked before the compile, not after it."""
+def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Training flags are refused; ``--dump-hlo``'s path is checked before the
+    compile, not after it."""
+    common.refuse_training_flags(parser, args)
     if args.dump_hlo is not None:
         problem = guards.check_output_file("--dump-hlo", args.dump_hlo)
         if problem:

@@ -217,6 +217,38 @@ def prepare_devices(args: argparse.Namespace) -> None:
         )
 
 
+# Training flags: they change no byte of a step's communication (zeropp-comm
+# and zeropp-simulate refuse them).
+TRAINING_FLAGS = ("lr", "lr_schedule", "lr_warmup", "seed")
+
+
+def given_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, names) -> list[str]:
+    """The flags among ``names`` (dests) that the command sets to a non-default value."""
+    out = []
+    for name in names:
+        value = getattr(args, name)
+        if value != parser.get_default(name):
+            out.append(("--no-" if value is False else "--") + name.replace("_", "-"))
+    return out
+
+
+def hide_training_flags(parser: argparse.ArgumentParser) -> None:
+    """Leaves :data:`TRAINING_FLAGS` out of ``--help`` (a command that refuses them)."""
+    for action in parser._actions:
+        if action.dest in TRAINING_FLAGS:
+            action.help = argparse.SUPPRESS
+
+
+def refuse_training_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A usage error naming the :data:`TRAINING_FLAGS` given (a command that only compiles)."""
+    given = given_flags(parser, args, TRAINING_FLAGS)
+    if given:
+        one = len(given) == 1
+        parser.error(f"{', '.join(given)} {'sets' if one else 'set'} the training run, which "
+                     f"changes no byte of a step's communication; leave {'it' if one else 'them'} "
+                     "out (zeropp-train takes them)")
+
+
 def parse_and_prepare(
     parser: argparse.ArgumentParser,
     argv: list[str] | None,

@@ -107,9 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes per full-precision value on the wire (2: bf16)")
     common.add_common_args(parser)
     parser.set_defaults(preset=DEFAULT_PRESET)
-    for action in parser._actions:  # refused by check_flags: not in --help either
-        if action.dest in _TRAINING_FLAGS:
-            action.help = argparse.SUPPRESS
+    common.hide_training_flags(parser)  # refused by check_flags
     return parser
 
 
@@ -121,8 +119,6 @@ _TARGET_FLAGS = (
 )
 # ZeroConfig flags that every profiled config takes, the baselines' too (preset_config).
 _SHARED_CONFIG_FLAGS = ("dtype", "grad_accum")
-# Training flags: they change no byte of a step's communication.
-_TRAINING_FLAGS = ("lr", "lr_schedule", "lr_warmup", "seed")
 
 
 def _not_with_published() -> tuple[str, ...]:
@@ -133,26 +129,11 @@ def _not_with_published() -> tuple[str, ...]:
     return _TARGET_FLAGS + config
 
 
-def _given(parser: argparse.ArgumentParser, args: argparse.Namespace, names) -> list[str]:
-    """The flags among ``names`` (dests) that the command sets to a non-default value."""
-    out = []
-    for name in names:
-        value = getattr(args, name)
-        if value != parser.get_default(name):
-            out.append(("--no-" if value is False else "--") + name.replace("_", "-"))
-    return out
-
-
 def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Usage errors for flags zeropp-simulate would not use (before any other check)."""
-    given = _given(parser, args, _TRAINING_FLAGS)
-    if given:
-        one = len(given) == 1
-        parser.error(f"{', '.join(given)} {'sets' if one else 'set'} the training run, which "
-                     f"changes no byte of a step's communication; leave {'it' if one else 'them'} "
-                     "out (zeropp-train takes them)")
+    common.refuse_training_flags(parser, args)
     if args.published:
-        given = _given(parser, args, _not_with_published())
+        given = common.given_flags(parser, args, _not_with_published())
         if given:
             parser.error(
                 f"--published compares the paper's fixed settings (zero3 vs "

@@ -88,6 +88,12 @@ def _check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Names
         problem = guards.check_output_file("--metrics-out", args.metrics_out)
         if problem:
             parser.error(problem)
+        if args.data is not None and os.path.abspath(args.metrics_out) == os.path.abspath(args.data):
+            parser.error(f"--metrics-out {args.metrics_out} is the --data file, which it "
+                         "would overwrite; give another file")
+    if args.lr_warmup is not None and args.lr_warmup >= args.steps:
+        parser.error(f"--lr-warmup {args.lr_warmup} is not shorter than --steps {args.steps}: "
+                     "the learning rate would never reach --lr; shorten the warm-up")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,9 +109,12 @@ def run(args: argparse.Namespace) -> int:
             tokens, vocab = data.load_tokens(args.data)
         except ValueError as e:
             raise ValueError(f"--data {args.data}: {e}") from None
-        batches = data.TokenBatches(
-            tokens, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed
-        )
+        try:
+            batches = data.TokenBatches(
+                tokens, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed)
+        except ValueError as e:  # too few tokens for one window
+            raise ValueError(f"--data {args.data or '(default)'} with --seq-len "
+                             f"{args.seq_len}: {e}") from None
         mesh = common.build_mesh(args)
         model_cfg = common.build_model(args, vocab)
         params_shapes = jax.eval_shape(
