@@ -23,6 +23,9 @@ def test_selection_is_explicit():
     assert select("pallas", "gpu").label == "pallas" == select("pallas", "gpu").layer_decode.name
     assert select("pallas", "cpu").name == "pallas-interpret"
     assert select("xla", "gpu").name == "xla"
+    assert select("auto", "rocm").name == "xla"  # the Pallas kernels emit NVIDIA's PTX
+    with pytest.raises(ValueError, match="written for NVIDIA GPUs"):
+        select("pallas", "rocm")
 
 
 @pytest.mark.parametrize("xla_layer_decode", [False, True])

@@ -78,7 +78,9 @@ class StepGeometry:
     @property
     def kernels(self) -> Kernels:
         """The quantization kernels the step uses (reported in ``describe()``)."""
-        return select(self.config.implementation, self.platform)
+        device = self.mesh.devices.flat[0]
+        rocm = "rocm" in f"{device.client.platform} {device.client.platform_version}".lower()
+        return select(self.config.implementation, "rocm" if rocm else self.platform)
 
     @property
     def qgz_active(self) -> bool:

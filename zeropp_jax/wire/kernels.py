@@ -132,7 +132,11 @@ XLA = Kernels("xla")
 
 
 def select(implementation: str, platform: str) -> Kernels:
-    """The kernels for ``implementation`` on a ``platform`` ("gpu", "cpu", ...)."""
+    """The kernels for ``implementation`` on a ``platform`` ("gpu": an NVIDIA GPU,
+    "rocm", "cpu", ...): the Pallas kernels are NVIDIA's (Triton, inline PTX)."""
+    if implementation == "pallas" and platform == "rocm":
+        raise ValueError("the Pallas kernels are written for NVIDIA GPUs (Triton with inline "
+                         "PTX); on a ROCm GPU use implementation='auto' or 'xla'")
     if implementation == "xla" or (implementation == "auto" and platform != "gpu"):
         return XLA
     if implementation == "auto":  # on a GPU
