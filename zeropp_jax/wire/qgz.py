@@ -98,9 +98,9 @@ def cross_node_reduce(
       ``(reduced, new_carry, transmitted)``: the float32 ``(..., r / nodes)``
       sum over nodes of this device's chunk; the new carry (``None`` if
       ``carry`` was ``None``); and the float32 ``(..., r)`` value this device
-      actually put on the wire after dequantization (``x`` itself at full
-      precision), for the error-feedback accounting in tests. Touches
-      ``node`` only.
+      put on the wire, dequantized (``x`` itself at full precision; at 1 bit
+      ``x - new_carry``, which is that up to rounding), for the error-feedback
+      accounting in tests. Touches ``node`` only.
     """
     x = g if carry is None else g + carry
     if not compress:
@@ -260,7 +260,9 @@ def _quantize_with_carry(
     Returns:
       ``(q, sent, residual)``: the ``Quantized`` codes, what they decode to
       (float32 ``(..., n)``) and ``x - sent``, what compression lost. 1-bit
-      runs as one fused kernel (:meth:`Kernels.compress_1bit_ef`).
+      runs as one fused kernel (:meth:`Kernels.compress_1bit_ef`), which
+      returns the residual: ``sent`` is then ``x - residual``, the decoded
+      value up to the rounding of those two subtractions.
     """
     x = g if carry is None else g + carry
     if bits == 1:
