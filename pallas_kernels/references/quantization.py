@@ -66,6 +66,11 @@ Special values:
   A block whose scale underflows to zero, or is too small to have a finite
   reciprocal (``max|x|`` below about ``qmax * 2.9e-39``), dequantizes to
   zeros.
+* Subnormal float32 values (below 1.18e-38) depend on the backend: one that
+  flushes them to zero (XLA:CPU) sends a block with ``max|x|`` below about
+  ``qmax * 1.18e-38`` as zeros, and codes a subnormal negative value as
+  positive at 1 bit, where a GPU keeps them. Only blocks this close to zero
+  differ between backends.
 """
 
 from __future__ import annotations
