@@ -402,8 +402,13 @@ def test_init_checks_the_structure_of_stacked_units():
     trainer = zp.make_trainer(loss, optax.sgd(0.1), params, mesh=mesh_of(2, 4),
                               per_layer=True, stacked=("blocks",))
     renamed = dict(params, blocks={"a": params["blocks"]["a"], "c": params["blocks"]["b"]})
-    with pytest.raises(ValueError, match=r"unit 'blocks' have structure .*'c'.*expected .*'b'"):
+    with pytest.raises(ValueError, match=r"unit 'blocks' differ from the ones make_trainer was "
+                       r"given: extra \['c'\]; missing \['b'\]"):
         trainer.init(renamed)
+    with pytest.raises(ValueError, match=r"parameter blocks\['a'\] has shape \(2, 8, 8\), "
+                       r"expected \(3, 8, 8\)"):
+        trainer.init(dict(params, blocks={"a": params["blocks"]["a"][:2],
+                                          "b": params["blocks"]["b"]}))
 
 
 def test_a_flax_model_given_unit_handles_is_told_to_gather_or_wrap():

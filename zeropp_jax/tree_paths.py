@@ -4,7 +4,8 @@ A wrap policy's layout (:func:`zeropp_jax.layout.build_layout` with
 ``units=``) stores each wrapped module's parameters as its own unit and the
 rest of the tree as one more; :func:`cut_paths` and :func:`paste_paths`
 split a parameter tree that way and join it again, :func:`split_units` and
-:func:`join_units` any :class:`~zeropp_jax.layout.ParamLayout`'s units.
+:func:`join_units` any :class:`~zeropp_jax.layout.ParamLayout`'s units, and
+:func:`check_unit_trees` checks a tree against them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import collections
 from typing import Any, Mapping, Sequence
 
 import jax
+import numpy as np
 
 # Unit names: the whole model as one unit, and a wrap policy's remainder.
 WHOLE_MODEL = "params"
@@ -104,3 +106,29 @@ def join_units(trees: Mapping[str, Any], layout: Any) -> Any:
     if layout.empty_rest is None:
         return items
     return _same_mapping(jax.tree_util.tree_unflatten(layout.empty_rest, []), items)
+
+
+def check_unit_trees(params: Any, layout: Any) -> None:
+    """Raises ``ValueError`` unless ``params`` fits ``layout``'s units
+    (:class:`~zeropp_jax.layout.ParamLayout`): each unit's leaves at the same
+    key paths (those missing or extra are named) with the same shapes."""
+    trees = split_units(params, layout)
+    for u in layout.units:
+        structure = jax.tree_util.tree_structure(trees[u.name])
+        if structure != u.treedef:  # per layer and stacked alike
+            given = _leaf_paths(trees[u.name])
+            expected = _leaf_paths(jax.tree_util.tree_unflatten(u.treedef, [0] * u.treedef.num_leaves))
+            diff = "; ".join(f"{what} {', '.join(sorted(paths))}" for what, paths in (
+                ("extra", given - expected), ("missing", expected - given)) if paths)
+            raise ValueError(f"parameters of unit {u.name!r} differ from the ones make_trainer "
+                             f"was given: {diff or f'structure {structure}, expected {u.treedef}'}")
+        for spec, leaf in zip(u.leaves, jax.tree_util.tree_leaves(trees[u.name])):
+            shape = tuple(np.shape(leaf))
+            expected = spec.shape if u.stack is None else (u.stack,) + spec.shape
+            if shape != expected:
+                raise ValueError(f"parameter {u.name}{spec.path} has shape {shape}, expected "
+                                 f"{expected}")
+
+
+def _leaf_paths(tree: Any) -> set[str]:
+    return {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}

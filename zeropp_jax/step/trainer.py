@@ -39,7 +39,6 @@ from jax.sharding import PartitionSpec as P
 from zeropp_jax.config import ZeroConfig
 from zeropp_jax.config_checks import is_int
 from zeropp_jax.layout import (
-    ParamLayout,
     build_layout,
     flatten_unit,
     join_units,
@@ -47,6 +46,7 @@ from zeropp_jax.layout import (
     unflatten_unit,
 )
 from zeropp_jax.mesh import mesh_shape
+from zeropp_jax.tree_paths import check_unit_trees
 from zeropp_jax.step.accumulate import check_loss_arguments
 # global_batch_size_check: re-exported (the CLI imports it from here).
 from zeropp_jax.step.batch import global_batch_size_check, place_batch  # noqa: F401
@@ -123,7 +123,7 @@ class Trainer:
         Returns:
           The sharded :class:`TrainState` at step 0.
         """
-        _check_structure(params, self.layout)
+        check_unit_trees(params, self.layout)
         with jax.set_mesh(self.mesh):
             state = self._init_jit(params)
         self._host_steps.record(state.step, 0)
@@ -312,25 +312,6 @@ class Trainer:
             "largest_unit": self.layout.largest_unit_numel,
         }
 
-
-def _check_structure(params: Any, layout: ParamLayout) -> None:
-    trees = split_units(params, layout)
-    for u in layout.units:
-        leaves = jax.tree_util.tree_leaves(trees[u.name])
-        structure = jax.tree_util.tree_structure(trees[u.name])
-        if structure != u.treedef:  # per layer and stacked alike
-            raise ValueError(
-                f"parameters of unit {u.name!r} have structure {structure}, "
-                f"expected {u.treedef}"
-            )
-        for spec, leaf in zip(u.leaves, leaves):
-            shape = tuple(np.shape(leaf))
-            expected = spec.shape if u.stack is None else (u.stack,) + spec.shape
-            if shape != expected:
-                raise ValueError(
-                    f"parameter {u.name}{spec.path} has shape {shape}, expected "
-                    f"{expected}"
-                )
 
 
 def make_trainer(
