@@ -411,6 +411,18 @@ def test_init_checks_the_structure_of_stacked_units():
                                           "b": params["blocks"]["b"]}))
 
 
+def test_a_state_given_to_step_twice_is_refused():
+    params = {"w": np.ones((4, 8), np.float32)}
+    trainer = zp.make_trainer(lambda p, b: jnp.mean(b["x"] @ p["w"]), optax.sgd(0.1), params,
+                              mesh=mesh_of(2, 4))
+    batch = {"x": np.ones((16, 4), np.float32)}
+    state = trainer.init(params)
+    new_state, _ = trainer.step(state, batch)
+    with pytest.raises(ValueError, match="given to an earlier trainer.step, which consumed it"):
+        trainer.step(state, batch)
+    trainer.step(new_state, batch)
+
+
 def test_a_flax_model_given_unit_handles_is_told_to_gather_or_wrap():
     """per_layer=True hands the loss one Unit per layer; a Flax model applied
     to them as parameters fails naming the handle and the ways out."""
