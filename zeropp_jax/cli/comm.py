@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Compile the ZeRO train step without running it and report "
-        "its communication (inter-node / intra-node bytes per step) and memory.",
+        "its communication (inter-node / intra-node bytes per step) and memory. Reports "
+        "the zero3 preset unless --preset says otherwise.",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--dump-hlo", default=None, metavar="FILE",

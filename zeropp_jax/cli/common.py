@@ -78,9 +78,12 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         help="text file or .npy of token ids (default: the Python standard "
         "library's source, byte tokens)",
     )
-    g.add_argument("--batch-size", type=positive_int, default=16, help="global batch (sequences per optimizer step)")
-    g.add_argument("--seq-len", type=positive_int, default=128)
-    g.add_argument("--seed", type=non_negative_int, default=0)
+    g.add_argument("--batch-size", type=positive_int, default=16,
+                   help="global batch: sequences per optimizer step (default: %(default)s)")
+    g.add_argument("--seq-len", type=positive_int, default=128,
+                   help="tokens per sequence (default: %(default)s)")
+    g.add_argument("--seed", type=non_negative_int, default=0,
+                   help="initialization and data order (default: %(default)s)")
 
     g = parser.add_argument_group("multi-host (jax.distributed)")
     g.add_argument(
@@ -92,10 +95,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--process-id", type=int, default=None)
 
     g = parser.add_argument_group("model (GPT decoder, byte-level)")
-    g.add_argument("--layers", type=positive_int, default=4)
-    g.add_argument("--d-model", type=positive_int, default=128)
-    g.add_argument("--heads", type=positive_int, default=4)
-    g.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate")
+    g.add_argument("--layers", type=positive_int, default=4, help="(default: %(default)s)")
+    g.add_argument("--d-model", type=positive_int, default=128, help="(default: %(default)s)")
+    g.add_argument("--heads", type=positive_int, default=4, help="(default: %(default)s)")
+    g.add_argument("--lr", type=positive_float, default=3e-3,
+                   help="peak learning rate (default: %(default)s)")
     g.add_argument(
         "--lr-schedule", default="cosine", choices=("cosine", "constant"),
         help="cosine: linear warm-up then cosine decay to lr/10 over --steps; "

@@ -87,22 +87,24 @@ def build_parser() -> argparse.ArgumentParser:
         "1-bit Adam's refresh cycle)",
     )
     g = parser.add_argument_group("cluster (default: the ZeRO++ paper's 48 x 8 V100)")
-    g.add_argument("--nodes", type=common.positive_int, default=V100_CLUSTER.nodes)
-    g.add_argument("--gpus-per-node", type=common.positive_int, default=V100_CLUSTER.gpus_per_node)
+    g.add_argument("--nodes", type=common.positive_int, default=V100_CLUSTER.nodes,
+                   help="(default: %(default)s)")
+    g.add_argument("--gpus-per-node", type=common.positive_int, default=V100_CLUSTER.gpus_per_node,
+                   help="(default: %(default)s)")
     g.add_argument("--inter-node-gbps", type=common.positive_float,
                    default=V100_CLUSTER.inter_node_gbits_per_s,
-                   help="inter-node bandwidth per node, Gb/s (all NICs together)")
+                   help="inter-node bandwidth per node, Gb/s (all NICs together) (default: %(default)s)")
     g.add_argument("--intra-node-gbs", type=common.positive_float,
                    default=V100_CLUSTER.intra_node_gbytes_per_s,
-                   help="intra-node (NVLink) bandwidth per GPU, GB/s")
+                   help="intra-node (NVLink) bandwidth per GPU, GB/s (default: %(default)s)")
     g.add_argument("--peak-tflops", type=common.positive_float, default=V100_CLUSTER.peak_tflops,
-                   help="dense 16-bit peak per GPU, TFLOP/s")
+                   help="dense 16-bit peak per GPU, TFLOP/s (default: %(default)s)")
     g.add_argument("--efficiency", type=common.positive_float, default=V100_CLUSTER.efficiency,
-                   help="fraction of peak the model's math reaches, in (0, 1]")
+                   help="fraction of peak the model's math reaches, in (0, 1] (default: %(default)s)")
     g = parser.add_argument_group("workload")
-    g.add_argument("--params", type=model_size, default=18e9, help="model size, e.g. 18B")
+    g.add_argument("--params", type=model_size, default=18e9, help="model size, e.g. 18B (default: 18B)")
     g.add_argument("--tokens-per-gpu", type=common.positive_int, default=1024,
-                   help="tokens per GPU per optimizer step")
+                   help="tokens per GPU per optimizer step (default: %(default)s)")
     g.add_argument("--float-bytes", type=int, choices=(2, 4), default=2,
                    help="bytes per full-precision value on the wire (2: bf16)")
     common.add_common_args(parser)

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         "sharded data parallelism over a (node, local) mesh. Runs the "
         f"{DEFAULT_PRESET} preset unless --preset says otherwise.",
     )
-    parser.add_argument("--steps", type=common.positive_int, default=300, help="optimizer steps")
+    parser.add_argument("--steps", type=common.positive_int, default=300,
+                        help="optimizer steps (default: %(default)s)")
     parser.add_argument("--metrics-out", default=None, help="JSON lines file, one line per step")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
