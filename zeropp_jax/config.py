@@ -242,7 +242,8 @@ class ZeroConfig:
     )
     qgz_block: int | None = _field(
         None, "qgZ: gradient elements per scale, a multiple of 8 (default: 32 for 1bit, 16 "
-        "for 1bit with the dither code, 256 for int8 and int4)", parse=int, at_least=1,
+        "for 1bit with the dither code, 256 for int8 and int4; the zeropp and zeropp-max "
+        "presets: 128)", parse=int, at_least=1,
     )
     qgz_warmup_steps: int = _field(
         0, "optimizer steps at full precision before qgZ compresses (the presets: 100; "
