@@ -445,7 +445,7 @@ def test_a_flax_model_given_unit_handles_is_told_to_gather_or_wrap():
                        r"parameters.*zp.gather\(unit\).*wrap=\(BlockClass,\).*per_layer=False"):
         trainer.step(state, {"x": x, "y": np.zeros((16, 1), np.float32)})
     for misuse in (lambda u: "kernel" in u, lambda u: u["kernel"], lambda u: jnp.asarray(u),
-                   lambda u: np.asarray(u), lambda u: list(u)):
+                   lambda u: np.asarray(u), lambda u: np.array(u, copy=True), lambda u: list(u)):
         with pytest.raises(TypeError, match="used the zeropp_jax.Unit handle"):
             misuse(zp.Unit(None, None, _NamedLayout(), None))
 

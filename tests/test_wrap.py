@@ -523,10 +523,19 @@ def test_a_loss_may_return_loss_and_aux():
     assert aux["mse"] == pytest.approx(float(m_aux["loss"]), rel=1e-6)
     assert aux["rows"] == 1 and aux["one"] == 1  # 16 rows / 8 devices / 2 micro-batches
     assert aux["x0"] == pytest.approx(batch["x"][:, 0].mean(), rel=1e-5)
-    with pytest.raises(ValueError, match=r"aux\['mask'\] has dtype complex64; aux leaves must "
-                       "be numeric"):
-        trainer = zp.make_trainer(lambda p, b: (plain(p, b), {"mask": jnp.ones(2, jnp.complex64)}),
-                                  optax.sgd(0.1), params, mesh=zp.make_mesh(2, 4))
+    for aux, message in (
+            ({"mask": jnp.ones((), jnp.complex64)}, r"aux\['mask'\] has dtype complex64; aux "
+                                                    "leaves must be real scalars"),
+            ({"name": "x"}, r"aux\['name'\] is a str; aux leaves must be real scalars"),
+            ({"logits": jnp.ones((2, 3))}, r"aux\['logits'\] has shape \(2, 3\); aux leaves "
+                                           "must be scalars.*jnp.mean")):
+        trainer = zp.make_trainer(lambda p, b, aux=aux: (plain(p, b), aux), optax.sgd(0.1),
+                                  params, mesh=zp.make_mesh(2, 4))
+        with pytest.raises(ValueError, match=message):
+            trainer.step(trainer.init(params), batch)
+    trainer = zp.make_trainer(lambda p, b: (plain(p, b), 1.0, 2.0), optax.sgd(0.1), params,
+                              mesh=zp.make_mesh(2, 4))
+    with pytest.raises(ValueError, match=r"or a \(loss, aux\) tuple; got a tuple of 3"):
         trainer.step(trainer.init(params), batch)
 
 

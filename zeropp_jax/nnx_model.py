@@ -7,9 +7,9 @@ parameters (``Rngs`` streams, dropout keys, batch statistics), and
 filters"). :func:`nnx_loss` splits it into the parameters (trained) and the
 rest (read by every step, unchanged), and builds the loss, reseeding the
 module's random streams from the trainer's per-step key. The loss returns
-only the loss, so state the criterion writes cannot leave it: refused where
-that is certain, warned about where a transform's copy looks the same
-(:func:`written_state`).
+the loss (or ``(loss, aux)`` with scalar aux), so state the criterion writes
+cannot leave it: refused where that is certain, warned about where a
+transform's copy looks the same (:func:`written_state`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def nnx_loss(
     Args:
       model: any NNX module (with ``Rngs``, ``Dropout``, ... ).
       criterion: ``criterion(module, batch) -> scalar``, the mean loss of the
-        module on a micro-batch (e.g. ``lambda m, b: mse(m(b["x"]), b["y"])``).
+        module on a micro-batch (e.g. ``lambda m, b: mse(m(b["x"]), b["y"])``),
+        or ``-> (scalar, aux)`` (see :func:`zeropp_jax.make_trainer`).
       streams: the names of the module's random streams to reseed from the
         trainer's key each step; ``None`` (default): every stream the module
         holds except ``"params"`` (only read at initialization). The name is

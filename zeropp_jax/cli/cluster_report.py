@@ -269,7 +269,7 @@ def figure_problem(path: str) -> str | None:
     from zeropp_jax.cli.guards import check_output_file
 
     suffix = os.path.splitext(path)[1].lstrip(".").lower()
-    if suffix not in FigureCanvasBase.get_supported_filetypes():
+    if suffix and suffix not in FigureCanvasBase.get_supported_filetypes():  # none: png
         return f"--figure {path}: matplotlib cannot write this file type; use .png, .pdf or .svg"
     return check_output_file("--figure", path)
 

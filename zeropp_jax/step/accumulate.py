@@ -94,12 +94,13 @@ def micro_batch_key(key: jax.Array, step: jax.Array, first_row: jax.Array) -> ja
 def accumulate(
     geo: StepGeometry, loss_fn: Callable[..., jax.Array], params: dict, batch: Any,
     *, step: jax.Array | None = None, key: jax.Array | None = None, sum_axes: tuple = (),
-) -> tuple[dict, jax.Array]:
+) -> tuple[dict, "LossOutputs"]:
     """Gradients of all ``grad_accum`` micro-batches, summed (inside shard_map).
 
     Args:
       geo: the step geometry.
-      loss_fn: ``loss_fn(params, micro_batch) -> scalar`` (the user's).
+      loss_fn: ``loss_fn(params, micro_batch) -> scalar`` or ``(scalar, aux)``
+        (the user's; :func:`split_loss_output`).
       params: name -> float32 ``([L,] U / D)`` primary shard, or with
         ``node_replicated`` ``([L,] U / local)``: this device's ``local``
         slice of its node's copy (the master parameters ``(nodes, [L,] U)``,
@@ -182,7 +183,7 @@ class LossOutputs(NamedTuple):
     Attributes:
       losses: float32 ``(grad_accum,)``.
       aux: the loss's aux pytree (``{}`` without one), each leaf float32
-        ``(grad_accum, ...)``.
+        ``(grad_accum,)``.
     """
 
     losses: jax.Array
@@ -191,24 +192,34 @@ class LossOutputs(NamedTuple):
 
 def split_loss_output(out: Any) -> tuple[jax.Array, Any]:
     """``loss_fn``'s result as ``(float32 scalar loss, aux)``: a scalar array,
-    or a ``(scalar, aux)`` pair as ``jax.value_and_grad(has_aux=True)`` takes
-    (aux: a pytree of numeric arrays, cast to float32; ``{}`` without one)."""
+    or a ``(scalar, aux)`` tuple as ``jax.value_and_grad(has_aux=True)`` takes
+    (aux: a pytree of real scalars, cast to float32, since the step reports
+    their means; ``{}`` without one)."""
     aux = {}
-    if isinstance(out, (tuple, list)) and len(out) == 2:
+    if isinstance(out, tuple) and len(out) == 2:
         out, aux = out
     if not isinstance(out, (jax.Array, np.ndarray, np.generic)):
+        kind = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
         raise ValueError(
-            f"loss_fn must return a scalar array (the loss), or a (loss, aux) pair; got "
-            f"{type(out).__name__}")
+            f"loss_fn must return a scalar array (the loss), or a (loss, aux) tuple; got {kind}")
     if jnp.shape(out) != ():
         raise ValueError(f"loss_fn must return a scalar, got shape {jnp.shape(out)}")
 
     def as_float(path, leaf):
-        leaf = jnp.asarray(leaf)
+        where = f"the loss's aux{jax.tree_util.keystr(path)}"
+        try:
+            leaf = jnp.asarray(leaf)
+        except TypeError:
+            raise ValueError(f"{where} is a {type(leaf).__name__}; aux leaves must be real "
+                             "scalars (the step reports their means)") from None
         if not any(jnp.issubdtype(leaf.dtype, t) for t in (jnp.floating, jnp.integer, bool)):
-            raise ValueError(f"the loss's aux{jax.tree_util.keystr(path)} has dtype "
-                             f"{leaf.dtype}; aux leaves must be numeric arrays (real: they "
-                             "are averaged in float32)")
+            raise ValueError(f"{where} has dtype {leaf.dtype}; aux leaves must be real "
+                             "scalars (the step reports their means in float32)")
+        if leaf.shape != ():
+            raise ValueError(
+                f"{where} has shape {leaf.shape}; aux leaves must be scalars, which the step "
+                "averages over micro-batches and devices (reduce it in the loss, e.g. with "
+                "jnp.mean; outputs such as logits or batch statistics are not carried out)")
         return leaf.astype(jnp.float32)
 
     return out.astype(jnp.float32), jax.tree_util.tree_map_with_path(as_float, aux)

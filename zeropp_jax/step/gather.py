@@ -75,7 +75,7 @@ class Unit:
     def __repr__(self):
         return f"Unit({self.layout.name!r}, stack={self.layout.stack})"
 
-    def _not_parameters(self, *_):
+    def _not_parameters(self, *_, **__):
         raise TypeError(
             f"the loss used the zeropp_jax.Unit handle of unit {self.layout.name!r} as "
             "parameters: with per_layer=True (or stacked=) the loss gets one Unit per layer "

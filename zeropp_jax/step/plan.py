@@ -41,8 +41,8 @@ class GatherPlan:
         units under prefetch): the source is this device's primary payload
         (qwZ codes of that many bits, or 0: the compute dtype), and a
         layer's gather first all-gathers it over ``node`` into the layer's
-        secondary (:func:`secondary_payload`), decoded there when ``bits``
-        is 0. :func:`~zeropp_jax.step.prefetch.scan_layers` does that once
+        secondary (:func:`~zeropp_jax.step.gather.secondary_payload`),
+        decoded there when ``bits`` is 0. :func:`~zeropp_jax.step.prefetch.scan_layers` does that once
         per layer, in the forward, and keeps the secondaries for the backward.
       keep_activations: a layer's forward saves its activations; its
         backward gathers the parameters again but recomputes only what was
