@@ -21,8 +21,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zeropp_jax.step.gather import Unit
-
 
 def nnx_loss(
     model: nnx.Module,
@@ -83,10 +81,6 @@ def nnx_loss(
     params = nnx.to_pure_dict(params)
 
     def loss_fn(params: Any, batch: Any, key: jax.Array | None = None) -> jax.Array:
-        handles = [x for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Unit))
-                   if isinstance(x, Unit)]
-        if handles:  # per_layer=True: the module cannot take them as parameters
-            handles[0]._not_parameters()
         # The rest enters as this trace's values: NNX refuses to reseed
         # variables that belong to another trace.
         module = nnx.merge(graphdef, params, jax.tree.map(jnp.asarray, rest))

@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 
-from zeropp_jax.cli import common, guards
+from zeropp_jax.cli import common, flags, guards
 
 PROG = "zeropp-comm"  # the name in --help and in error lines
 
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="steps of the run whose qgZ schedule (warm-up, refreshes) the mean is taken over",
     )
     common.add_common_args(parser)
-    common.hide_training_flags(parser)  # refused by _check_flags
+    flags.hide_training_flags(parser)  # refused by _check_flags
     return parser
 
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Training flags are refused; ``--dump-hlo``'s path is checked before the
     compile, not after it."""
-    common.refuse_training_flags(parser, args)
+    flags.refuse_training_flags(parser, args)
     if args.dump_hlo is not None:
         problem = guards.check_output_file("--dump-hlo", args.dump_hlo)
         if problem:

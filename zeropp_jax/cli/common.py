@@ -13,54 +13,16 @@ import os
 import sys
 from typing import Any, Callable
 
+# argparse value types, re-exported for the commands (common.positive_int, ...)
+from zeropp_jax.cli.flags import (  # noqa: F401
+    non_negative_float, non_negative_int, positive_float, positive_int,
+)
 from zeropp_jax.config import ZeroConfig
 
 # Global-norm clipping of the CLI's optimizer.
 CLIP_NORM = 1.0
 
 DEFAULT_SIMULATED_MESH = "2x4"
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """A finite number >= 0 (``inf`` and ``nan`` are refused)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite number > 0 (``inf`` and ``nan`` are refused)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    if not (value > 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text!r}")
-    return value
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -219,38 +181,6 @@ def prepare_devices(args: argparse.Namespace) -> None:
         os.environ["XLA_FLAGS"] = (
             f"{flags} --xla_force_host_platform_device_count={count}".strip()
         )
-
-
-# Training flags: they change no byte of a step's communication (zeropp-comm
-# and zeropp-simulate refuse them).
-TRAINING_FLAGS = ("lr", "lr_schedule", "lr_warmup", "seed")
-
-
-def given_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, names) -> list[str]:
-    """The flags among ``names`` (dests) that the command sets to a non-default value."""
-    out = []
-    for name in names:
-        value = getattr(args, name)
-        if value != parser.get_default(name):
-            out.append(("--no-" if value is False else "--") + name.replace("_", "-"))
-    return out
-
-
-def hide_training_flags(parser: argparse.ArgumentParser) -> None:
-    """Leaves :data:`TRAINING_FLAGS` out of ``--help`` (a command that refuses them)."""
-    for action in parser._actions:
-        if action.dest in TRAINING_FLAGS:
-            action.help = argparse.SUPPRESS
-
-
-def refuse_training_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """A usage error naming the :data:`TRAINING_FLAGS` given (a command that only compiles)."""
-    given = given_flags(parser, args, TRAINING_FLAGS)
-    if given:
-        one = len(given) == 1
-        parser.error(f"{', '.join(given)} {'sets' if one else 'set'} the training run, which "
-                     f"changes no byte of a step's communication; leave {'it' if one else 'them'} "
-                     "out (zeropp-train takes them)")
 
 
 def parse_and_prepare(

@@ -19,7 +19,7 @@ import json
 import re
 import sys
 
-from zeropp_jax.cli import common
+from zeropp_jax.cli import common, flags
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes per full-precision value on the wire (2: bf16)")
     common.add_common_args(parser)
     parser.set_defaults(preset=DEFAULT_PRESET)
-    common.hide_training_flags(parser)  # refused by check_flags
+    flags.hide_training_flags(parser)  # refused by check_flags
     return parser
 
 
@@ -133,9 +133,9 @@ def _not_with_published() -> tuple[str, ...]:
 
 def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Usage errors for flags zeropp-simulate would not use (before any other check)."""
-    common.refuse_training_flags(parser, args)
+    flags.refuse_training_flags(parser, args)
     if args.published:
-        given = common.given_flags(parser, args, _not_with_published())
+        given = flags.given_flags(parser, args, _not_with_published())
         if given:
             parser.error(
                 f"--published compares the paper's fixed settings (zero3 vs "
@@ -257,13 +257,13 @@ def preset_config(args: argparse.Namespace, preset: str, **overrides):
 
 
 def _label(args: argparse.Namespace) -> str:
-    flags = [f"--qgz {args.qgz}" if args.qgz else "",
+    given = [f"--qgz {args.qgz}" if args.qgz else "",
              f"--qwz-bits {args.qwz_bits}" if args.qwz_bits is not None else "",
              {True: "--hpz", False: "--no-hpz", None: ""}[args.hpz],
              f"--qgz-code {args.qgz_code}" if args.qgz_code else "",
              f"--qgz-target {args.qgz_target}" if args.qgz_target else "",
              f"--scale-dtype {args.scale_dtype}" if args.scale_dtype else ""]
-    return " ".join([args.preset] + [f for f in flags if f])
+    return " ".join([args.preset] + [f for f in given if f])
 
 
 def _asdict(x) -> dict:

@@ -167,9 +167,7 @@ class Trainer:
           ``(new_state, metrics)``: metrics is a dict of scalars ``loss``, ``grad_norm``,
           ``grad_rms``, ``compressed`` (0 or 1); ``aux``: a loss's aux, each leaf averaged.
         """
-        if any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array)):
-            raise ValueError("this TrainState was given to an earlier trainer.step, which "
-                             "consumed it (its arrays are donated); pass the state it returned")
+        _check_not_consumed(state)
         step = self._host_steps.get(state.step)
         if compress is None:
             if step is None and not self.schedule.is_static:
@@ -315,6 +313,13 @@ class Trainer:
             "largest_unit": self.layout.largest_unit_numel,
         }
 
+
+
+def _check_not_consumed(state: TrainState) -> None:
+    """A state that an earlier step consumed (its arrays donated) is refused."""
+    if any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array)):
+        raise ValueError("this TrainState was given to an earlier trainer.step, which "
+                         "consumed it (its arrays are donated); pass the state it returned")
 
 
 def make_trainer(
