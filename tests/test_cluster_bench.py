@@ -460,6 +460,9 @@ def test_pool_refuses_sweeps_of_other_workloads_and_run_flags(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cluster_bench.parse_args(["--pool", str(a), "--rates", "50"])
     assert "--pool takes the flags of the sweeps it pools" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the pooled table would overwrite an input
+        cluster_bench.parse_args(["--pool", str(a), "--json", str(a)])
+    assert "is one of the --pool inputs" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, needle", [

@@ -174,6 +174,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                or (options.figure and cluster_report.figure_problem(options.figure)))
     if problem:
         parser.error(problem)
+    pooled = [os.path.abspath(path) for path in options.pool or ()]
+    if options.json and os.path.abspath(options.json) in pooled:
+        parser.error(f"--json {options.json} is one of the --pool inputs; give another file")
     if options.pool is not None:
         given = sorted({a.split("=")[0] for a in argv if a.startswith("-")} - set(POOL_FLAGS))
         if given:
