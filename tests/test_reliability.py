@@ -236,6 +236,24 @@ def test_cli_checkpoints_and_stops_on_sigterm(tmp_path, capsys, monkeypatch):
     assert _steps(metrics) == [0, 1, 2, 3]
 
 
+def test_start_warnings_name_a_qgz_that_no_step_of_the_run_uses():
+    from types import SimpleNamespace
+
+    from zeropp_jax.cli import guards
+
+    def trainer(qgz, nodes, warmup):
+        active = qgz != "off" and nodes > 1
+        return SimpleNamespace(config=SimpleNamespace(qgz=qgz), nodes=nodes,
+                               schedule=SimpleNamespace(active=active, warmup_steps=warmup))
+
+    assert guards.start_warnings(trainer("1bit", 2, 100), 300) == []
+    assert guards.start_warnings(trainer("off", 1, 0), 3) == []
+    (one_node,) = guards.start_warnings(trainer("1bit", 1, 100), 300)
+    assert one_node.startswith("one node: qgZ (1bit) compresses only what crosses nodes")
+    (short,) = guards.start_warnings(trainer("int4", 2, 100), 100)
+    assert "warm-up (100 steps) is not shorter than --steps 100: no step will be" in short
+
+
 def test_divergence_rule():
     from zeropp_jax.cli.guards import diverged
 

@@ -7,6 +7,7 @@ rule is tested on its own:
   run: errors where the state cannot follow (another model, learning-rate
   schedule or optimizer), warnings where the run changes (schedule, preset,
   data);
+* :func:`start_warnings`: qgZ configured where no step of the run compresses;
 * :func:`diverged`: the divergence rule of the summary and the exit status;
 * :func:`check_output_file` and :func:`rewrite_metrics`: the metrics file,
   checked before any compile, and rewritten atomically on resume.
@@ -102,6 +103,19 @@ def resume_changes(
         if name in record and record[name] != getattr(args, name):
             warnings.append(f"{_flag(name)} {record[name]} -> {getattr(args, name)}")
     return errors, warnings
+
+
+def start_warnings(trainer, steps: int) -> list[str]:
+    """What ``zeropp-train`` warns of before a ``steps``-step run of
+    ``trainer``: qgZ configured where no step of the run will compress."""
+    qgz, schedule = trainer.config.qgz, trainer.schedule
+    if qgz != "off" and trainer.nodes == 1:
+        return [f"one node: qgZ ({qgz}) compresses only what crosses nodes, so no step of "
+                "this run is compressed (--mesh NODESxLOCAL with NODES >= 2 for it)"]
+    if schedule.active and schedule.warmup_steps >= steps:
+        return [f"qgZ's full-precision warm-up ({schedule.warmup_steps} steps) is not shorter "
+                f"than --steps {steps}: no step will be compressed (--qgz-warmup sets it)"]
+    return []
 
 
 def diverged(losses: Sequence[float]) -> bool:

@@ -134,10 +134,8 @@ def run(args: argparse.Namespace) -> int:
             f"dtype={info['compute_dtype']} tokens={len(tokens):,} vocab={vocab}",
             flush=True,
         )
-        if trainer.schedule.active and trainer.schedule.warmup_steps >= args.steps:
-            print(f"zeropp-train: warning: qgZ's full-precision warm-up "
-                  f"({trainer.schedule.warmup_steps} steps) is not shorter than --steps "
-                  f"{args.steps}: no step will be compressed (--qgz-warmup sets it)", flush=True)
+        for warning in guards.start_warnings(trainer, args.steps):
+            print(f"zeropp-train: warning: {warning}", flush=True)
     record_of_run = guards.run_record(args, dataclasses.asdict(model_cfg))
     ckpt, state, restored_meta = _open_checkpoints(args, trainer, is_main, record_of_run)
     if state is None:
