@@ -106,3 +106,7 @@ def test_pallas_needs_power_of_two_blocks():
     with pytest.raises(ValueError, match="power-of-two blocks.*qwz_block=24"):
         zp.make_trainer(gpt_loss(), optimizer(config), params, mesh=mesh_of(2, 4), config=config,
                         per_layer=True, stacked=("blocks",))
+    # the block of a feature that is off is not used, so not checked
+    off = zp.ZeroConfig.from_preset("qwz", qgz_block=24, implementation="pallas")
+    zp.make_trainer(gpt_loss(), optimizer(off), params, mesh=mesh_of(2, 4), config=off,
+                    per_layer=True, stacked=("blocks",))

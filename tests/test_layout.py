@@ -48,6 +48,14 @@ def test_leaves_start_at_multiples_and_round_trip(leaf_align):
     assert mask.sum() == unit.numel and np.all(flat[~expected] == 0)
 
 
+def test_shards_pad_only_to_the_blocks_of_features_that_are_on():
+    """A zero3 run with a large qwZ block pads to 8, not to the block it never uses."""
+    assert zp.ZeroConfig.from_preset("zero3", qwz_block=65536, qgz_block=1024).alignment() == 8
+    assert zp.ZeroConfig.from_preset("qwz", qwz_block=64, qgz_block=1024).alignment() == 64
+    assert zp.ZeroConfig.from_preset("qgz", qwz_block=65536, qgz_block=48).alignment() == 48
+    assert zp.ZeroConfig.from_preset("zeropp", qwz_block=512).alignment() == 512
+
+
 def test_qwz_blocks_never_mix_two_leaves():
     """With qwZ on, a small bias is quantized with its own scale, not its neighbour's."""
     bias = np.full((5,), 0.013, np.float32)

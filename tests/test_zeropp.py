@@ -35,8 +35,12 @@ def per_layer(c):
 
 
 @functools.cache
+def _step(preset, layers=3, **overrides):
+    return gpt_step(layers, preset, **overrides)
+
+
 def report(preset, layers=3, **overrides):
-    return gpt_step(layers, preset, **overrides)[2]
+    return _step(preset, layers, **overrides)[2]
 
 
 def _gathered_bytes(rep):
@@ -51,11 +55,19 @@ def test_qwz_gathers_carry_int8_codes_and_scales_only():
     # codes and fp32 scales packed into one byte buffer per gather
     assert {(c.dtype, payload_role(c)) for c in gathers} == {("u8", "packed")}
     # 1 byte per value plus a 4-byte scale per 256-element block (qwZ block),
-    # against zero3's 4 bytes per value, for the same gathers
+    # against zero3's 4 bytes per value, for the same gathers: zero3's gather of
+    # a unit (4 bytes per padded element) is qwz's gather of the same unit at
+    # qwz's padding (shards a multiple of the block, leaves aligned to it)
+    zero3 = report("zero3")
     assert [c.count for c in gathers] == [
-        c.count for c in report("zero3").collectives if c.kind == "all-gather"]
-    want = _gathered_bytes(report("zero3")) / 4 * (1 + 4 / 256)
-    assert _gathered_bytes(rep) == pytest.approx(want, rel=0.01)
+        c.count for c in zero3.collectives if c.kind == "all-gather"]
+    units = {name: _step(name)[0].geometry.layout.units for name in ("zero3", "qwz")}
+    unit_of = {4 * u.padded: u.name for u in units["zero3"]}
+    assert len(unit_of) == len(units["zero3"])  # a gather's bytes name its unit
+    padded = {u.name: u.padded for u in units["qwz"]}
+    want = sum(c.count * padded[unit_of[c.result_bytes]] * (1 + 4 / 256)
+               for c in zero3.collectives if c.kind == "all-gather")
+    assert _gathered_bytes(rep) == want
 
 
 @pytest.mark.parametrize("bits", [8, pytest.param(4, marks=pytest.mark.slow)])

@@ -85,6 +85,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "zeropp-max": dict(qwz_bits=0, hpz=False, node_replicated=True, **_COMPACT_ONEBIT_ADAM),
 }
 
+# Every shard is a multiple of this many elements, whatever is quantized: the
+# base every block is a multiple of (eight 1-bit codes fill one byte).
+SHARD_ALIGNMENT = 8
+
 QGZ_MODES = ("off", "1bit", "int8", "int4")
 QGZ_BITS = {"off": 0, "1bit": 1, "int8": 8, "int4": 4}
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
@@ -370,10 +374,18 @@ class ZeroConfig:
         return self.hpz or self.qgz != "off"
 
     def alignment(self) -> int:
-        """Elements each device's shard must be a multiple of."""
-        align = 8
-        for block in (self.qwz_block, self.qgz_block):
-            align = math.lcm(align, block)
+        """Elements each device's shard must be a multiple of.
+
+        8, and the block of every feature that quantizes a shard: qwZ's
+        ``qwz_block`` when ``qwz_bits`` is on, qgZ's ``qgz_block`` when ``qgz``
+        is. A block of a feature that is off pads nothing (before, a large
+        ``qwz_block`` padded every shard of a zero3 run to it).
+        """
+        align = SHARD_ALIGNMENT
+        if self.qwz_bits:
+            align = math.lcm(align, self.qwz_block)
+        if self.qgz != "off":
+            align = math.lcm(align, self.qgz_block)
         return align
 
     def leaf_alignment(self) -> int:
