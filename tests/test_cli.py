@@ -173,6 +173,8 @@ BAD_INPUTS = {
     "data_shorter_than_a_window": (("--data", "{short}"), None, ["--seq-len 16", "17 tokens"]),
     "metrics_out_is_the_data": (("--data", "{short}", "--metrics-out", "{short}"), None,
                                 ["is the --data file"]),
+    "metrics_out_links_to_the_data": (("--data", "{short}", "--metrics-out", "{link}"), None,
+                                      ["is the --data file"]),
     "not_an_integer": (("--qgz-warmup", "abc"), None, ["--qgz-warmup", "'abc'"]),
     # XLA:CPU cannot compile the GPT's float16 logits (a GPU can)
     "fp16_on_cpu": (("--dtype", "fp16"), None, ["--dtype fp16 does not run on a CPU", "bf16"]),
@@ -198,7 +200,9 @@ def _bad_args(case, tmp_path):
     empty, short = tmp_path / "empty.txt", tmp_path / "short.txt"
     empty.write_bytes(b"")
     short.write_bytes(b"ten bytes.")
-    args = [a.replace("{empty}", str(empty)).replace("{short}", str(short)) for a in args]
+    (tmp_path / "link.txt").symlink_to(short)
+    args = [a.replace("{empty}", str(empty)).replace("{short}", str(short))
+            .replace("{link}", str(tmp_path / "link.txt")) for a in args]
     needles = [n.replace("{empty}", re.escape(str(empty))) for n in needles]
     metrics = tmp_path / f"{case}.jsonl"
     argv = ["--no-progress", "--metrics-out", str(metrics), *TINY_ARGS, "--steps", "3", *args]
@@ -323,6 +327,49 @@ def test_zero_flags_build_the_config_of_their_fields():
         if f.metadata["flag"] is not None:
             flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
             assert helps[flag[2:].replace("-", "_")] == f.metadata["help"], f.name
+
+
+def test_flags_of_a_feature_that_is_off_are_named_as_having_no_effect():
+    """``--preset zero3 --qgz-warmup 100`` changes nothing: a warning says so,
+    naming the switch that is off; flags of features that are on pass quietly."""
+    from zeropp_jax.cli import common, train
+
+    parser = train.build_parser()
+    args = parser.parse_args([
+        "--preset", "zero3", "--qwz-block", "512", "--qgz-warmup", "100",
+        "--no-qgz-error-feedback", "--scale-dtype", "bfloat16", "--grad-accum", "2",
+    ])
+    assert common.idle_flag_warnings(args) == [
+        "--qwz-block 512 has no effect with --preset zero3: qwZ is off (qwz_bits=0)",
+        "--no-qgz-error-feedback has no effect with --preset zero3: qgZ is off (qgz='off')",
+        "--qgz-warmup 100 has no effect with --preset zero3: qgZ is off (qgz='off')",
+        "--scale-dtype bfloat16 has no effect with --preset zero3: nothing is quantized "
+        "(qwZ and qgZ are off)",
+    ]
+    on = parser.parse_args(["--preset", "zeropp", "--qwz-block", "512", "--qgz-warmup", "5",
+                            "--scale-dtype", "float32", "--hpz-secondary", "quantized"])
+    assert common.idle_flag_warnings(on) == []
+    # a preset's own fields for a feature switched off are not the user's flags
+    assert common.idle_flag_warnings(parser.parse_args(["--preset", "zeropp", "--qgz", "off"])) == []
+    off = parser.parse_args(["--preset", "qwz", "--hpz-secondary", "decoded", "--qgz-block", "64"])
+    assert [w.split(":")[0] for w in common.idle_flag_warnings(off)] == [
+        "--hpz-secondary decoded has no effect with --preset qwz",
+        "--qgz-block 64 has no effect with --preset qwz",
+    ]
+
+
+def test_simulate_says_its_dtype_changes_no_prediction(capsys):
+    """zeropp-simulate counts float payloads at --float-bytes, so a --dtype given
+    is named as changing nothing (help and a warning), not silently ignored."""
+    from zeropp_jax.cli import simulate
+
+    parser = simulate.build_parser()
+    simulate.check_flags(parser, parser.parse_args([]))
+    assert capsys.readouterr().err == ""
+    simulate.check_flags(parser, parser.parse_args(["--dtype", "fp32"]))
+    err = capsys.readouterr().err
+    assert "warning: no prediction depends on it" in err and "--dtype fp32" in err, err
+    assert "no prediction depends on it" in " ".join(parser.format_help().split())
 
 
 def test_lr_warmup_applies_to_the_constant_schedule():

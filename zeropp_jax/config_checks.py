@@ -205,3 +205,24 @@ def check_onebit_adam(config) -> None:
             "qgz_refresh_every refreshes 1-bit Adam's frozen second moment; it needs "
             f"qgz_target='momentum' (got qgz_target={config.qgz_target!r})"
         )
+
+
+def idle_fields(config) -> dict[str, str]:
+    """The fields whose value ``config`` never uses, each with why (the switch that is off).
+
+    Not an error: a preset keeps its fields when a feature is switched off
+    (``from_preset("zeropp", qwz_bits=0)`` keeps its ``qwz_block``). The
+    command line warns of the flags given for such fields.
+    """
+    out = {}
+    if not config.qwz_bits:
+        out["qwz_block"] = "qwZ is off (qwz_bits=0)"
+    if not (config.hpz and config.qwz_bits):
+        out["hpz_secondary"] = "it is how hpZ holds qwZ's codes, and hpZ or qwZ is off"
+    if config.qgz == "off":
+        for name in ("qgz_block", "qgz_code", "qgz_share", "qgz_error_feedback",
+                     "qgz_warmup_steps", "qgz_min_grad_rms", "qgz_refresh_every"):
+            out[name] = "qgZ is off (qgz='off')"
+        if not config.qwz_bits:
+            out["scale_dtype"] = "nothing is quantized (qwZ and qgZ are off)"
+    return out

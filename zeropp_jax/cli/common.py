@@ -18,6 +18,7 @@ from zeropp_jax.cli.flags import (  # noqa: F401
     non_negative_float, non_negative_int, positive_float, positive_int,
 )
 from zeropp_jax.config import ZeroConfig
+from zeropp_jax.config_checks import idle_fields
 
 # Global-norm clipping of the CLI's optimizer.
 CLIP_NORM = 1.0
@@ -199,9 +200,28 @@ def parse_and_prepare(
         check(parser, args)
     validate_args(parser, args)
     check_processes(parser, args)
+    from zeropp_jax import distributed
+
+    settings = distributed.resolve(args.coordinator, args.num_processes, args.process_id)
+    if settings is None or settings[2] == 0:  # one process says it
+        for warning in idle_flag_warnings(args):
+            print(f"{parser.prog}: warning: {warning}", file=sys.stderr, flush=True)
     prepare_devices(args)
     init_distributed(args, parser.prog)
     return args
+
+
+def idle_flag_warnings(args: argparse.Namespace) -> list[str]:
+    """One line per flag given for a feature that is off (``--preset zero3
+    --qgz-warmup 100``): the flag changes nothing, which the user should know."""
+    idle = idle_fields(build_config(args))
+    out = []
+    for f, flag, dest in _config_flags():
+        value = getattr(args, dest)
+        if f.name in idle and value is not None:
+            shown = {True: flag, False: f"--no-{flag[2:]}"}.get(value, f"{flag} {value}")
+            out.append(f"{shown} has no effect with --preset {args.preset}: {idle[f.name]}")
+    return out
 
 
 def check_processes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

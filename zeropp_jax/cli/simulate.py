@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes per full-precision value on the wire (2: bf16)")
     common.add_common_args(parser)
     parser.set_defaults(preset=DEFAULT_PRESET)
+    for action in parser._actions:
+        if action.dest == "dtype":
+            action.help = f"the profiled step's compute dtype; {DTYPE_NOTE}"
     flags.hide_training_flags(parser)  # refused by check_flags
     return parser
 
@@ -119,6 +122,9 @@ _TARGET_FLAGS = (
     "sweep_gbps", "nodes", "gpus_per_node", "inter_node_gbps", "intra_node_gbs",
     "peak_tflops", "efficiency", "params", "tokens_per_gpu", "float_bytes", "steps",
 )
+# What --dtype does not do here (comm_profile rescales float payloads).
+DTYPE_NOTE = ("no prediction depends on it: full-precision payloads are counted at "
+              "--float-bytes per value")
 # ZeroConfig flags that every profiled config takes, the baselines' too (preset_config).
 _SHARED_CONFIG_FLAGS = ("dtype", "grad_accum")
 
@@ -143,6 +149,9 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                 f"--published to simulate them")
     if args.efficiency > 1:
         parser.error(f"--efficiency must be in (0, 1], got {args.efficiency}")
+    if args.dtype != parser.get_default("dtype"):
+        print(f"{PROG}: warning: {DTYPE_NOTE} (--dtype {args.dtype} only sets what the "
+              "profiled step compiles at)", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,7 +89,7 @@ def _check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Names
         problem = guards.check_output_file("--metrics-out", args.metrics_out)
         if problem:
             parser.error(problem)
-        if args.data is not None and os.path.abspath(args.metrics_out) == os.path.abspath(args.data):
+        if args.data is not None and os.path.realpath(args.metrics_out) == os.path.realpath(args.data):
             parser.error(f"--metrics-out {args.metrics_out} is the --data file, which it "
                          "would overwrite; give another file")
     if args.lr_warmup is not None and args.lr_warmup >= args.steps:
