@@ -252,6 +252,10 @@ def test_nnx_wrap_refuses_blocks_it_cannot_find_or_classes_it_does_not_know():
 
         zp.make_trainer(loss_fn, optax.sgd(0.1), params, mesh=mesh_of(2, 4),
                         wrap=(Block, nn.Dense), example_batch=BATCH)
+    # per_layer=True would hand the NNX module Unit handles (NNX: "Incorrect
+    # number of leaves"): refused at make_trainer, naming wrap=
+    with pytest.raises(ValueError, match="nnx_loss's module cannot hold.*wrap=\\(Block,\\)"):
+        zp.make_trainer(loss_fn, optax.sgd(0.1), params, mesh=mesh_of(2, 4), per_layer=True)
 
 
 class _DropoutLinear(nnx.Module):

@@ -21,6 +21,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+# A loss carrying this attribute set to its maker's name (nnx_loss) takes
+# per-layer units only through make_trainer's wrap=: it merges the parameters
+# into a module, which cannot hold the Unit handles per_layer=True passes
+# (zeropp_jax.step.wrap.check_per_layer).
+UNITS_BY_WRAP_ONLY = "zeropp_units_by_wrap_only"
+
 
 def nnx_loss(
     model: nnx.Module,
@@ -98,6 +104,7 @@ def nnx_loss(
                 "nnx.Intermediate), or nnx.capture) and keep caches out of the loss")
         return loss
 
+    setattr(loss_fn, UNITS_BY_WRAP_ONLY, "nnx_loss")  # per-layer units: wrap= only
     return params, loss_fn
 
 

@@ -396,6 +396,8 @@ def make_trainer(
         check_leaf_uniform(optimizer, params)
     nodes, local = mesh_shape(mesh)
     unit_paths = ()
+    if not wrap:  # with wrap=, prepare refuses per_layer=
+        wrap_policy.check_per_layer(loss_fn, per_layer)
     if wrap:
         loss_fn, unit_paths, stacked = wrap_policy.prepare(
             loss_fn, params, wrap, example_batch, per_layer=per_layer, stacked=stacked,

@@ -60,6 +60,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from zeropp_jax.nnx_model import UNITS_BY_WRAP_ONLY
 from zeropp_jax.step import wrap_nnx
 from zeropp_jax.step.blocks import (
     as_layer, depth, inside_block, keys_as_data, keys_from_data, subtree, trace_calls,
@@ -101,6 +102,20 @@ def _is_target(context: Any, classes: tuple[type, ...]) -> bool:
         and context.module.scope is not None
         and callable(getattr(type(context.module), context.method_name, None))
     )
+
+
+def check_per_layer(loss_fn: Callable, per_layer: bool) -> None:
+    """Raises ``ValueError`` for ``per_layer=True`` with a loss marked
+    :data:`UNITS_BY_WRAP_ONLY`, naming ``wrap=`` (NNX said "Incorrect
+    number of leaves")."""
+    maker = getattr(loss_fn, UNITS_BY_WRAP_ONLY, None)
+    if per_layer and maker:
+        raise ValueError(
+            f"per_layer=True hands the loss one Unit handle per top-level entry, which "
+            f"{maker}'s module cannot hold; gather per block with wrap=(Block,) and "
+            "example_batch= (each instance of the block class its own unit), or use "
+            "per_layer=False"
+        )
 
 
 def prepare(
