@@ -241,9 +241,10 @@ def test_start_warnings_name_a_qgz_that_no_step_of_the_run_uses():
 
     from zeropp_jax.cli import guards
 
-    def trainer(qgz, nodes, warmup):
+    def trainer(qgz, nodes, warmup, hpz=False, local=4):
         active = qgz != "off" and nodes > 1
-        return SimpleNamespace(config=SimpleNamespace(qgz=qgz), nodes=nodes,
+        return SimpleNamespace(config=SimpleNamespace(qgz=qgz, hpz=hpz), nodes=nodes,
+                               local=local,
                                schedule=SimpleNamespace(active=active, warmup_steps=warmup))
 
     assert guards.start_warnings(trainer("1bit", 2, 100), 300) == []
@@ -252,6 +253,10 @@ def test_start_warnings_name_a_qgz_that_no_step_of_the_run_uses():
     assert one_node.startswith("one node: qgZ (1bit) compresses only what crosses nodes")
     (short,) = guards.start_warnings(trainer("int4", 2, 100), 100)
     assert "warm-up (100 steps) is not shorter than --steps 100: no step will be" in short
+    # hpZ with one device per node: the secondary is the whole model per device
+    assert guards.start_warnings(trainer("off", 2, 0, hpz=True, local=4), 3) == []
+    (whole,) = guards.start_warnings(trainer("off", 8, 0, hpz=True, local=1), 3)
+    assert "hpZ's secondary partition" in whole and "whole model on every device" in whole
 
 
 def test_divergence_rule():

@@ -7,7 +7,8 @@ rule is tested on its own:
   run: errors where the state cannot follow (another model, learning-rate
   schedule or optimizer), warnings where the run changes (schedule, preset,
   data);
-* :func:`start_warnings`: qgZ configured where no step of the run compresses;
+* :func:`start_warnings`: qgZ configured where no step of the run compresses,
+  hpZ where its secondary is the whole model;
 * :func:`diverged`: the divergence rule of the summary and the exit status;
 * :func:`check_output_file` and :func:`rewrite_metrics`: the metrics file,
   checked before any compile, and rewritten atomically on resume.
@@ -107,15 +108,22 @@ def resume_changes(
 
 def start_warnings(trainer, steps: int) -> list[str]:
     """What ``zeropp-train`` warns of before a ``steps``-step run of
-    ``trainer``: qgZ configured where no step of the run will compress."""
+    ``trainer``: qgZ configured where no step of the run will compress, and
+    hpZ where its secondary partition is the whole model on every device."""
     qgz, schedule = trainer.config.qgz, trainer.schedule
+    out = []
+    if trainer.config.hpz and trainer.local == 1 and trainer.nodes > 1:
+        out.append("one device per node: hpZ's secondary partition (split over the devices "
+                   "of a node) is the whole model on every device (--no-hpz saves that "
+                   "memory; a mesh with LOCAL >= 2 splits it)")
     if qgz != "off" and trainer.nodes == 1:
-        return [f"one node: qgZ ({qgz}) compresses only what crosses nodes, so no step of "
-                "this run is compressed (--mesh NODESxLOCAL with NODES >= 2 for it)"]
-    if schedule.active and schedule.warmup_steps >= steps:
-        return [f"qgZ's full-precision warm-up ({schedule.warmup_steps} steps) is not shorter "
-                f"than --steps {steps}: no step will be compressed (--qgz-warmup sets it)"]
-    return []
+        out.append(f"one node: qgZ ({qgz}) compresses only what crosses nodes, so no step of "
+                   "this run is compressed (--mesh NODESxLOCAL with NODES >= 2 for it)")
+    elif schedule.active and schedule.warmup_steps >= steps:
+        out.append(f"qgZ's full-precision warm-up ({schedule.warmup_steps} steps) is not "
+                   f"shorter than --steps {steps}: no step will be compressed (--qgz-warmup "
+                   "sets it)")
+    return out
 
 
 def diverged(losses: Sequence[float]) -> bool:
