@@ -559,3 +559,38 @@ def test_layout_mismatch_names_the_first_differing_leaf_or_the_unit_layout():
                            rf"units: the checkpoint has per_layer=True units \['enc', 'head'\], "
                            rf"the trainer {how}.*per_layer, stacked and wrap"):
             check_layout(saved, other, "ckpt")
+
+
+def test_reads_left_in_flight_by_a_failed_restore_print_nothing(monkeypatch, capsys):
+    """After a failed read, TensorStore's late completions into Orbax's closed
+    event loop ("RuntimeError: Event loop is closed", about every other
+    zeropp-export of a truncated step) are dropped; any other unraisable
+    exception still reaches the hook that was installed before."""
+    import asyncio
+    import types
+
+    from zeropp_jax.checkpoint import storage
+
+    def unraisable(error):
+        return types.SimpleNamespace(exc_type=type(error), exc_value=error,
+                                     exc_traceback=error.__traceback__, err_msg=None,
+                                     object=None)
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    with pytest.raises(RuntimeError, match="Event loop is closed") as late:
+        loop.call_soon_threadsafe(print)
+    try:
+        raise RuntimeError("something else")
+    except RuntimeError as e:
+        other = e
+    passed_on = []
+    monkeypatch.setattr(sys, "unraisablehook", passed_on.append)
+    storage.drop_late_read_callbacks()
+    storage.drop_late_read_callbacks()  # installed once, not stacked
+    assert getattr(sys.unraisablehook, "drops_late_read_callbacks", False)
+    sys.unraisablehook(unraisable(late.value))
+    sys.unraisablehook(unraisable(other))
+    assert [u.exc_value for u in passed_on] == [other]
+    # the same message from elsewhere is not a late read
+    assert not storage.is_late_read_callback(unraisable(RuntimeError("Event loop is closed")))

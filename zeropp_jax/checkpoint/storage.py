@@ -8,6 +8,8 @@ step directory, so callers can tell "unreadable" from "does not fit".
 from __future__ import annotations
 
 import os
+import sys
+import traceback
 from typing import Any
 
 import jax
@@ -91,7 +93,43 @@ def read_arrays(
     try:
         return manager.restore(step, args=ocp.args.Composite(**composite))
     except Exception as e:  # noqa: BLE001
+        drop_late_read_callbacks()
         raise _unreadable(step, step_dir, "its array data", e) from e
+
+
+def drop_late_read_callbacks() -> None:
+    """Keeps the reads a failed restore left in flight from printing tracebacks.
+
+    When one array of a step cannot be read, Orbax's restore raises at once
+    and closes its event loop while TensorStore's other reads of that step
+    are still running; each one that completes later posts its result into
+    the closed loop, and Python prints "RuntimeError: Event loop is closed"
+    through ``sys.unraisablehook`` (several tracebacks after the one-line
+    warning, about every other run). Installed after the first failed read:
+    a hook that drops exactly those (:func:`is_late_read_callback`) and
+    hands every other unraisable exception to the hook it replaced. The
+    dropped reads belong to the step being skipped; nothing else is lost.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_late_read_callbacks", False):
+        return
+
+    def hook(unraisable):
+        if not is_late_read_callback(unraisable):
+            previous(unraisable)
+
+    hook.drops_late_read_callbacks = True
+    sys.unraisablehook = hook
+
+
+def is_late_read_callback(unraisable) -> bool:
+    """Whether an unraisable exception is asyncio refusing a callback of a closed
+    loop (``loop.call_soon_threadsafe`` after ``loop.close()``)."""
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        return False
+    frames = [frame.f_code.co_name for frame, _ in traceback.walk_tb(unraisable.exc_traceback)]
+    return "call_soon_threadsafe" in frames
 
 
 def read_to_host(manager: ocp.CheckpointManager, step: int, step_dir: str, name: str) -> Any:
