@@ -123,7 +123,7 @@ def test_default_model_loss_falls(tmp_path):
     assert "vocab=256" in header
     # the zeropp preset's 100-step warm-up outlasts this run, and it says so
     assert (f"warm-up (100 steps) is not shorter than --steps {DEFAULT_MODEL_STEPS}: no step "
-            "will be compressed") in proc.stdout
+            "will be compressed") in proc.stderr
     losses = np.array([m["loss"] for m in metrics])
     assert len(losses) == DEFAULT_MODEL_STEPS
     # Byte tokens start near ln(256) = 5.55 nats.
@@ -339,37 +339,40 @@ def test_flags_of_a_feature_that_is_off_are_named_as_having_no_effect():
         "--preset", "zero3", "--qwz-block", "512", "--qgz-warmup", "100",
         "--no-qgz-error-feedback", "--scale-dtype", "bfloat16", "--grad-accum", "2",
     ])
-    assert common.idle_flag_warnings(args) == [
-        "--qwz-block 512 has no effect with --preset zero3: qwZ is off (qwz_bits=0)",
-        "--no-qgz-error-feedback has no effect with --preset zero3: qgZ is off (qgz='off')",
-        "--qgz-warmup 100 has no effect with --preset zero3: qgZ is off (qgz='off')",
-        "--scale-dtype bfloat16 has no effect with --preset zero3: nothing is quantized "
-        "(qwZ and qgZ are off)",
+    assert common.idle_flag_warnings(parser, args) == [
+        "--qwz-block 512 has no effect: qwZ is off (qwz_bits=0)",
+        "--no-qgz-error-feedback has no effect: qgZ is off (qgz='off')",
+        "--qgz-warmup 100 has no effect: qgZ is off (qgz='off')",
+        "--scale-dtype bfloat16 has no effect: nothing is quantized (qwZ and qgZ are off)",
     ]
     on = parser.parse_args(["--preset", "zeropp", "--qwz-block", "512", "--qgz-warmup", "5",
                             "--scale-dtype", "float32", "--hpz-secondary", "quantized"])
-    assert common.idle_flag_warnings(on) == []
+    assert common.idle_flag_warnings(parser, on) == []
     # a preset's own fields for a feature switched off are not the user's flags
-    assert common.idle_flag_warnings(parser.parse_args(["--preset", "zeropp", "--qgz", "off"])) == []
-    off = parser.parse_args(["--preset", "qwz", "--hpz-secondary", "decoded", "--qgz-block", "64"])
-    assert [w.split(":")[0] for w in common.idle_flag_warnings(off)] == [
-        "--hpz-secondary decoded has no effect with --preset qwz",
-        "--qgz-block 64 has no effect with --preset qwz",
+    assert common.idle_flag_warnings(
+        parser, parser.parse_args(["--preset", "zeropp", "--qgz", "off"])) == []
+    off = parser.parse_args(["--preset", "qwz", "--hpz-secondary", "decoded", "--qgz-block", "64",
+                             "--qgz-target", "gradient"])
+    assert [w.split(":")[0] for w in common.idle_flag_warnings(parser, off)] == [
+        "--hpz-secondary decoded has no effect", "--qgz-target gradient has no effect",
+        "--qgz-block 64 has no effect",
     ]
 
 
-def test_simulate_says_its_dtype_changes_no_prediction(capsys):
+def test_simulate_says_its_dtype_changes_no_prediction():
     """zeropp-simulate counts float payloads at --float-bytes, so a --dtype given
     is named as changing nothing (help and a warning), not silently ignored."""
     from zeropp_jax.cli import simulate
 
     parser = simulate.build_parser()
-    simulate.check_flags(parser, parser.parse_args([]))
-    assert capsys.readouterr().err == ""
-    simulate.check_flags(parser, parser.parse_args(["--dtype", "fp32"]))
-    err = capsys.readouterr().err
-    assert "warning: no prediction depends on it" in err and "--dtype fp32" in err, err
+    assert simulate.dtype_warnings(parser, parser.parse_args([])) == []
+    (warning,) = simulate.dtype_warnings(parser, parser.parse_args(["--dtype", "fp32"]))
+    assert warning.startswith("no prediction depends on it") and "--dtype fp32" in warning
     assert "no prediction depends on it" in " ".join(parser.format_help().split())
+    # a block of a feature that is off leaves the step zero3's: profiled once
+    zero3 = simulate.preset_config(parser.parse_args([]), "zero3")
+    assert simulate._same_step(zero3.replace(qwz_block=512, scale_dtype="bfloat16"), zero3)
+    assert not simulate._same_step(zero3.replace(qwz_bits=8), zero3)
 
 
 def test_lr_warmup_applies_to_the_constant_schedule():

@@ -505,11 +505,33 @@ def test_zero3_figure_from_the_model_size():
 
     from zeropp_jax.analysis.headline import zero3_inter_node_bytes
 
+    units = [types.SimpleNamespace(numel=790, stack=None), types.SimpleNamespace(numel=4, stack=2)]
     trainer = types.SimpleNamespace(
-        nodes=4, compute_dtype=jnp.bfloat16, layout=types.SimpleNamespace(padded_numel=800),
+        nodes=4, local=1, compute_dtype=jnp.bfloat16, layout=types.SimpleNamespace(units=units),
         config=types.SimpleNamespace(reduce_dtype=None, grad_accum=2))
-    # 3 passes x 2 micro-batches x 800 x 2 B, of which 3/4 held on other nodes.
-    assert zero3_inter_node_bytes(trainer) == 3 * 2 * 800 * 2 * 3 // 4
+    # zero3 pads each unit to 4 devices x 8: 800 + 2 layers x 32 = 864 elements;
+    # 3 passes x 2 micro-batches x 864 x 2 B, of which 3/4 held on other nodes.
+    assert zero3_inter_node_bytes(trainer) == 3 * 2 * 864 * 2 * 3 // 4
+
+
+def test_zero3_figure_is_the_same_beside_every_preset():
+    """The "zero3 would move" figure is zero3's own padding, not the run's (a
+    qwZ run pads shards and leaves to its blocks, which zero3 would not)."""
+    import zeropp_jax as zp
+    from _util import TINY, gpt_loss, mesh_of, optimizer
+    from zeropp_jax.analysis.headline import zero3_inter_node_bytes
+    from zeropp_jax.models import gpt
+
+    shapes = jax.eval_shape(lambda k: gpt.init_params(TINY, k), jax.random.key(0))
+    figures, padded = {}, {}
+    for preset in ("zero3", "qwz", "zeropp"):
+        config = zp.ZeroConfig.from_preset(preset, compute_dtype="bfloat16")
+        trainer = zp.make_trainer(gpt_loss(), optimizer(config), shapes, mesh=mesh_of(2, 4),
+                                  config=config, per_layer=True, stacked=("blocks",))
+        figures[preset], padded[preset] = zero3_inter_node_bytes(trainer), trainer.layout.padded_numel
+    assert padded["qwz"] > padded["zero3"]  # so the run's own padding would overstate zero3
+    assert figures["qwz"] == figures["zeropp"] == figures["zero3"]
+    assert figures["zero3"] == 3 * padded["zero3"] * 2 // 2  # 3 passes, bf16, half on the other node
 
 
 @pytest.mark.slow  # four compiled steps

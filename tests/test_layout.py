@@ -51,9 +51,13 @@ def test_leaves_start_at_multiples_and_round_trip(leaf_align):
 def test_shards_pad_only_to_the_blocks_of_features_that_are_on():
     """A zero3 run with a large qwZ block pads to 8, not to the block it never uses."""
     assert zp.ZeroConfig.from_preset("zero3", qwz_block=65536, qgz_block=1024).alignment() == 8
-    assert zp.ZeroConfig.from_preset("qwz", qwz_block=64, qgz_block=1024).alignment() == 64
-    assert zp.ZeroConfig.from_preset("qgz", qwz_block=65536, qgz_block=48).alignment() == 48
+    assert zp.ZeroConfig.from_preset("hpz", qwz_block=512).alignment() == 8
+    # a quantized shard: 256 (whole Pallas tiles of small blocks) and the blocks that are on
+    assert zp.ZeroConfig.from_preset("qwz", qwz_block=64, qgz_block=1024).alignment() == 256
+    assert zp.ZeroConfig.from_preset("qgz", qwz_block=65536, qgz_block=48).alignment() == 768
     assert zp.ZeroConfig.from_preset("zeropp", qwz_block=512).alignment() == 512
+    for preset in ("qwz", "qgz", "zeropp", "zeropp-max"):  # as before stop 48
+        assert zp.ZeroConfig.from_preset(preset).alignment() == 256
 
 
 def test_qwz_blocks_never_mix_two_leaves():

@@ -256,6 +256,9 @@ def test_nnx_wrap_refuses_blocks_it_cannot_find_or_classes_it_does_not_know():
     # number of leaves"): refused at make_trainer, naming wrap=
     with pytest.raises(ValueError, match="nnx_loss's module cannot hold.*wrap=\\(Block,\\)"):
         zp.make_trainer(loss_fn, optax.sgd(0.1), params, mesh=mesh_of(2, 4), per_layer=True)
+    with pytest.raises(ValueError, match="nnx_loss's module cannot hold"):  # through a partial
+        zp.make_trainer(functools.partial(loss_fn), optax.sgd(0.1), params, mesh=mesh_of(2, 4),
+                        per_layer=True)
 
 
 class _DropoutLinear(nnx.Module):

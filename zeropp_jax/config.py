@@ -88,6 +88,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 # Every shard is a multiple of this many elements, whatever is quantized: the
 # base every block is a multiple of (eight 1-bit codes fill one byte).
 SHARD_ALIGNMENT = 8
+# A shard that qwZ or qgZ quantizes is also a multiple of this many elements
+# (the padding every quantizing preset had before stop 48): the Pallas
+# kernels' programs take the largest power of two of blocks that divides a
+# shard's block count (pallas_kernels/_common.py tile_blocks), so 1-bit blocks
+# of 32 go at least 8 to a program, not 1 or 2.
+QUANTIZED_SHARD_ALIGNMENT = 256
 
 QGZ_MODES = ("off", "1bit", "int8", "int4")
 QGZ_BITS = {"off": 0, "1bit": 1, "int8": 8, "int4": 4}
@@ -376,16 +382,16 @@ class ZeroConfig:
     def alignment(self) -> int:
         """Elements each device's shard must be a multiple of.
 
-        8, and the block of every feature that quantizes a shard: qwZ's
-        ``qwz_block`` when ``qwz_bits`` is on, qgZ's ``qgz_block`` when ``qgz``
-        is. A block of a feature that is off pads nothing (before, a large
+        8 when nothing is quantized; with qwZ or qgZ on,
+        :data:`QUANTIZED_SHARD_ALIGNMENT` and the block of every feature that
+        is on (``qwz_block`` with ``qwz_bits``, ``qgz_block`` with ``qgz``). A
+        block of a feature that is off pads nothing (before, a large
         ``qwz_block`` padded every shard of a zero3 run to it).
         """
+        blocks = [self.qwz_block] * bool(self.qwz_bits) + [self.qgz_block] * (self.qgz != "off")
         align = SHARD_ALIGNMENT
-        if self.qwz_bits:
-            align = math.lcm(align, self.qwz_block)
-        if self.qgz != "off":
-            align = math.lcm(align, self.qgz_block)
+        for block in [QUANTIZED_SHARD_ALIGNMENT] * bool(blocks) + blocks:
+            align = math.lcm(align, block)
         return align
 
     def leaf_alignment(self) -> int:

@@ -220,7 +220,7 @@ def idle_fields(config) -> dict[str, str]:
     if not (config.hpz and config.qwz_bits):
         out["hpz_secondary"] = "it is how hpZ holds qwZ's codes, and hpZ or qwZ is off"
     if config.qgz == "off":
-        for name in ("qgz_block", "qgz_code", "qgz_share", "qgz_error_feedback",
+        for name in ("qgz_block", "qgz_code", "qgz_share", "qgz_target", "qgz_error_feedback",
                      "qgz_warmup_steps", "qgz_min_grad_rms", "qgz_refresh_every"):
             out[name] = "qgZ is off (qgz='off')"
         if not config.qwz_bits:

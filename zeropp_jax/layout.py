@@ -3,8 +3,9 @@
 A *unit* is what one all-gather fetches (FSDP's wrap unit, one layer): the
 leaves of a sub-pytree, flattened in tree order, concatenated and padded with
 zeros so that every one of the ``D = nodes * local`` devices holds an equal
-shard whose length is a multiple of the quantization blocks.  Any leaf shape
-works: scalars, odd sizes, sizes that are not multiples of 8 or of ``D``.
+shard whose length is a multiple of ``align`` (``ZeroConfig.alignment()``).
+Any leaf shape works: scalars, odd sizes, sizes that are not multiples of 8
+or of ``D``.
 With ``leaf_align > 1`` (the qwZ block when qwZ is on) every leaf starts at
 a multiple of it, zeros filling the gaps, so no quantization block holds
 values of two tensors (whose scales may differ 100-fold: a LayerNorm's bias

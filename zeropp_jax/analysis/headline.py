@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from zeropp_jax.analysis.comm_report import CommReport, comm_report, hlo_dtype
 from zeropp_jax.analysis.hlo import dtype_bytes
+from zeropp_jax.config import SHARD_ALIGNMENT
 
 __all__ = [
     "float_dtypes",
@@ -129,9 +130,10 @@ def zero3_inter_node_bytes(trainer, dtype: Any = None) -> int:
     """About what a two-level ZeRO-3 of ``trainer``'s model moves into each
     node per optimizer step, from the model's size alone (nothing compiled).
 
-    ``ZERO3_PASSES`` passes of the padded model per micro-batch at ``dtype``
-    (default: the run's compute dtype), of which a node lacks the
-    ``(nodes - 1) / nodes`` held elsewhere. A compiled ZeRO-3 step
+    ``ZERO3_PASSES`` passes of the model, as zero3 pads it
+    (:func:`zero3_padded_numel`), per micro-batch at ``dtype`` (default: the
+    run's compute dtype), of which a node lacks the ``(nodes - 1) / nodes``
+    held elsewhere. A compiled ZeRO-3 step
     (``zeropp-comm --preset zero3``) moves somewhat more where the model uses
     a parameter twice (the example GPT's tied embedding is gathered once more
     in the forward), and less when gathered parameters are kept for the
@@ -139,8 +141,18 @@ def zero3_inter_node_bytes(trainer, dtype: Any = None) -> int:
     """
     width = dtype_bytes(hlo_dtype(float_dtypes(trainer)[0] if dtype is None else dtype))
     nodes = trainer.nodes
-    per_pass = trainer.layout.padded_numel * width * (nodes - 1) / nodes
-    return round(ZERO3_PASSES * trainer.config.grad_accum * per_pass)
+    per_pass = zero3_padded_numel(trainer.layout, nodes * trainer.local) * width
+    return round(ZERO3_PASSES * trainer.config.grad_accum * per_pass * (nodes - 1) / nodes)
+
+
+def zero3_padded_numel(layout, n_devices: int) -> int:
+    """Elements zero3 stores of ``layout``'s units on ``n_devices`` devices:
+    each unit's real elements per layer padded to ``n_devices *
+    SHARD_ALIGNMENT`` (zero3 quantizes nothing and does not align leaves),
+    times its layers. A qwZ or qgZ run pads its own shards further (its
+    blocks), which zero3 would not move."""
+    quantum = n_devices * SHARD_ALIGNMENT
+    return sum(-(-max(u.numel, 1) // quantum) * quantum * (u.stack or 1) for u in layout.units)
 
 
 def _is_zero3(config) -> bool:

@@ -105,10 +105,12 @@ def drop_late_read_callbacks() -> None:
     are still running; each one that completes later posts its result into
     the closed loop, and Python prints "RuntimeError: Event loop is closed"
     through ``sys.unraisablehook`` (several tracebacks after the one-line
-    warning, about every other run). Installed after the first failed read:
-    a hook that drops exactly those (:func:`is_late_read_callback`) and
-    hands every other unraisable exception to the hook it replaced. The
-    dropped reads belong to the step being skipped; nothing else is lost.
+    warning, about every other run). Installed after the first failed read,
+    for the rest of the process (the late reads may complete at any time): a
+    hook that drops exactly those errors (:func:`is_late_read_callback`: a
+    callback posted with ``call_soon_threadsafe`` to a loop already closed,
+    which no code can receive any more; the error reports nothing but that)
+    and hands every other unraisable exception to the hook it replaced.
     """
     previous = sys.unraisablehook
     if getattr(previous, "drops_late_read_callbacks", False):

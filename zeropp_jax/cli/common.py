@@ -200,27 +200,32 @@ def parse_and_prepare(
         check(parser, args)
     validate_args(parser, args)
     check_processes(parser, args)
-    from zeropp_jax import distributed
-
-    settings = distributed.resolve(args.coordinator, args.num_processes, args.process_id)
-    if settings is None or settings[2] == 0:  # one process says it
-        for warning in idle_flag_warnings(args):
-            print(f"{parser.prog}: warning: {warning}", file=sys.stderr, flush=True)
     prepare_devices(args)
     init_distributed(args, parser.prog)
+    warn(parser.prog, idle_flag_warnings(parser, args))
     return args
 
 
-def idle_flag_warnings(args: argparse.Namespace) -> list[str]:
+def warn(prog: str, warnings: list[str]) -> None:
+    """Prints each warning to stderr as ``prog: warning: ...``, from process 0
+    only (after :func:`init_distributed`, so under any launcher)."""
+    import jax
+
+    if warnings and jax.process_index() == 0:
+        for warning in warnings:
+            print(f"{prog}: warning: {warning}", file=sys.stderr, flush=True)
+
+
+def idle_flag_warnings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """One line per flag given for a feature that is off (``--preset zero3
     --qgz-warmup 100``): the flag changes nothing, which the user should know."""
     idle = idle_fields(build_config(args))
     out = []
     for f, flag, dest in _config_flags():
         value = getattr(args, dest)
-        if f.name in idle and value is not None:
+        if f.name in idle and value != parser.get_default(dest):
             shown = {True: flag, False: f"--no-{flag[2:]}"}.get(value, f"{flag} {value}")
-            out.append(f"{shown} has no effect with --preset {args.preset}: {idle[f.name]}")
+            out.append(f"{shown} has no effect: {idle[f.name]}")
     return out
 
 

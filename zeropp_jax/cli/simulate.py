@@ -149,14 +149,19 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                 f"--published to simulate them")
     if args.efficiency > 1:
         parser.error(f"--efficiency must be in (0, 1], got {args.efficiency}")
-    if args.dtype != parser.get_default("dtype"):
-        print(f"{PROG}: warning: {DTYPE_NOTE} (--dtype {args.dtype} only sets what the "
-              "profiled step compiles at)", file=sys.stderr, flush=True)
+
+
+def dtype_warnings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """A line when ``--dtype`` is given: it changes no figure of zeropp-simulate."""
+    if args.dtype == parser.get_default("dtype"):
+        return []
+    return [f"{DTYPE_NOTE} (--dtype {args.dtype} only sets what the profiled step compiles at)"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = common.parse_and_prepare(parser, argv, check=check_flags)
+    common.warn(PROG, dtype_warnings(parser, args))
     try:
         result = simulate(args)
     except ValueError as e:
@@ -229,11 +234,15 @@ def simulate(args: argparse.Namespace) -> dict:
 
 
 def _same_step(a, b) -> bool:
-    """Whether two configs compile the same step (the qgZ seed aside, which
-    changes no byte)."""
+    """Whether two configs compile the same step: equal but for the qgZ seed,
+    which changes no byte, and fields ``a`` does not use (a block of a feature
+    that is off: ``--preset zero3 --qwz-block 512`` is zero3's step)."""
     import dataclasses
 
-    return dataclasses.replace(a, qgz_seed=b.qgz_seed) == b
+    from zeropp_jax.config_checks import idle_fields
+
+    unused = {name: getattr(b, name) for name in idle_fields(a)}
+    return dataclasses.replace(a, qgz_seed=b.qgz_seed, **unused) == b
 
 
 def _averaged_over(config, nodes: int, steps: int | None) -> str:

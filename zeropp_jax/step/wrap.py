@@ -104,11 +104,21 @@ def _is_target(context: Any, classes: tuple[type, ...]) -> bool:
     )
 
 
+# How many functools.partial / functools.wraps layers check_per_layer looks through.
+_MAX_WRAPPERS = 8
+
+
 def check_per_layer(loss_fn: Callable, per_layer: bool) -> None:
     """Raises ``ValueError`` for ``per_layer=True`` with a loss marked
     :data:`UNITS_BY_WRAP_ONLY`, naming ``wrap=`` (NNX said "Incorrect
-    number of leaves")."""
-    maker = getattr(loss_fn, UNITS_BY_WRAP_ONLY, None)
+    number of leaves"). The mark is looked for through ``functools.partial``
+    and ``functools.wraps`` wrappers too."""
+    maker, fn = None, loss_fn
+    for _ in range(_MAX_WRAPPERS):
+        maker = getattr(fn, UNITS_BY_WRAP_ONLY, None)
+        fn = getattr(fn, "func", None) or getattr(fn, "__wrapped__", None)
+        if maker or fn is None:
+            break
     if per_layer and maker:
         raise ValueError(
             f"per_layer=True hands the loss one Unit handle per top-level entry, which "
