@@ -28,7 +28,8 @@ import sys
 import tempfile
 
 from zeropp_jax.cli.cluster_bench import LOCAL, NODES
-from zeropp_jax.cli.cluster_report import rate_name
+from zeropp_jax.cli.cluster_report import figure_problem, rate_name
+from zeropp_jax.cli.guards import check_output_file
 
 BASELINE = "zero3-2level"  # of cluster_report.BASELINES: rows keep its speedup keys
 
@@ -86,11 +87,35 @@ def parse_args(argv):
     if taken:
         parser.error(f"drop {', '.join(taken)}: --workloads and --d-models set the batch, "
                      "sequence length and width, and --json is this script's own")
+    # outputs checked before a sweep of many minutes, not after it
+    problem = ((options.json and check_output_file("--json", options.json))
+               or (options.figure and figure_problem(options.figure)))
+    if problem:
+        parser.error(problem)
+    options.earlier = []
+    for path in options.from_json or ():
+        try:
+            with open(path) as f:
+                earlier = json.load(f)
+        except (OSError, ValueError) as e:
+            parser.error(f"--from-json {path}: {e}")
+        if not isinstance(earlier, dict) or not {"bench_commands", "rows"} <= set(earlier):
+            parser.error(f"--from-json {path}: not this script's --json (a zeropp-cluster-bench "
+                         "file is pooled by zeropp-cluster-bench --pool)")
+        options.earlier.append((path, earlier))
     return options, bench_flags
 
 
+class WorkloadFailed(Exception):
+    """A ``zeropp-cluster-bench`` run exited with ``returncode``."""
+
+    def __init__(self, returncode: int):
+        super().__init__(returncode)
+        self.returncode = returncode
+
+
 def run_workload(d_model: int, batch: int, seq: int, bench_flags, out_dir: str) -> dict:
-    """One ``zeropp-cluster-bench`` run; its JSON, or ``SystemExit`` with its exit code."""
+    """One ``zeropp-cluster-bench`` run; its JSON, or :class:`WorkloadFailed`."""
     path = os.path.join(out_dir, f"{d_model}-{batch}x{seq}.json")
     cmd = [sys.executable, "-m", "zeropp_jax.cli.cluster_bench", *bench_flags,
            "--d-model", str(d_model), "--batch-size", str(batch), "--seq-len", str(seq),
@@ -100,7 +125,7 @@ def run_workload(d_model: int, batch: int, seq: int, bench_flags, out_dir: str) 
     # The bench's table and progress bar go to this process's stderr.
     done = subprocess.run(cmd, stdout=sys.stderr)
     if done.returncode != 0:
-        raise SystemExit(done.returncode)
+        raise WorkloadFailed(done.returncode)
     with open(path) as f:
         return json.load(f)
 
@@ -186,33 +211,44 @@ def draw(table: list[dict], path: str) -> None:
 
 
 def main(argv=None) -> int:
+    """Runs (or merges) the workloads; prints the JSON and writes ``--json`` /
+    ``--figure``. ``sources`` holds where every bench ran (its provenance;
+    an earlier file's own sources when merging), ``provenance`` this run's.
+    A workload that fails stops the sweep with its exit code, after the
+    finished workloads' rows are printed and written (``"failed"`` names it)."""
     options, bench_flags = parse_args(sys.argv[1:] if argv is None else argv)
-    table, commands = [], []
-    if options.from_json:
-        for path in options.from_json:
-            with open(path) as f:
-                earlier = json.load(f)
-            commands.extend(earlier["bench_commands"])
-            table.extend(earlier["rows"])
-    else:
+    table, commands, sources, failed = [], [], [], None
+    for path, earlier in options.earlier:
+        commands.extend(earlier["bench_commands"])
+        table.extend(earlier["rows"])
+        sources.extend(earlier.get("sources") or [
+            {"path": path, "provenance": earlier.get("provenance")}])
+    if not options.earlier:
         with tempfile.TemporaryDirectory(prefix="cluster-tokens-") as out_dir:
-            for d_model in options.d_models:
-                for batch, seq in options.workloads:
-                    bench = run_workload(d_model, batch, seq, bench_flags, out_dir)
-                    commands.append(bench["command"])
-                    table.extend(rows(d_model, batch, seq, bench))
+            try:
+                for d_model in options.d_models:
+                    for batch, seq in options.workloads:
+                        bench = run_workload(d_model, batch, seq, bench_flags, out_dir)
+                        commands.append(bench["command"])
+                        table.extend(rows(d_model, batch, seq, bench))
+                        sources.append({"d_model": d_model, "workload": f"{batch}x{seq}",
+                                        "provenance": bench.get("provenance")})
+            except WorkloadFailed as e:
+                failed = {"d_model": d_model, "workload": f"{batch}x{seq}",
+                          "exit_code": e.returncode}
     from zeropp_jax import provenance
 
     result = {"command": sys.argv, "bench_commands": commands, "rows": table,
-              "provenance": provenance.record()}
+              "sources": sources, "provenance": provenance.record(),
+              **({"failed": failed} if failed else {})}
     text = json.dumps(result)
     print(text)
     if options.json:
         with open(options.json, "w") as f:
             f.write(text)
-    if options.figure:
+    if options.figure and table:
         draw(table, options.figure)
-    return 0
+    return failed["exit_code"] if failed else 0
 
 
 if __name__ == "__main__":

@@ -75,17 +75,12 @@ def main(argv=None) -> int:
             print(json.dumps(result), flush=True)
         return 0
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    one = subprocess.run(
-        [sys.executable, __file__, "--worker"], capture_output=True, text=True, check=True,
-        env=dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={NODES * LOCAL}"),
-    )
-    print("collective_latency: one process done", file=sys.stderr, flush=True)
-    two = subprocess.run(
-        [sys.executable, "-m", "zeropp_jax.cli.launch", "-n", str(NODES),
-         "--devices-per-process", str(LOCAL), "--", sys.executable, __file__, "--worker"],
-        capture_output=True, text=True, check=True, env=env,
-    )
-    print("collective_latency: two processes (gloo) done", file=sys.stderr, flush=True)
+    one = _run("one process", [sys.executable, __file__, "--worker"],
+               dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={NODES * LOCAL}"))
+    two = _run("two processes (gloo)",
+               [sys.executable, "-m", "zeropp_jax.cli.launch", "-n", str(NODES),
+                "--devices-per-process", str(LOCAL), "--", sys.executable, __file__, "--worker"],
+               env)
     # zeropp-launch prefixes each line with the process index.
     line = next(l for l in two.stdout.splitlines() if l.startswith("[0] {"))
     single, multi = json.loads(one.stdout.strip().splitlines()[-1]), json.loads(line[4:])
@@ -98,9 +93,20 @@ def main(argv=None) -> int:
         "rows": [{"axis": k.split("/")[0], "elements_per_device": int(k.split("/")[1]),
                   "one_process_ms": round(single[k], 3),
                   "process_per_node_gloo_ms": round(multi[k], 3)} for k in single],
-        "provenance": provenance.record(),
+        # the timed devices are the workers' (mesh above), not this launcher's
+        "provenance": provenance.record(devices=False),
     }))
     return 0
+
+
+def _run(what: str, cmd: list[str], env: dict) -> subprocess.CompletedProcess:
+    """Runs one measurement; a failed one exits with its stderr shown."""
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        sys.exit(f"collective_latency: the {what} run failed (exit {done.returncode}):\n"
+                 f"{done.stderr}")
+    print(f"collective_latency: {what} done", file=sys.stderr, flush=True)
+    return done
 
 
 if __name__ == "__main__":

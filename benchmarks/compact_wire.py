@@ -48,6 +48,8 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from zeropp_jax.cli.flags import positive_int  # noqa: E402
+from zeropp_jax.config import PRESETS  # noqa: E402
 
 MICRO_BATCH = 16  # sequences per micro-batch: 2 per device on 8 devices
 ACCUMS = (1, 4)
@@ -98,18 +100,39 @@ def at_paper_scale(preset: str, accum: int) -> dict:
     return {"cycle": out[preset], "zero3": out["zero3"], "ratio": out["zero3"] / out[preset]}
 
 
+def _meshes(text: str) -> list[str]:
+    """``"2x4,4x2"`` -> the meshes, each checked before anything compiles."""
+    from zeropp_jax.mesh import parse_mesh_shape
+
+    out = []
+    for mesh in (m for m in text.split(",") if m):
+        try:
+            nodes, local = parse_mesh_shape(mesh)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e))
+        if nodes < 2 or nodes * local != 8:
+            raise argparse.ArgumentTypeError(
+                f"mesh {mesh}: give 8 devices over at least 2 nodes (2x4, 4x2, 8x1); zero3 "
+                "moves nothing between the nodes of a one-node mesh")
+        out.append(mesh)
+    if not out:
+        raise argparse.ArgumentTypeError("give at least one mesh, e.g. 2x4")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="zeropp-max")
-    parser.add_argument("--meshes", default="2x4,4x2,8x1")
-    parser.add_argument("--steps", type=int, default=400,
+    parser.add_argument("--preset", default="zeropp-max", choices=[p for p in PRESETS if p != "zero3"])
+    parser.add_argument("--meshes", default="2x4,4x2,8x1", type=_meshes,
+                        help="NODESxLOCAL list, each of 8 devices and at least 2 nodes")
+    parser.add_argument("--steps", type=positive_int, default=400,
                         help="the run the 'run' mean is taken over (warm-up included)")
     args = parser.parse_args(argv)
     from zeropp_jax import provenance
 
     start = time.perf_counter()
     rows, targets = [], []
-    for mesh in args.meshes.split(","):
+    for mesh in args.meshes:
         for accum in ACCUMS:
             _log(f"[{time.perf_counter() - start:6.0f}s] {mesh} accum {accum}: compiling")
             got = measure(args.preset, mesh, accum, args.steps)

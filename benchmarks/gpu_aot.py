@@ -67,6 +67,7 @@ import os
 import re
 import sys
 import tempfile
+from zeropp_jax.cli.flags import positive_int  # noqa: E402
 
 # One NVIDIA H200 SXM as XLA:GPU's target description (GpuTargetConfigProto,
 # text format). Device limits as XLA reports them for Hopper (sm_90, the same
@@ -320,6 +321,15 @@ def comm_rows(presets, target: str = "h200", batch_size: int = 16) -> list[dict]
     return rows
 
 
+def _shape(text: str) -> tuple[int, ...]:
+    """``--shape``: five positive integers, LAYERS,D_MODEL,HEADS,SEQ,BATCH."""
+    values = tuple(positive_int(v) for v in text.split(","))
+    if len(values) != 5:
+        raise argparse.ArgumentTypeError(
+            f"--shape is LAYERS,D_MODEL,HEADS,SEQ,BATCH (five integers), got {text!r}")
+    return values
+
+
 def _parse_config(text: str | None):
     if not text:
         return None
@@ -340,19 +350,19 @@ def main(argv=None) -> int:
     parser.add_argument("what", choices=["kernels", "comm", "overlap"],
                         help="what to compile and report")
     parser.add_argument("--target", default="h200", choices=sorted(TARGETS))
-    parser.add_argument("--elems", type=int, default=2**24,
+    parser.add_argument("--elems", type=positive_int, default=2**24,
                         help="elements per input (2**24; only the grid depends on it)")
     parser.add_argument("--only", default="", help="comma-separated substrings of kernel names")
-    parser.add_argument("--config", default=None,
+    parser.add_argument("--config", default=None, type=_parse_config,
                         help="TILE/WARPS[s] for every kernel instead of its default")
     parser.add_argument("--presets", default="zero3,qwz,hpz,qgz,zeropp,zeropp-max",
                         help="comm: the presets compiled")
-    parser.add_argument("--shape", default="24,2048,16,1024,16",
+    parser.add_argument("--shape", default=(24, 2048, 16, 1024, 16), type=_shape,
                         help="overlap: LAYERS,D_MODEL,HEADS,SEQ,BATCH of the example GPT "
                              "(default the probe's 1.2B, batch 2 per device)")
     parser.add_argument("--json-out", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
-    config = _parse_config(args.config)
+    config = args.config
     if args.what == "comm" and "xla_force_host_platform_device_count" not in os.environ.get(
             "XLA_FLAGS", ""):  # before JAX starts: the CPU mesh to compare with
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -363,7 +373,7 @@ def main(argv=None) -> int:
     elif args.what == "overlap":
         from zeropp_jax.models import gpt
 
-        layers, d_model, heads, seq, batch = (int(v) for v in args.shape.split(","))
+        layers, d_model, heads, seq, batch = args.shape
         cfg = gpt.GPTConfig(seq_len=seq, n_layers=layers, d_model=d_model, n_heads=heads)
         rows = overlap_rows(args.presets.split(","), cfg, batch, args.target)
     else:

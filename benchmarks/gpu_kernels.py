@@ -55,6 +55,7 @@ import json
 import statistics
 import sys
 import time
+from zeropp_jax.cli.flags import positive_int  # noqa: E402
 
 # The library's default blocks (zeropp_jax.config): qwZ 256, qgZ int4/int8
 # 256, qgZ 1-bit 32. Kept literal so --help works without importing jax.
@@ -314,9 +315,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--elems", type=int, default=2**28, help="elements per input (2**28)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed batches (median reported)")
-    parser.add_argument("--batch", type=int, default=10, help="calls per timed batch")
+    parser.add_argument("--elems", type=positive_int, default=2**28, help="elements per input (2**28)")
+    parser.add_argument("--repeats", type=positive_int, default=7, help="timed batches (median reported)")
+    parser.add_argument("--batch", type=positive_int, default=10, help="calls per timed batch")
     parser.add_argument("--quick", action="store_true", help="time the default KernelConfig only")
     parser.add_argument("--only", default="", help="comma-separated substrings of kernel names to run")
     parser.add_argument("--json-out", default=None, help="also write the results here")

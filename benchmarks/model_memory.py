@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zeropp_jax as zp  # noqa: E402
+from zeropp_jax.cli.flags import positive_int  # noqa: E402
 
 MIB = 2**20
 TARGET_RATIO = 1.5  # zero3_whole <= 1.5 x (plain + one gathered model)
@@ -89,11 +90,16 @@ def measure(n_layer: int, d_model: int, seq: int) -> dict:
     }
 
 
+def _layer_counts(text: str) -> list[int]:
+    return [positive_int(x) for x in text.split(",") if x] or [positive_int("")]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", default="2,4,8")
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--layers", default=[2, 4, 8], type=_layer_counts,
+                        help="comma-separated layer counts (default 2,4,8)")
+    parser.add_argument("--d-model", type=positive_int, default=256)
+    parser.add_argument("--seq", type=positive_int, default=32)
     args = parser.parse_args(argv)
     try:
         import transformers  # noqa: F401
@@ -101,7 +107,7 @@ def main(argv=None) -> int:
         print("model_memory.py needs transformers (pip install transformers==4.46.3)", file=sys.stderr)
         return 2
     rows = []
-    for n in (int(x) for x in args.layers.split(",")):
+    for n in args.layers:
         print(f"compiling {n} layers ...", file=sys.stderr, flush=True)
         rows.append(measure(n, args.d_model, args.seq))
     print("| layers | model MiB | plain temp MiB | zero3 per_layer=False temp MiB | ratio to plain + model |")

@@ -51,6 +51,7 @@ from tqdm import tqdm
 from pallas_kernels import compress_1bit_ef_reference
 from zeropp_jax import data
 from zeropp_jax.models import gpt
+from zeropp_jax.cli.flags import non_negative_int, positive_int  # noqa: E402
 
 VARIANTS = ("adam", "frozen", "grad-ef", "momentum-ef", "momentum-noef")
 NODES = 2  # the simulated 2x4 mesh's node count
@@ -138,11 +139,11 @@ def run(
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    p.add_argument("--warmup", type=int, nargs="+", default=[100],
+    p.add_argument("--warmup", type=non_negative_int, nargs="+", default=[100],
                    help="full-precision steps before compressing / freezing v (one run each)")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--block", type=int, default=32, help="elements per 1-bit scale")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=positive_int, default=400)
+    p.add_argument("--block", type=positive_int, default=32, help="elements per 1-bit scale")
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--clip", choices=CLIPS, default="global",
                    help="clipping of compressed steps (see the module docstring)")
     args = p.parse_args(argv)

@@ -433,11 +433,16 @@ def _x(r) -> str:
     return "-" if r is None else f"{r:.3f}"
 
 
+def _provenance(result: dict) -> dict:
+    """The result's provenance record (``"code"`` in JSON written before stop 48)."""
+    return result.get("provenance") or result["code"]
+
+
 def format_report(result: dict) -> str:
     lines = [
         f"# ZeRO++ presets on the simulated {MESH} mesh (example GPT, {result.get('params', '?'):,} params)",
         "",
-        f"code: {result['code']['zeropp_jax']} (git {result['code']['git']})",
+        f"code: {_provenance(result)['zeropp_jax']} (git {_provenance(result)['git']})",
         "",
     ]
     comm = result.get("comm")
@@ -566,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "seeds": seeds,
         "variants": {k: " ".join(VARIANTS[k]) for k in variants},
-        "code": provenance.record(),
+        "provenance": provenance.record(),
     }
 
     comm = None

@@ -83,6 +83,7 @@ import argparse
 import json
 import sys
 import time
+from zeropp_jax.cli.flags import non_negative_int, positive_int  # noqa: E402
 
 BLOCKS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 ALIGN = max(BLOCKS)
@@ -203,18 +204,20 @@ def choose_block(rows: list, tolerance: float, jump: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=50, help="training steps before the trained tensors")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=non_negative_int, default=50, help="training steps before the trained tensors")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--layers", type=positive_int, default=4)
+    parser.add_argument("--d-model", type=positive_int, default=128)
+    parser.add_argument("--heads", type=positive_int, default=4)
     parser.add_argument("--tolerance", type=float, default=0.10,
                         help="error allowed over the finest block when choosing (fraction)")
     parser.add_argument("--jump", type=float, default=0.15,
                         help="error growth in one doubling of the block that ends the smooth region")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
+    if args.d_model % args.heads:
+        parser.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
 
     started = time.perf_counter()
     tensors = train_tensors(

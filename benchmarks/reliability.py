@@ -1,4 +1,4 @@
-"""Replays issue 20's reliability probes against the command-line tools; prints a table.
+"""Replays issue 20's reliability probes against the command-line tools; prints a table and JSON.
 
 Each probe runs ``zeropp-train`` / ``zeropp-export`` / ``zeropp-launch`` in a
 fresh process on a tiny model (2x4 simulated CPU devices) and compares what
@@ -10,7 +10,9 @@ happened with what must happen. Run from the repository root::
 The kill -9 probe kills a training run at a random step (``--seed``, printed)
 and resumes it; its losses must equal those of an uninterrupted run.
 
-Exit status 0 when every row passes.
+The last line is one JSON object: the seed, every row (probe, expected,
+observed, passed) and the provenance record. Exit status 0 when every row
+passes.
 """
 
 from __future__ import annotations
@@ -262,6 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     widths = [max(len(r[i]) for r in rows + [("probe", "expected", "observed", "")]) for i in range(4)]
     for row in [("probe", "expected", "observed", "")] + rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    from zeropp_jax import provenance
+
+    print(json.dumps({
+        "seed": seed,
+        "rows": [dict(probe=p, expected=e, observed=o, passed=r == "pass") for p, e, o, r in rows],
+        "passed": all(r[3] == "pass" for r in rows),
+        "provenance": provenance.record(devices=False),  # the probes run in their own processes
+    }))
     return 0 if all(r[3] == "pass" for r in rows) else 1
 
 

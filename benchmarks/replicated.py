@@ -23,7 +23,9 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -32,6 +34,7 @@ import zeropp_jax as zp  # noqa: E402
 from zeropp_jax import data  # noqa: E402
 from zeropp_jax.checkpoint import Checkpointer  # noqa: E402
 from zeropp_jax.models import gpt  # noqa: E402
+from zeropp_jax.cli.flags import non_negative_int, positive_int  # noqa: E402
 
 
 def rows_equal(state) -> bool:
@@ -59,12 +62,20 @@ def run(trainer, state, batches, start, stop, check, progress):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--warmup", type=int, default=20, help="1-bit Adam's full-precision warm-up")
-    parser.add_argument("--refresh-every", type=int, default=10)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--d-model", type=int, default=32)
+    parser.add_argument("--steps", type=positive_int, default=300,
+                        help="steps (at least 2: the resume starts halfway)")
+    parser.add_argument("--warmup", type=positive_int, default=20,
+                        help="1-bit Adam's full-precision warm-up")
+    parser.add_argument("--refresh-every", type=non_negative_int, default=10,
+                        help="a full-precision refresh every N steps (0: never; not 1)")
+    parser.add_argument("--layers", type=positive_int, default=2)
+    parser.add_argument("--d-model", type=positive_int, default=32,
+                        help="model width (a multiple of 2, the heads)")
     args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error(f"--steps {args.steps}: give at least 2 (the resume starts halfway)")
+    if args.refresh_every == 1 or args.d_model % 2:
+        parser.error("--refresh-every 1 compresses no step, and --d-model must be even (2 heads)")
 
     cfg = gpt.GPTConfig(vocab_size=256, seq_len=16, n_layers=args.layers, d_model=args.d_model,
                         n_heads=2)

@@ -32,6 +32,7 @@ import os
 import sys
 
 import gpu_train_probe as probe
+from zeropp_jax.cli.flags import positive_int  # noqa: E402
 
 DEFAULT_VARIANTS = ("plain", "plain_remat", "zero3", "qwz_xla")
 
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default=None, choices=["h200"],
                         help="compile for this GPU from any machine (gpu_aot.py: needs JAX's "
                              "CUDA plugin, no GPU), with the attention a GPU run picks")
-    parser.add_argument("--top", type=int, default=8, help="instructions listed per variant")
+    parser.add_argument("--top", type=positive_int, default=8, help="instructions listed per variant")
     parser.add_argument("--json-out", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     variants = probe.parse_variants(parser, args.variants)

@@ -106,6 +106,7 @@ def test_summary_line_reports_first_and_final_loss(mesh_runs, mesh):
     # where it came from: every flag, the code's commit (None outside a checkout), the machine
     assert summary["flags"]["preset"] == "zero3" and summary["flags"]["mesh"] == mesh
     assert {"git", "host", "jax", "date", "devices"} <= set(summary["provenance"])
+    assert "cli/train.py --no-progress --metrics-out" in summary["provenance"]["command"]
 
 
 # --- 2. the default model learns the default data ---------------------------

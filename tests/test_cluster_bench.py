@@ -420,7 +420,8 @@ def _fake_sweep_json(path, step_s, *, flags=(), steps=10, presets=("zero3", "zer
             preset, 50.0, runs, 64, probes=[{"rate_mbit": 50.0, "payload_gbits_per_s": 0.045}]))
     path.write_text(json.dumps({
         "command": ["zeropp-cluster-bench", "--steps", str(steps), "--warmup", "3", *flags],
-        "nodes": 2, "local": 4, "steps": steps, "warmup": 3, "records": records}))
+        "nodes": 2, "local": 4, "steps": steps, "warmup": 3, "records": records,
+        "provenance": {"git": f"commit-of-{path.stem}"}}))
     return path
 
 
@@ -445,7 +446,13 @@ def test_pool_reports_earlier_sweeps_as_one_with_their_runs_as_rounds(tmp_path, 
     again = tmp_path / "again.json"
     assert cluster_bench.main(["--pool", str(out), str(b), "--no-predict",
                                "--json", str(again)]) == 0
-    assert json.loads(again.read_text())["records"][0]["run_steps"] == [2] * 6
+    again = json.loads(again.read_text())
+    assert again["records"][0]["run_steps"] == [2] * 6
+    # where every pooled sweep ran stays with the figures (the pooling run's own record aside)
+    assert pooled["sources"] == [{"path": str(p), "provenance": {"git": f"commit-of-{p.stem}"}}
+                                 for p in (a, b)]
+    assert [s["provenance"]["git"] for s in again["sources"]] == [
+        "commit-of-a", "commit-of-b", "commit-of-b"]
 
 
 def test_pool_refuses_sweeps_of_other_workloads_and_run_flags(tmp_path, capsys):

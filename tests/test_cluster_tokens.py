@@ -59,3 +59,38 @@ def test_rows_merge_and_draw(tmp_path, monkeypatch, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["rows"] == first + second == json.loads(merged.read_text())["rows"]
     assert figure.stat().st_size > 10_000
+    # where the runs were made stays with the rows: each earlier file's record
+    assert out["sources"] == [{"path": str(p), "provenance": None} for p in paths]
+
+
+def test_sources_and_partial_results_of_a_sweep(tmp_path, monkeypatch, capsys):
+    """A live sweep keeps every bench's provenance; a failed workload stops the
+    sweep with its exit code after the finished ones are printed and written;
+    outputs and --from-json files are checked before anything runs."""
+    benches = iter([_bench({(ct.BASELINE, 50.0): 0.4, ("zeropp", 50.0): 0.2})])
+
+    def run_workload(d_model, batch, seq, flags, out_dir):
+        bench = next(benches, None)
+        if bench is None:
+            raise ct.WorkloadFailed(3)
+        return {**bench, "provenance": {"git": "abc"}}
+
+    monkeypatch.setattr(ct, "run_workload", run_workload)
+    monkeypatch.setattr(sys, "argv", ["cluster_tokens.py"])
+    saved = tmp_path / "partial.json"
+    assert ct.main(["--workloads", "8x32,8x64", "--json", str(saved)]) == 3
+    out = json.loads(capsys.readouterr().out)
+    assert out == json.loads(saved.read_text())
+    assert len(out["rows"]) == 2 and out["failed"] == {"d_model": 128, "workload": "8x64",
+                                                       "exit_code": 3}
+    assert out["sources"] == [{"d_model": 128, "workload": "8x32", "provenance": {"git": "abc"}}]
+    bench_json = tmp_path / "bench.json"
+    bench_json.write_text(json.dumps(_bench({(ct.BASELINE, 0.0): 1.0})))
+    for argv, words in ((["--figure", str(tmp_path / "f.xyz")], ["--figure", "file type"]),
+                        (["--json", str(tmp_path / "no" / "x.json")], ["--json", "does not exist"]),
+                        (["--from-json", str(tmp_path / "missing.json")], ["--from-json", "No such"]),
+                        (["--from-json", str(bench_json)], ["not this script's --json"])):
+        with pytest.raises(SystemExit) as e:
+            ct.parse_args(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and all(w in err for w in words), (argv, err)

@@ -45,7 +45,7 @@ def test_targets_use_the_mean_over_seeds(presets):
     assert targets["qgz_noef_minus_qgz_loss"]["pass"]
     assert "hpz_loss_rel_diff" in skipped and "zeropp_time_ratio" in skipped
     report = presets.format_report({
-        "params": 1, "code": {"zeropp_jax": "x", "git": None}, "steps": 400, "seeds": [0, 1],
+        "params": 1, "provenance": {"zeropp_jax": "x", "git": None}, "steps": 400, "seeds": [0, 1],
         "convergence": conv, "targets": targets, "skipped_targets": skipped,
     })
     assert "| qwz | " in report and "+0.90% / -0.10%" in report

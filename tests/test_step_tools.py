@@ -247,7 +247,8 @@ def test_gpu_check_runs_every_stage_and_leaves_what_the_device_tool_brings_back(
     summary = run.stdout[run.stdout.index("== summary"):]
     assert "pytest (rc=0):" in summary and " passed" in summary
     assert "quantize int8 f32" in summary and "zero3" in summary
-    assert "goal NOT met: zero3 within 2% of plain jit" in summary or "goal met: zero3" in summary
+    # the goal lines reach the summary (on a CPU: that they were not checked, an H200's goals)
+    assert "goals not checked: not a GPU" in summary
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert files == ["bench.log", "gpu_kernels.json", "gpu_train_probe.json", "hlo.tgz",
                      "probe.log", "profile.tgz", "pytest.log"]

@@ -11,10 +11,11 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import shlex
 import subprocess
 import sys
 
-__all__ = ["code_version", "record"]
+__all__ = ["code_version", "command_line", "record"]
 
 _GIT_TIMEOUT_S = 10
 
@@ -50,6 +51,16 @@ def code_version() -> dict:
     return out
 
 
+def command_line() -> str:
+    """The process's command line, shell-quoted: ``sys.argv``, a console script
+    (``zeropp-train``, in the interpreter's ``bin``) by its name, a script or
+    module by the path Python was given."""
+    argv = list(sys.argv) or [""]
+    if os.path.dirname(os.path.abspath(argv[0])) == os.path.dirname(sys.executable):
+        argv[0] = os.path.basename(argv[0])
+    return shlex.join(argv)
+
+
 def record(devices: bool = True) -> dict:
     """:func:`code_version` plus the machine, the software and the UTC time.
 
@@ -58,15 +69,17 @@ def record(devices: bool = True) -> dict:
         initializes JAX's backends; a launcher of other processes passes
         False).
 
-    Returns a JSON-ready dict: ``git``, ``zeropp_jax``, ``host``
-    (``platform.node()``), ``cpus``, ``python``, ``jax``, ``date`` (ISO 8601,
-    UTC, to the second), and with ``devices`` also ``backend`` and
-    ``devices`` (count and kind of the default backend's devices).
+    Returns a JSON-ready dict: ``git``, ``zeropp_jax``, ``command``
+    (:func:`command_line`: what re-runs the figure), ``host`` (``platform.node()``),
+    ``cpus``, ``python``, ``jax``, ``date`` (ISO 8601, UTC, to the second),
+    and with ``devices`` also ``backend`` and ``devices`` (count and kind of
+    the default backend's devices).
     """
     import jax
 
     out = {
         **code_version(),
+        "command": command_line(),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "python": sys.version.split()[0],

@@ -297,12 +297,16 @@ def pool(paths: Sequence[str]) -> tuple[list[str], dict, list[dict]]:
     """
     runs: dict[tuple[float, str], list[dict]] = {}
     probes: dict[float, list[dict]] = {}
+    sources: list[dict] = []
     first = None
     for path in paths:
         with open(path) as f:
             sweep_json = json.load(f)
         if not {"command", "steps", "warmup", "records"} <= set(sweep_json):
             raise ValueError(f"{path}: not a zeropp-cluster-bench --json file")
+        # where each sweep ran (a pooled file's own sources, if it pooled)
+        sources.extend(sweep_json.get("sources") or [
+            {"path": path, "provenance": sweep_json.get("provenance")}])
         # a pooled file records its flags; a sweep's, its command line
         flags = sweep_json.get("train_flags")
         if flags is None:
@@ -322,7 +326,7 @@ def pool(paths: Sequence[str]) -> tuple[list[str], dict, list[dict]]:
                 probed.add(rec["rate_mbit"])
                 probes.setdefault(rec["rate_mbit"], []).extend(rec.get("link_probes") or [])
     _, train_flags, steps, warmup = first
-    header = {"steps": steps, "warmup": warmup, "pooled": list(paths)}
+    header = {"steps": steps, "warmup": warmup, "pooled": list(paths), "sources": sources}
     return train_flags, header, _records(runs, train_flags, probes)
 
 
