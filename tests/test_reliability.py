@@ -447,3 +447,33 @@ def test_cli_resume_refuses_before_it_converts_and_names_its_flags(tmp_path, cap
     assert rc == 2 and [line for line in lines if "error:" in line] == lines[-1:], err
     assert "ZeroConfig(qgz_target='gradient')" in err
     assert err.strip().endswith("; with zeropp-train: pass --qgz-target gradient"), err
+
+
+def test_the_reliability_benchmark_ends_with_its_json(monkeypatch, capsys):
+    """benchmarks/reliability.py: a table, then one JSON line with every row, the
+    seed and the provenance (with the command line); exit 1 when a probe fails."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "reliability.py"
+    spec = importlib.util.spec_from_file_location("reliability_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "probes", lambda tmp, seed: iter(
+        [("bad flag", "usage error", "exit 2", True), ("kill -9", "same losses", "differ", False)]))
+    monkeypatch.setattr(sys, "argv", ["reliability.py", "--seed", "4"])
+    assert bench.main(["--seed", "4"]) == 1
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["seed"] == 4 and result["passed"] is False
+    assert [r["passed"] for r in result["rows"]] == [True, False]
+    assert result["rows"][1] == {"probe": "kill -9", "expected": "same losses",
+                                 "observed": "differ", "passed": False}
+    assert result["provenance"]["command"] == "reliability.py --seed 4"
+    # a console script by its name, other programs by the path Python was given
+    from zeropp_jax import provenance
+
+    script = os.path.join(os.path.dirname(sys.executable), "zeropp-train")
+    monkeypatch.setattr(sys, "argv", [script, "--data", "my file.txt"])
+    assert provenance.command_line() == "zeropp-train --data 'my file.txt'"
+    monkeypatch.setattr(sys, "argv", ["benchmarks/presets.py", "--steps", "10"])
+    assert provenance.command_line() == "benchmarks/presets.py --steps 10"
