@@ -28,7 +28,7 @@ import sys
 import tempfile
 
 from zeropp_jax.cli.cluster_bench import LOCAL, NODES
-from zeropp_jax.cli.cluster_report import figure_problem, rate_name
+from zeropp_jax.cli.cluster_report import figure_problem, rate_name, sources_of
 from zeropp_jax.cli.guards import check_output_file
 
 BASELINE = "zero3-2level"  # of cluster_report.BASELINES: rows keep its speedup keys
@@ -221,8 +221,7 @@ def main(argv=None) -> int:
     for path, earlier in options.earlier:
         commands.extend(earlier["bench_commands"])
         table.extend(earlier["rows"])
-        sources.extend(earlier.get("sources") or [
-            {"path": path, "provenance": earlier.get("provenance")}])
+        sources.extend(sources_of(path, earlier))
     if not options.earlier:
         with tempfile.TemporaryDirectory(prefix="cluster-tokens-") as out_dir:
             try:

@@ -388,11 +388,18 @@ class ZeroConfig:
         block of a feature that is off pads nothing (before, a large
         ``qwz_block`` padded every shard of a zero3 run to it).
         """
-        blocks = [self.qwz_block] * bool(self.qwz_bits) + [self.qgz_block] * (self.qgz != "off")
+        blocks = list(self.quantization_blocks().values())
         align = SHARD_ALIGNMENT
         for block in [QUANTIZED_SHARD_ALIGNMENT] * bool(blocks) + blocks:
             align = math.lcm(align, block)
         return align
+
+    def quantization_blocks(self) -> dict[str, int]:
+        """Field name -> block of each feature that is on: ``qwz_block`` with
+        ``qwz_bits``, ``qgz_block`` with ``qgz`` (a block of a feature that is
+        off is never used)."""
+        on = {"qwz_block": bool(self.qwz_bits), "qgz_block": self.qgz != "off"}
+        return {name: getattr(self, name) for name, used in on.items() if used}
 
     def leaf_alignment(self) -> int:
         """Elements every parameter leaf starts at a multiple of.

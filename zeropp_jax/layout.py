@@ -160,6 +160,12 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
+def padded_length(elements: int, n_devices: int, align: int) -> int:
+    """A unit's stored elements per layer when its leaves end at ``elements``:
+    a multiple of ``n_devices * align``, one shard at least."""
+    return _round_up(max(elements, 1), n_devices * align)
+
+
 def _unit_layout(
     name: str, tree: Any, *, stacked: bool, n_devices: int, align: int, leaf_align: int = 1
 ) -> UnitLayout:
@@ -196,7 +202,7 @@ def _unit_layout(
         offset = _round_up(offset, leaf_align)
         specs.append(LeafSpec(leaf_path, shape, jnp.dtype(dtype), offset, size))
         offset += size
-    padded = _round_up(max(offset, 1), n_devices * align)
+    padded = padded_length(offset, n_devices, align)
     numel = sum(spec.size for spec in specs)
     return UnitLayout(name, treedef, tuple(specs), stack, numel, padded)
 
@@ -242,14 +248,10 @@ def build_layout(
         )
     if not per_layer:
         if stacked:
-            raise ValueError(
-                "stacked units need per-layer gathering; pass per_layer=True or "
-                "drop stacked"
-            )
-        unit = _unit_layout(
-            WHOLE_MODEL, params, stacked=False, n_devices=n_devices, align=align,
-            leaf_align=leaf_align,
-        )
+            raise ValueError("stacked units need per-layer gathering; pass per_layer=True or "
+                             "drop stacked")
+        unit = _unit_layout(WHOLE_MODEL, params, stacked=False, n_devices=n_devices,
+                            align=align, leaf_align=leaf_align)
         return ParamLayout((unit,), True, n_devices)
     if not isinstance(params, Mapping):
         raise ValueError(
@@ -267,10 +269,8 @@ def build_layout(
         )
     missing = [k for k in stacked if k not in params]
     if missing:
-        raise ValueError(
-            f"stacked names {missing} are not top-level parameter keys "
-            f"{list(params)}"
-        )
+        raise ValueError(f"stacked names {missing} are not top-level parameter keys "
+                         f"{list(params)}")
     units = tuple(
         _unit_layout(
             k, v, stacked=k in stacked, n_devices=n_devices, align=align,

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from zeropp_jax.analysis.comm_report import CommReport, comm_report, hlo_dtype
 from zeropp_jax.analysis.hlo import dtype_bytes
 from zeropp_jax.config import SHARD_ALIGNMENT
+from zeropp_jax.layout import padded_length
 
 __all__ = [
     "float_dtypes",
@@ -151,8 +152,8 @@ def zero3_padded_numel(layout, n_devices: int) -> int:
     SHARD_ALIGNMENT`` (zero3 quantizes nothing and does not align leaves),
     times its layers. A qwZ or qgZ run pads its own shards further (its
     blocks), which zero3 would not move."""
-    quantum = n_devices * SHARD_ALIGNMENT
-    return sum(-(-max(u.numel, 1) // quantum) * quantum * (u.stack or 1) for u in layout.units)
+    return sum(padded_length(u.numel, n_devices, SHARD_ALIGNMENT) * (u.stack or 1)
+               for u in layout.units)
 
 
 def _is_zero3(config) -> bool:

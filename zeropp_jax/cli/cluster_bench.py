@@ -304,9 +304,7 @@ def pool(paths: Sequence[str]) -> tuple[list[str], dict, list[dict]]:
             sweep_json = json.load(f)
         if not {"command", "steps", "warmup", "records"} <= set(sweep_json):
             raise ValueError(f"{path}: not a zeropp-cluster-bench --json file")
-        # where each sweep ran (a pooled file's own sources, if it pooled)
-        sources.extend(sweep_json.get("sources") or [
-            {"path": path, "provenance": sweep_json.get("provenance")}])
+        sources.extend(cluster_report.sources_of(path, sweep_json))
         # a pooled file records its flags; a sweep's, its command line
         flags = sweep_json.get("train_flags")
         if flags is None:

@@ -210,6 +210,13 @@ def record(preset: str, rate: float, runs: Sequence[dict], tokens_per_step: int,
     }
 
 
+def sources_of(path: str, saved: dict) -> list[dict]:
+    """Where the runs of a saved JSON ``saved`` (read from ``path``) were made:
+    its own ``sources`` when it merged earlier files, else its path and its
+    provenance record."""
+    return saved.get("sources") or [{"path": path, "provenance": saved.get("provenance")}]
+
+
 def runs_of(rec: dict) -> list[dict]:
     """The runs a :func:`record` pooled, split again by its ``run_steps`` (the
     keys :func:`record` reads), so that the runs of several sweeps can be pooled."""

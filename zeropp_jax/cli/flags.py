@@ -8,48 +8,52 @@ argparse value types that say what they expected (:func:`positive_int`,
 from __future__ import annotations
 
 import argparse
+from typing import Callable
+
+_INF = float("inf")
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def number_type(
+    parse: Callable[[str], float], ok: Callable[[float], bool], name: str, *,
+    unparsed: str, rejected: str,
+) -> Callable[[str], float]:
+    """An argparse ``type=``: ``parse(text)``, refused unless ``ok(value)``.
+
+    ``unparsed`` and ``rejected`` are the usage errors for text ``parse``
+    cannot read and for a value ``ok`` refuses; ``{text!r}`` and ``{value}``
+    in them are filled in.
+    """
+
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(unparsed.format(text=text)) from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(rejected.format(text=text, value=value))
+        return value
+
+    convert.__name__ = convert.__qualname__ = name
+    return convert
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """A finite number >= 0 (``inf`` and ``nan`` are refused)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite number > 0 (``inf`` and ``nan`` are refused)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    if not (value > 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"expected a finite positive number, got {text!r}")
-    return value
+positive_int = number_type(
+    int, lambda v: v >= 1, "positive_int",
+    unparsed="expected a positive integer, got {text!r}",
+    rejected="expected a positive integer, got {value}")
+non_negative_int = number_type(
+    int, lambda v: v >= 0, "non_negative_int",
+    unparsed="expected an integer >= 0, got {text!r}",
+    rejected="expected an integer >= 0, got {value}")
+# Finite numbers: ``inf`` and ``nan`` are refused.
+non_negative_float = number_type(
+    float, lambda v: 0 <= v < _INF, "non_negative_float",
+    unparsed="expected a number >= 0, got {text!r}",
+    rejected="expected a finite number >= 0, got {text!r}")
+positive_float = number_type(
+    float, lambda v: 0 < v < _INF, "positive_float",
+    unparsed="expected a positive number, got {text!r}",
+    rejected="expected a finite positive number, got {text!r}")
 
 
 # Training flags: they change no byte of a step's communication (zeropp-comm

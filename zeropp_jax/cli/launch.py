@@ -52,6 +52,7 @@ from zeropp_jax.cli._processes import (
     HOST,
     launch,
 )
+from zeropp_jax.cli.flags import number_type
 from zeropp_jax.mesh import parse_mesh_shape
 
 MAX_PORT = 65535  # TCP's largest port
@@ -118,24 +119,13 @@ def _int_at_least(low: int, high: int | None = None):
     return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
+# Seconds: inf is taken (no limit), nan refused.
+_positive_float = number_type(
+    float, lambda v: v > 0, "_positive_float",
+    unparsed="expected a number, got {text!r}", rejected="expected a positive number, got {text!r}")
+_non_negative_float = number_type(
+    float, lambda v: v >= 0, "_non_negative_float",
+    unparsed="expected a number, got {text!r}", rejected="expected a number >= 0, got {text!r}")
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -134,8 +134,7 @@ def run(args: argparse.Namespace) -> int:
             f"dtype={info['compute_dtype']} tokens={len(tokens):,} vocab={vocab}",
             flush=True,
         )
-        for warning in guards.start_warnings(trainer, args.steps):
-            print(f"zeropp-train: warning: {warning}", file=sys.stderr, flush=True)
+    common.warn(PROG, guards.start_warnings(trainer, args.steps))
     record_of_run = guards.run_record(args, dataclasses.asdict(model_cfg))
     ckpt, state, restored_meta = _open_checkpoints(args, trainer, is_main, record_of_run)
     if state is None:

@@ -331,12 +331,9 @@ def check_kernel_blocks(geo: StepGeometry) -> None:
     """Raises ``ValueError`` if the step's Pallas kernels would get a qwZ or qgZ
     block that is not a power of two (the XLA kernels take any multiple of 8).
     Only the blocks of features that are on are checked."""
-    cfg = geo.config
     if geo.kernels.name == "xla":
         return
-    used = {"qwz_block": bool(cfg.qwz_bits), "qgz_block": cfg.qgz != "off"}
-    for name in [name for name, on in used.items() if on]:
-        block = getattr(cfg, name)
+    for name, block in geo.config.quantization_blocks().items():
         if block & (block - 1):
             raise ValueError(
                 f"the Pallas kernels need power-of-two blocks, but {name}={block}; "

@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeropp_jax.config_checks import is_int
+
 # The sign pattern: the low bit of SplitMix64 of the position in the block
 # (the same on every device, process and NumPy version; any fixed pattern
 # that is not structured like H's rows works).
@@ -45,7 +47,7 @@ _SPLITMIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
 def _check_block(n: int, block: int) -> None:
-    if isinstance(block, bool) or not isinstance(block, (int, np.integer)):
+    if not is_int(block):
         raise ValueError(f"the Hadamard rotation needs an int block (a power of two >= 2), "
                          f"got {block!r}")
     if block < 2 or block & (block - 1):
