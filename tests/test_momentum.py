@@ -271,12 +271,91 @@ def test_presets_run_onebit_adam_and_drop_it_when_overridden():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(learning_rate=0.0), "learning_rate must be a positive float"),
+        (dict(learning_rate=0.0), "learning_rate must be a finite number > 0 or a schedule"),
+        (dict(learning_rate=True), "learning_rate must be a finite number"),
+        (dict(learning_rate=np.ones(2)), "learning_rate must be a finite number"),
         (dict(learning_rate=1e-3, b1=1.0), "b1 must be in"),
-        (dict(learning_rate=1e-3, eps=0.0), "eps must be > 0"),
-        (dict(learning_rate=1e-3, clip_norm=-1.0), "clip_norm must be > 0"),
+        (dict(learning_rate=1e-3, b2=float("nan")), "b2 must be in"),
+        (dict(learning_rate=1e-3, eps=0.0), "eps must be a finite number > 0"),
+        (dict(learning_rate=1e-3, eps=float("inf")), "eps must be a finite number > 0"),
+        (dict(learning_rate=1e-3, clip_norm=-1.0), "clip_norm must be a finite number > 0"),
     ],
 )
 def test_onebit_adam_rejects_bad_hyperparameters(kwargs, message):
     with pytest.raises(ValueError, match=message):
         zp.onebit_adam(**kwargs)
+
+
+def test_onebit_adam_takes_numpy_and_jax_scalars_like_optax():
+    hyper = zp.onebit_adam(np.float32(1e-3), eps=jax.numpy.float32(1e-8), clip_norm=np.int64(1))
+    assert (hyper.learning_rate, hyper.clip_norm) == (float(np.float32(1e-3)), 1.0)
+    assert all(type(x) is float for x in (hyper.learning_rate, hyper.b1, hyper.b2, hyper.eps))
+
+
+
+@pytest.mark.parametrize("b1, b2", [(0.9, 0.999), (0.9, 0.95), (0.5, 0.3)])
+def test_update_bound_is_adams_own(b1, b2):
+    """No gradient sequence takes Adam's ``|m / sqrt(v_hat)|`` past the bound, and one nearly reaches it."""
+    hyper = zp.onebit_adam(1e-3, b1=b1, b2=b2)
+    steps = 300
+    bound = np.array([float(hyper.update_bound(jax.numpy.int32(t))) for t in range(1, steps + 1)])
+    rng = np.random.default_rng(0)
+    worst = (b2 / b1) ** np.arange(steps)  # Cauchy-Schwarz's equality case at the last step
+    sequences = [rng.normal(size=steps), rng.standard_cauchy(size=steps), worst,
+                 np.r_[np.zeros(steps // 2), rng.normal(size=steps - steps // 2) * 1e6]]
+    for g in sequences:
+        m = v = 0.0
+        ratios = []
+        for t, gt in enumerate(g, start=1):
+            m, v = b1 * m + (1 - b1) * gt, b2 * v + (1 - b2) * gt**2
+            ratios.append(abs(m) / np.sqrt(v / (1 - b2**t)) if v else 0.0)
+        assert np.all(np.array(ratios) <= bound * (1 + 1e-6))
+    assert ratios_of_worst(worst, b1, b2) > 0.99 * bound[-1]
+
+
+def ratios_of_worst(g, b1, b2):
+    m = v = 0.0
+    for gt in g:
+        m, v = b1 * m + (1 - b1) * gt, b2 * v + (1 - b2) * gt**2
+    return abs(m) / np.sqrt(v / (1 - b2 ** len(g)))
+
+
+@pytest.mark.parametrize("preset", ["zeropp", pytest.param("qgz", marks=pytest.mark.slow)])
+def test_a_coordinate_without_warmup_gradient_steps_like_adam(preset):
+    """A row first used after the warm-up has ``v = 0``: its compressed steps stay within Adam's.
+
+    Unbounded, ``u = (1 - b1) g / eps`` stepped that embedding row by
+    hundreds per step (and, through the sign code's shared magnitude, rows
+    never used); held at :meth:`OneBitAdam.update_bound`, it moves about as
+    far as optax's Adam moves it.
+    """
+    rng = np.random.default_rng(0)
+    vocab, width, lr, warmup = 16, 8, 1e-3, 5
+    params = {"emb": rng.normal(size=(vocab, width)).astype(np.float32) * 0.1,
+              "out": rng.normal(size=(width, vocab)).astype(np.float32) * 0.1}
+
+    def loss(p, b):
+        logits = p["emb"][b["x"]] @ p["out"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+    batches = []
+    for i in range(warmup + 3):  # token 8 first appears right after the warm-up
+        x = rng.integers(0, 8, (16,)).astype(np.int32)
+        x[0] = 8 if i >= warmup else x[0]
+        batches.append({"x": x, "y": rng.integers(0, vocab, (16,)).astype(np.int32)})
+    hyper = zp.onebit_adam(lr)
+    config = zp.ZeroConfig.from_preset(preset, qgz_warmup_steps=warmup)
+    trainer = zp.make_trainer(loss, hyper, params, mesh=mesh_of(2, 4), config=config)
+    state, row = trainer.init(params), params["emb"][8]
+    for t, b in enumerate(batches, start=1):
+        state, metrics = trainer.step(state, b)
+        new_row = trainer.gather_params(state)["emb"][8]
+        moved = float(np.abs(new_row - row).max())
+        row = new_row
+        if t <= warmup:
+            assert (int(metrics["compressed"]), int(metrics["bounded"]), moved) == (0, 0, 0.0)
+            continue
+        adams_largest = lr * float(hyper.update_bound(jax.numpy.int32(t))) / (1 - hyper.b1**t)
+        assert 0 < moved <= 2 * adams_largest, (t, moved, adams_largest)
+        if t == warmup + 1:
+            assert int(metrics["compressed"]) == 1 and int(metrics["bounded"]) > 0

@@ -370,3 +370,41 @@ def test_non_finite_parameter_is_reported_not_hidden():
     state = trainer.init(params)
     _, m = trainer.step(state, tiny_batches().batch_at(0))
     assert not np.isfinite(float(m["loss"]))
+
+
+@pytest.mark.parametrize("mode", ["int8", "1bit"])
+def test_a_non_finite_gradient_leaves_the_carry_as_it_was(mode):
+    """With ``optax.apply_if_finite``, a NaN step is skipped and training goes on.
+
+    The carry of that step would be NaN and poison every later gradient (each
+    step then skipped, the loss frozen); it is kept as it was instead.
+    """
+    rng = np.random.default_rng(0)
+    params = {"w": rng.normal(size=(64, 4)).astype(np.float32)}
+    x, y = rng.normal(size=(16, 64)).astype(np.float32), rng.normal(size=(16, 4)).astype(np.float32)
+    config = zp.ZeroConfig.from_preset("zero3", qgz=mode, qgz_warmup_steps=0, **GRADIENT)
+    trainer = zp.make_trainer(
+        lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
+        optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=10), params,
+        mesh=mesh_of(2, 4), config=config)
+    state, losses = trainer.init(params), []
+    for i in range(6):
+        state, metrics = trainer.step(state, {"x": _with_nan(x, i == 2), "y": y})
+        assert int(metrics["compressed"]) == 1
+        losses.append(float(metrics["loss"]))
+        if i == 1:
+            carry_before = jax.device_get(state.opt_state.qgz.carry)
+        if i == 2:  # skipped: the carry waits
+            jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.opt_state.qgz.carry),
+                         carry_before)
+    assert np.isnan(losses[2]) and np.all(np.isfinite(losses[3:]))
+    assert losses[5] < losses[3] < losses[1]
+    assert int(state.opt_state.inner.total_notfinite) == 1
+    assert all(np.isfinite(np.asarray(c)).all() for c in jax.tree.leaves(state.opt_state.qgz.carry))
+
+
+def _with_nan(x, nan):
+    x = x.copy()
+    if nan:
+        x[0, 0] = np.nan
+    return x

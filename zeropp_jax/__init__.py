@@ -29,8 +29,8 @@ from zeropp_jax.step.gather import gather as gather
 from zeropp_jax.step.gather import layer as layer
 from zeropp_jax.step.prefetch import scan_layers as scan_layers
 from zeropp_jax.mesh import make_mesh as make_mesh
-from zeropp_jax.step.onebit_adam import OneBitAdam as OneBitAdam
-from zeropp_jax.step.onebit_adam import onebit_adam as onebit_adam
+from zeropp_jax.step.adam import OneBitAdam as OneBitAdam
+from zeropp_jax.step.adam import onebit_adam as onebit_adam
 from zeropp_jax.mesh import parse_mesh_shape as parse_mesh_shape
 from zeropp_jax.nnx_model import nnx_loss as nnx_loss
 from zeropp_jax.wire.quantization import Quantized as Quantized

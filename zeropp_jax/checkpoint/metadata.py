@@ -24,7 +24,7 @@ from zeropp_jax.checkpoint.errors import (
 )
 from zeropp_jax.layout import LeafSpec, ParamLayout, UnitLayout
 from zeropp_jax.mesh import mesh_shape
-from zeropp_jax.step.onebit_adam import OneBitAdam
+from zeropp_jax.step.adam import OneBitAdam
 from zeropp_jax.step.trainer import Trainer
 
 FORMAT = "zeropp_jax.checkpoint"

@@ -378,7 +378,7 @@ def make_optimizer(
     elif schedule == "constant" and warmup:
         lr = optax.warmup_constant_schedule(0.0, lr, warmup_steps=warmup)
     if qgz_target == "momentum":
-        from zeropp_jax.step.onebit_adam import onebit_adam
+        from zeropp_jax.step.adam import onebit_adam
 
         return onebit_adam(lr, clip_norm=CLIP_NORM)
     return optax.chain(optax.clip_by_global_norm(CLIP_NORM), optax.adam(lr))

@@ -225,6 +225,17 @@ def split_loss_output(out: Any) -> tuple[jax.Array, Any]:
     return out.astype(jnp.float32), jax.tree_util.tree_map_with_path(as_float, aux)
 
 
+def over_devices(x: jax.Array, reduce: Callable = jax.lax.psum) -> jax.Array:
+    """``reduce`` (``psum`` or ``pmean``) of ``x`` over every device (inside shard_map).
+
+    ``x`` may vary over some data axes and not others (a loss's aux, a
+    value already summed over ``local``): it is cast to varying first, so
+    each device's copy counts once.
+    """
+    missing = tuple(a for a in DATA_AXES if a not in varying_axes(x))
+    return reduce(jax.lax.pcast(x, missing, to="varying") if missing else x, DATA_AXES)
+
+
 def step_metrics(geo: StepGeometry, outputs: LossOutputs, sq_norm: jax.Array,
                  compress: bool) -> dict:
     """The step's metrics (inside shard_map): replicated float32 / int32 scalars,
@@ -236,11 +247,8 @@ def step_metrics(geo: StepGeometry, outputs: LossOutputs, sq_norm: jax.Array,
       sq_norm: the squared gradient norm, the same on every device.
       compress: whether this variant compresses (qgZ).
     """
-    def mean(x):  # over micro-batches, then devices (an aux may not vary)
-        x = jnp.mean(x, axis=0)
-        missing = tuple(a for a in DATA_AXES if a not in varying_axes(x))
-        return jax.lax.pmean(jax.lax.pcast(x, missing, to="varying") if missing else x,
-                             DATA_AXES)
+    def mean(x):  # over micro-batches, then devices
+        return over_devices(jnp.mean(x, axis=0), jax.lax.pmean)
 
     out = {
         "loss": mean(outputs.losses),

@@ -90,7 +90,8 @@ def _reduced_gradients(
       key: the trainer's key for the loss, or ``None``.
 
     Returns:
-      ``(grads, carry, metrics)`` with grads shaped like ``params``. Only
+      ``(grads, carry, metrics)`` with grads shaped like ``params``; the
+      carry is the old one where the gradient's norm is not finite. Only
       the cross-node reduction moves data over ``node``.
     """
     cfg = geo.config
@@ -118,4 +119,11 @@ def _reduced_gradients(
         grads[u.name] = jnp.where(geo.shard_mask(u, g.shape[-1]), g, 0.0)
 
     sq = jax.lax.psum(sum(jnp.sum(jnp.square(g)) for g in grads.values()), DATA_AXES)
+    # A step whose gradient is not finite (a NaN, an inf, or a norm past
+    # float32) leaves the carries as they were: what they hold is delivered
+    # by the next finite step, as when an optimizer such as
+    # optax.apply_if_finite skips this one (a NaN carry would poison every
+    # later step).
+    finite = jnp.isfinite(sq)
+    new_carry = {name: jnp.where(finite, c, carry[name]) for name, c in new_carry.items()}
     return grads, new_carry, step_metrics(geo, outputs, sq, compress)

@@ -2,7 +2,8 @@
 
 With ``ZeroConfig(qgz_target="momentum")`` the quantity that crosses nodes
 compressed is Adam's momentum, not the gradient (Tang et al., 2021, "1-bit
-Adam"). The trainer owns the optimizer then: pass :func:`onebit_adam` to
+Adam"). The trainer owns the optimizer then: pass
+:func:`zeropp_jax.step.adam.onebit_adam` to
 :func:`zeropp_jax.make_trainer`, which runs :class:`OneBitAdamRule`: its
 ``init`` and ``update`` are at the end of this module. Per optimizer step, with ``g_n`` node ``n``'s
 mean gradient (reduced over ``local`` at full precision):
@@ -62,8 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Any, Callable, NamedTuple, Union
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,81 +71,16 @@ from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.layout import padding_mask
 from zeropp_jax.mesh import LOCAL, NODE
-from zeropp_jax.step.accumulate import accumulate, step_metrics
+from zeropp_jax.step.accumulate import accumulate, over_devices, step_metrics
+from zeropp_jax.step.adam import (
+    OneBitAdam, adam_step, next_momentum, next_second_moment, preconditioner,
+)
 from zeropp_jax.step.geometry import StepGeometry
 from zeropp_jax.step.state import TrainState, ZeroOptState, initial_qgz_state
 from zeropp_jax.wire import collectives
 from zeropp_jax.wire.qgz import (
     QgzState, cross_node_gather_mean, cross_node_reduce, cross_node_share,
 )
-
-Schedule = Callable[[jax.Array], jax.Array]
-
-
-class OneBitAdam(NamedTuple):
-    """Hyperparameters of 1-bit Adam (build with :func:`onebit_adam`).
-
-    Attributes:
-      learning_rate: a float or an optax-style schedule ``count -> lr``
-        (called with the number of steps taken so far, like optax).
-      b1, b2, eps: Adam's, as in ``optax.adam`` (``eps`` outside the root).
-      clip_norm: clip the gradient to this global norm (node-wise on
-        compressed steps); ``None`` does not clip.
-    """
-
-    learning_rate: Union[float, Schedule]
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    clip_norm: float | None = None
-
-    def lr_at(self, count: jax.Array) -> jax.Array:
-        """The learning rate of the step taken after ``count`` steps."""
-        if callable(self.learning_rate):
-            return jnp.asarray(self.learning_rate(count), jnp.float32)
-        return jnp.asarray(self.learning_rate, jnp.float32)
-
-    def clip_scale(self, sq_norm: jax.Array) -> jax.Array:
-        """``min(1, clip_norm / norm)`` from a squared norm (1 without clipping)."""
-        if self.clip_norm is None:
-            return jnp.ones((), jnp.float32)
-        norm = jnp.sqrt(sq_norm)
-        return jnp.minimum(1.0, self.clip_norm / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny))
-
-
-def onebit_adam(
-    learning_rate: Union[float, Schedule],
-    *,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    clip_norm: float | None = None,
-) -> OneBitAdam:
-    """The optimizer for ``ZeroConfig(qgz_target="momentum")``.
-
-    Example::
-
-      config = zp.ZeroConfig.from_preset("zeropp")  # qgz_target="momentum"
-      trainer = zp.make_trainer(loss, zp.onebit_adam(3e-3, clip_norm=1.0),
-                                params, mesh=mesh, config=config)
-
-    Raises:
-      ValueError: for a non-positive learning rate or ``eps``, ``b1``/``b2``
-        outside ``[0, 1)``, or a non-positive ``clip_norm``.
-    """
-    if not callable(learning_rate) and not (
-        isinstance(learning_rate, (int, float)) and learning_rate > 0 and math.isfinite(learning_rate)
-    ):
-        raise ValueError(f"learning_rate must be a positive float or a schedule, got {learning_rate!r}")
-    for name, value in (("b1", b1), ("b2", b2)):
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps!r}")
-    if clip_norm is not None and not clip_norm > 0:
-        raise ValueError(f"clip_norm must be > 0 or None (no clipping), got {clip_norm!r}")
-    return OneBitAdam(learning_rate, float(b1), float(b2), float(eps),
-                      None if clip_norm is None else float(clip_norm))
 
 
 class OneBitAdamState(NamedTuple):
@@ -182,36 +117,6 @@ def own_chunk(x: jax.Array, axis: str) -> jax.Array:
         return x
     chunks = jnp.reshape(x, x.shape[:-1] + (k, x.shape[-1] // k))
     return jax.lax.dynamic_index_in_dim(chunks, jax.lax.axis_index(axis), axis=-2, keepdims=False)
-
-
-def next_momentum(m: jax.Array, g: jax.Array, b1: float) -> jax.Array:
-    """Adam's first moment: ``b1 * m + (1 - b1) * g`` (float32, any shape)."""
-    return b1 * m + (1.0 - b1) * g
-
-
-def next_second_moment(v: jax.Array, g: jax.Array, b2: float | jax.Array) -> jax.Array:
-    """Adam's second moment: ``b2 * v + (1 - b2) * g**2`` (``b2**k`` after ``k`` steps frozen)."""
-    return b2 * v + (1.0 - b2) * jnp.square(g)
-
-
-def preconditioner(v: jax.Array, v_count: jax.Array, hyper: OneBitAdam) -> jax.Array:
-    """Adam's denominator ``sqrt(v / (1 - b2**v_count)) + eps`` (float32, like ``v``)."""
-    tv = jnp.maximum(v_count, 1).astype(jnp.float32)
-    return jnp.sqrt(v / (1.0 - hyper.b2**tv)) + hyper.eps
-
-
-def adam_step(
-    p: jax.Array, m: jax.Array, v: jax.Array, *, count: jax.Array, v_count: jax.Array, hyper: OneBitAdam
-) -> jax.Array:
-    """New parameters ``p - lr * m_hat / (sqrt(v_hat) + eps)`` (float32, same shape).
-
-    ``count`` is the number of steps including this one (``m``'s bias
-    correction), ``v_count`` the step of ``v``'s last update; the rate is
-    the schedule's at ``count - 1``, as in optax.
-    """
-    t = count.astype(jnp.float32)
-    m_hat = m / (1.0 - hyper.b1**t)
-    return p - hyper.lr_at(count - 1) * m_hat / preconditioner(v, v_count, hyper)
 
 
 # ---------------------------------------------------------------- the rule
@@ -335,12 +240,13 @@ def _local_update(
     clip = adam.clip_scale(sq_norm)
 
     new = {key: {} for key in ("params", "m", "v", "receiver", "sender")}
+    bounded = jnp.zeros((), jnp.float32)  # coordinates held at Adam's bound (compressed steps)
     count_now = count + 1
     new_v_count = v_count if compress else count_now  # the step of v's last update
     if compress:
         denoms = {name: preconditioner(v[name][0], v_count, adam) for name in m}
-        shared, new["sender"], new["receiver"] = _exchange_momenta(
-            geo, adam.b1, {n: m[n][0] / d for n, d in denoms.items()},
+        shared, new["sender"], new["receiver"], bounded = _exchange_momenta(
+            geo, adam.b1, adam.update_bound(count + 1), {n: m[n][0] / d for n, d in denoms.items()},
             {n: clip * grads[n] / d for n, d in denoms.items()}, sender_carry, receiver_carry)
     for u in geo.layout.units:
         name = u.name
@@ -375,17 +281,19 @@ def _local_update(
         mask = geo.shard_mask(u, params[name].shape[-1])
         new["params"][name] = jnp.where(mask, stepped, params[name])
     # Compressed: the root mean square over nodes of each node's gradient norm
-    # (the global gradient is never formed there); else the global norm.
-    sq_metric = jax.lax.pmean(sq_norm, NODE)
-    metrics = step_metrics(geo, outputs, sq_metric, compress)
+    # (the global gradient is never formed there); else the global norm. One
+    # all-reduce for it (sq_norm is equal over local) and the bounded count.
+    totals = over_devices(jnp.stack([sq_norm / geo.n_devices, bounded]))
+    metrics = step_metrics(geo, outputs, totals[0], compress)
+    metrics["bounded"] = totals[1].astype(jnp.int32)
     return (new["params"], new["m"], new["v"], new["receiver"], new["sender"],
             new_v_count, metrics)
 
 
 def _exchange_momenta(
-    geo: StepGeometry, b1: float, u_slices: dict, g_slices: dict,
+    geo: StepGeometry, b1: float, bound: jax.Array, u_slices: dict, g_slices: dict,
     sender_carry: dict, receiver_carry: dict,
-) -> tuple[dict, dict, dict]:
+) -> tuple[dict, dict, dict, jax.Array]:
     """A compressed step's momentum exchange, every unit's (inside shard_map).
 
     Works in the preconditioned space ``u = m / (sqrt(v_hat) + eps)`` (``v``
@@ -394,30 +302,40 @@ def _exchange_momenta(
     ``m``, where a coordinate with a tiny ``v`` (a gradient that is ~0, e.g.
     attention key biases) would turn the code's error into an unbounded step.
 
+    Each node's new ``u`` is held within ``bound``
+    (:meth:`OneBitAdam.update_bound`) before it is coded: Adam never
+    exceeds it, so only a coordinate whose frozen ``v`` lags its gradient
+    gets there (one that had no gradient in the warm-up has ``d = eps``:
+    unbounded, it would step by ``lr (1 - b1) g / eps``).
+
     Args:
       b1: Adam's momentum decay.
+      bound: float32 ``()``, the largest ``|u|`` Adam reaches at this step.
       u_slices, g_slices: name -> float32 ``([L,] U / local)``: this slice's
         ``m`` and clipped node-mean gradient, divided by the preconditioner.
       sender_carry, receiver_carry: name -> float32 ``(1, [L,] U / local)``,
         ``([L,] U / D)`` (a name without a carry is missing).
 
     Returns:
-      ``(u, sender_carry, receiver_carry)``: name -> the new ``u`` of this
-      slice, the same on every node (float32 ``([L,] U / local)``), and the
-      new carries (dicts like the arguments). Moves codes (of
+      ``(u, sender_carry, receiver_carry, bounded)``: name -> the new ``u``
+      of this slice, the same on every node (float32 ``([L,] U / local)``),
+      the new carries (dicts like the arguments), and float32 ``()`` the
+      number of this device's coordinates held at the bound. Moves codes (of
       ``ZeroConfig.qgz_code``) over ``node``: with ``geo.gathered_share``
       one all-gather for all units; else per unit an all-to-all and an
       all-gather.
     """
     cfg = geo.config
     local_u = {name: next_momentum(u, g_slices[name], b1) for name, u in u_slices.items()}
+    bounded = sum(jnp.sum(jnp.abs(u) > bound, dtype=jnp.float32) for u in local_u.values())
+    local_u = {name: jnp.clip(u, -bound, bound) for name, u in local_u.items()}
     wire = dict(bits=cfg.qgz_bits, block=cfg.qgz_block, scale_dtype=cfg.scale_dtype,
                 kernels=geo.kernels, code=cfg.qgz_code)
     if geo.gathered_share:
         with jax.named_scope("cross_node_momentum"):
             shared, sent = cross_node_gather_mean(
                 local_u, {name: c[0] for name, c in sender_carry.items()}, **wire)
-        return shared, {name: c[None] for name, c in sent.items()}, {}
+        return shared, {name: c[None] for name, c in sent.items()}, {}, bounded
     shared, sent, received = {}, {}, {}
     for name, x in local_u.items():
         with jax.named_scope(f"cross_node_{name}"):
@@ -427,4 +345,4 @@ def _exchange_momenta(
             shared[name], received[name] = cross_node_share(
                 summed / geo.nodes, receiver_carry.get(name), **wire)
     return (shared, {n: c[None] for n, c in sent.items() if c is not None},
-            {n: c for n, c in received.items() if c is not None})
+            {n: c for n, c in received.items() if c is not None}, bounded)

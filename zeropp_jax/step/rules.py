@@ -21,7 +21,8 @@ import optax
 from zeropp_jax.config import ZeroConfig
 from zeropp_jax.step.geometry import StepGeometry
 from zeropp_jax.step.gradient_rule import GradientRule
-from zeropp_jax.step.onebit_adam import OneBitAdam, OneBitAdamRule
+from zeropp_jax.step.adam import OneBitAdam
+from zeropp_jax.step.onebit_adam import OneBitAdamRule
 from zeropp_jax.step.state import TrainState, ZeroOptState
 
 # Stand-in steps check_leaf_uniform takes until one moves a parameter: the

@@ -51,7 +51,7 @@ from zeropp_jax.step.accumulate import check_loss_arguments
 # global_batch_size_check: re-exported (the CLI imports it from here).
 from zeropp_jax.step.batch import global_batch_size_check, place_batch  # noqa: F401
 from zeropp_jax.step.geometry import StepGeometry, check_kernel_blocks
-from zeropp_jax.step.onebit_adam import OneBitAdam
+from zeropp_jax.step.adam import OneBitAdam
 from zeropp_jax.step.rules import UpdateRule, check_leaf_uniform, rule_for
 from zeropp_jax.step.schedule import HostSteps, QgzSchedule
 from zeropp_jax.step.state import TrainState, ZeroOptState
