@@ -101,6 +101,13 @@ def test_per_layer_needs_string_top_level_keys():
     assert build_layout(params, n_devices=8, align=8, per_layer=False).names == ("params",)
 
 
+@pytest.mark.parametrize("leaf, shown", [(np.float32(1.0), r"\(\)"), (np.zeros((0, 4)), r"\(0, 4\)")])
+def test_a_stacked_unit_needs_at_least_one_layer(leaf, shown):
+    with pytest.raises(ValueError, match=r"stacked unit 'blocks': leaf \['w'\] has shape "
+                                         + shown + r", but every leaf .* at least one layer"):
+        build_layout({"blocks": {"w": leaf}}, n_devices=8, align=8, stacked=("blocks",))
+
+
 def test_split_and_join_keep_the_mapping_types():
     """A ``FrozenDict`` tree (or a dict holding one) comes back with the same
     mapping types: nested units with and without a remainder, and top-level units."""

@@ -120,3 +120,14 @@ def test_readme_layout_names_every_module():
             f"README's Layout section does not mention {path.relative_to(ROOT)}")
     for folder in re.findall(r"`((?:zeropp_jax|pallas_kernels)/[\w/]*)`", layout):
         assert (ROOT / folder).exists(), f"README's Layout names {folder}, which does not exist"
+
+
+def test_importing_the_library_does_not_import_flax_nnx():
+    """flax.nnx is imported by the NNX paths only: on jax 0.11.2 with flax <= 0.12.9
+    it fails to import (google/flax#5596), which must not break the rest."""
+    import subprocess
+    import sys
+
+    code = "import sys, zeropp_jax, zeropp_jax.cli.train; print('flax.nnx' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

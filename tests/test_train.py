@@ -312,6 +312,7 @@ def test_bad_batches_name_the_leaf():
         ({"tokens": rows, "text": np.array(["a"] * 16)}, r"batch\['text'\] has dtype <U1"),
         ({"tokens": [[1, 2], [3]]}, r"batch\['tokens'\] is not a rectangular array"),
         ({"tokens": rows[:12]}, r"batch size 12 must be divisible by .* 8: 8 or 16 rows would do"),
+        ({"tokens": rows[:0]}, r"the batch has 0 rows; a step takes a multiple of .* = 8 rows"),
         ({}, "the batch has no arrays"),
     ]
     for batch, match in cases:

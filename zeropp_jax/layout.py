@@ -185,10 +185,10 @@ def _unit_layout(
                 "floating-point parameters (keep integer state outside the params)"
             )
         if stacked:
-            if not shape:
+            if not shape or not shape[0]:
                 raise ValueError(
-                    f"stacked unit {name!r}: leaf {leaf_path} is a scalar, but every "
-                    "leaf of a stacked unit needs a leading layer axis"
+                    f"stacked unit {name!r}: leaf {leaf_path} has shape {shape}, but every "
+                    "leaf of a stacked unit needs a leading layer axis of at least one layer"
                 )
             if stack is None:
                 stack = shape[0]

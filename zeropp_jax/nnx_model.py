@@ -15,11 +15,15 @@ transform's copy looks the same (:func:`written_state`).
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+
+# flax.nnx is imported where it is used, so that `import zeropp_jax` works
+# where it does not import (flax <= 0.12.9 with jax 0.11.2: google/flax#5596).
+if TYPE_CHECKING:
+    from flax import nnx
 
 # A loss carrying this attribute set to its maker's name (nnx_loss) takes
 # per-layer units only through make_trainer's wrap=: it merges the parameters
@@ -81,6 +85,7 @@ def nnx_loss(
       ...
       nnx.update(model, trainer.gather_params(state))  # trained weights back in the module
     """
+    from flax import nnx
     check_no_training_batch_norm(model)
     streams = _streams_to_reseed(model, streams)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -112,6 +117,7 @@ def state_leaves(module: nnx.Module) -> dict[tuple, Any]:
     """``key path -> leaf`` of an NNX ``module``'s state other than its
     ``nnx.Param`` s and random-stream state (``nnx.RngState``: keys and
     counts): batch statistics, counters, ``sow`` values."""
+    from flax import nnx
     state = nnx.state(module, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))
     return dict(jax.tree_util.tree_flatten_with_path(state)[0])
 
@@ -161,6 +167,7 @@ def check_state_writes(module: nnx.Module, before: dict[tuple, Any], *, who: str
 
 def _batch_stat_names(module: nnx.Module) -> list[str]:
     """The ``/``-joined paths of ``module``'s ``nnx.BatchStat`` variables."""
+    from flax import nnx
     state = nnx.state(module, nnx.BatchStat)
     return [_path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
 
@@ -176,6 +183,7 @@ def check_no_training_batch_norm(model: nnx.Module) -> None:
     trainer would drop them, and normalize over each device's micro-batch.
     One built with ``None`` takes its mode at each call: a call in training
     mode is warned of when the loss is traced (:func:`check_state_writes`)."""
+    from flax import nnx
     found = ["/".join(map(str, path)) for path, node in nnx.iter_graph(model)
              if isinstance(node, nnx.BatchNorm) and node.use_running_average is False]
     if found:
@@ -192,6 +200,7 @@ def _streams_to_reseed(model: nnx.Module, streams: Sequence[str] | None) -> tupl
     """The stream names :func:`nnx_loss` reseeds: ``streams``, checked against
     the names of the ``nnx.RngStream`` s ``model`` holds, or (``None``) all of
     those but ``"params"``, sorted."""
+    from flax import nnx
     held = sorted({
         node.key.tag for _, node in nnx.iter_graph(model) if isinstance(node, nnx.RngStream)
     })

@@ -86,6 +86,9 @@ def place_batch(batch: Any, sharding: NamedSharding, *, per_step: int, n_devices
         listed = ", ".join(f"{k}: {v}" for k, v in rows.items())
         raise ValueError(f"batch leaves must share their leading (row) axis; got {listed}")
     global_b = next(iter(rows.values()))
+    if not global_b:
+        raise ValueError(f"the batch has 0 rows; a step takes a multiple of devices x grad_accum "
+                         f"= {n_devices} x {grad_accum} = {per_step} rows")
     if global_b % per_step:
         raise ValueError(
             f"batch size {global_b} must be divisible by devices x grad_accum "

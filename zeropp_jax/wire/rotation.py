@@ -30,6 +30,12 @@ Adam's replicas stay identical.
 
 Costs ``ceil(log2(block) / 2)`` passes of additions over the data each
 way (:func:`_hadamard`), no bytes on the wire. Touches no mesh axis.
+
+The sums reach ``block`` times a block's largest magnitude: blocks holding
+values above about ``float32 max / block`` (2.66e36 for 128) overflow to
+inf and decode to NaN. 1-bit Adam codes its update direction, held
+within Adam's own bound (:meth:`zeropp_jax.step.adam.OneBitAdam.update_bound`,
+below 7.3 at the default betas) plus what its carry defers.
 """
 
 from __future__ import annotations
