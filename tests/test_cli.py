@@ -127,6 +127,9 @@ def test_default_model_loss_falls(tmp_path):
             "will be compressed") in proc.stderr
     losses = np.array([m["loss"] for m in metrics])
     assert len(losses) == DEFAULT_MODEL_STEPS
+    # 1-bit Adam's count of updates held at Adam's bound: none in a warm-up
+    assert [m["bounded"] for m in metrics] == [0] * DEFAULT_MODEL_STEPS
+    assert _summary(proc.stdout)["bounded"] == {"steps": 0, "coordinates": 0}
     # Byte tokens start near ln(256) = 5.55 nats.
     assert abs(losses[0] - math.log(256)) < 0.5, losses[0]
     drop = losses[0] - losses[-10:].mean()

@@ -68,3 +68,15 @@ def test_a_cpu_program_has_no_asynchronous_collectives():
     x = jax.device_put(jnp.arange(64.0), jax.NamedSharding(mesh, jax.P(("node", "local"))))
     text = f.lower(x).compile().as_text()
     assert "all-gather" in text and async_overlaps(text, (2, 4)) == []
+
+
+def test_a_collective_wrapped_in_async_start_keeps_its_kind_axis_and_bytes():
+    """XLA wraps a collective without a ``-start`` form of its own (a GPU
+    reduce-scatter, an all-to-all) as ``async-start(...), calls=%wrapped``."""
+    from test_comm_report import _ASYNC_HLO, MESH_SHAPE
+
+    by_name = {o.name: o for o in async_overlaps(_ASYNC_HLO, MESH_SHAPE)}
+    wrapped = by_name["rss"]
+    assert (wrapped.kind, wrapped.axis, wrapped.operand_bytes, wrapped.count) == (
+        "reduce-scatter", "local", 128, 8)
+    assert by_name["ags"].kind == "all-gather"

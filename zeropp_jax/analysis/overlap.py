@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from zeropp_jax.analysis.collectives import COLLECTIVE_KINDS, parse_collectives
-from zeropp_jax.analysis.hlo import multiplicities, parse_module
+from zeropp_jax.analysis.hlo import called_computations, multiplicities, parse_module
 from zeropp_jax.analysis.traffic import memory_traffic
 
 __all__ = ["Overlap", "async_overlaps"]
@@ -89,11 +89,27 @@ def async_overlaps(hlo_text: str, mesh_shape: tuple[int, int]) -> list[Overlap]:
                 continue
             window = [w for w in comp.instructions[k + 1:order[done.name]]
                       if w.name in traffic and _computes(w.opcode)]
-            c = collectives.get(inst.name)
+            c = collectives.get(inst.name) or _wrapped(inst, comps, collectives)
             out.append(Overlap(
-                name=inst.name, kind=inst.opcode[: -len("-start")], computation=cname,
+                name=inst.name, kind=c.kind if c else inst.opcode[: -len("-start")],
+                computation=cname,
                 count=counts[cname].count, axis=c.axis if c else "",
                 operand_bytes=c.operand_bytes if c else 0, kernels=len(window),
                 kernel_bytes=sum(traffic[w.name].read + traffic[w.name].written
                                  for w in window)))
     return out
+
+
+def _wrapped(inst, comps: dict, collectives: dict):
+    """The collective an ``async-start`` runs in its wrapped computation, or ``None``.
+
+    XLA wraps collectives without a ``-start`` form of their own (e.g. a GPU
+    reduce-scatter or all-to-all) as ``async-start(...), calls=%wrapped``.
+    """
+    for names in called_computations(inst).values():
+        for name in names:
+            for inner in comps[name].instructions if name in comps else ():
+                if inner.name in collectives:
+                    return collectives[inner.name]
+    return None
+

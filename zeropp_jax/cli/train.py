@@ -158,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         unit="step", dynamic_ncols=True, file=sys.stderr,
     )
     history: list[float] = []
+    bounded: list[float] = []  # 1-bit Adam: coordinates held at Adam's bound, per step
     pending = None  # metrics of the previous step, read one step late
     start = time.perf_counter()
     last_time = start
@@ -175,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
             )
         now = time.perf_counter()
         history.append(values["loss"])
+        bounded.extend([values["bounded"]] if "bounded" in values else [])
         tok_s = tokens_per_step / max(now - last_time, 1e-9)
         last_time = now
         bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{tok_s:,.0f}")
@@ -265,6 +267,8 @@ def run(args: argparse.Namespace) -> int:
             "seconds": round(elapsed, 2),
             "tokens_per_second": round(n * tokens_per_step / elapsed, 1),
         }
+        if bounded:  # compressed steps that held some, and how many coordinates in all
+            summary["bounded"] = {"steps": sum(map(bool, bounded)), "coordinates": int(sum(bounded))}
         summary.update(figures)
         # where the figures came from: every flag's value, the code's commit, the machine
         summary["flags"] = vars(args)
