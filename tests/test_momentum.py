@@ -273,6 +273,8 @@ def test_presets_run_onebit_adam_and_drop_it_when_overridden():
     [
         (dict(learning_rate=0.0), "learning_rate must be a finite number > 0 or a schedule"),
         (dict(learning_rate=True), "learning_rate must be a finite number"),
+        (dict(learning_rate=np.True_), "learning_rate must be a finite number"),
+        (dict(learning_rate="0.001"), "learning_rate must be a finite number"),
         (dict(learning_rate=np.ones(2)), "learning_rate must be a finite number"),
         (dict(learning_rate=1e-3, b1=1.0), "b1 must be in"),
         (dict(learning_rate=1e-3, b2=float("nan")), "b2 must be in"),

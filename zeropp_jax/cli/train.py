@@ -160,12 +160,12 @@ def run(args: argparse.Namespace) -> int:
     history: list[float] = []
     bounded: list[float] = []  # 1-bit Adam: coordinates held at Adam's bound, per step
     pending = None  # metrics of the previous step, read one step late
-    start = time.perf_counter()
-    last_time = start
+    start = last_time = time.perf_counter()
 
     def record(step: int, metrics) -> None:
         nonlocal last_time
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        values = {k: int(v) if k in ("compressed", "bounded") else float(v)
+                  for k, v in jax.device_get(metrics).items()}
         if not math.isfinite(values["loss"]):
             bar.close()
             common.fail(
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{tok_s:,.0f}")
         bar.update(1)
         if metrics_file is not None:
-            line = {"step": step, **values, "compressed": int(values["compressed"]), "time": now - start}
+            line = {"step": step, **values, "time": now - start}
             metrics_file.write(json.dumps(line) + "\n")
             metrics_file.flush()
 

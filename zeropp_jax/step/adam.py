@@ -14,6 +14,7 @@ from typing import Any, Callable, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Schedule = Callable[[jax.Array], jax.Array]
 
@@ -88,7 +89,7 @@ def onebit_adam(
     Raises:
       ValueError: for a learning rate, ``eps`` or ``clip_norm`` that is not
         a finite number > 0, or ``b1``/``b2`` outside ``[0, 1)``. Numbers
-        may be Python, NumPy or 0-d JAX scalars (not ``bool``).
+        may be Python, NumPy or 0-d JAX scalars (not a ``bool`` or a string).
     """
     if not callable(learning_rate):
         learning_rate = _positive_number("learning_rate", learning_rate,
@@ -102,9 +103,11 @@ def onebit_adam(
 
 
 def _number(name: str, value: Any, rule: str, holds: Callable[[float], bool]) -> float:
-    """``value`` as a float if it is a real scalar for which ``holds``; else ValueError."""
+    """``value`` as a float if it is a real scalar (not a bool or a string) for
+    which ``holds``; else ValueError."""
     try:
-        number = None if isinstance(value, bool) or jnp.ndim(value) else float(value)
+        array = np.asarray(value)
+        number = float(array) if array.ndim == 0 and np.issubdtype(array.dtype, np.number) else None
     except (TypeError, ValueError):
         number = None
     if number is None or not holds(number):

@@ -30,6 +30,16 @@ mean gradient (reduced over ``local`` at full precision):
   Either way every node holds the same new ``u`` (stored as ``m = u * d``) and steps
   ``p -= lr * u / (1 - b1**t)``.
 
+A frozen ``v`` can lag its coordinate's gradient without bound: one that had
+no gradient in the warm-up (an embedding row of a token not seen yet) has
+``d = eps`` and would step by ``lr (1 - b1) g / eps``. So the shared ``u`` is
+held within the largest value Adam itself reaches
+(:meth:`~zeropp_jax.step.adam.OneBitAdam.update_bound`, ``B``), and each
+node's own ``u``, before it is coded, within ``nodes * B`` (the most a node
+adds to a mean within ``B`` while the others add nothing), which keeps the
+codes' block magnitudes, and so the coordinates sharing them, sane. What
+these bounds cut is dropped, not deferred; ``metrics["bounded"]`` counts it.
+
 Compressing ``u`` rather than ``m`` (1-bit Adam's paper compresses ``m``)
 puts the code's error, one magnitude per block, in units of the update:
 compressing ``m``, a coordinate whose ``v`` is tiny receives the block's
@@ -38,7 +48,7 @@ example GPT the attention key biases: softmax ignores them, their gradient
 is ~1e-12, rounding noise).
 
 Both carries are optimizer state: what the two compressions lose is added to
-the next step's momentum, nothing is lost, only deferred (why the carry sits
+the next step's momentum, nothing of it is lost, only deferred (why the carry sits
 on the momentum rather than the gradient in front of Adam:
 ``benchmarks/RESULTS.md``).
 
@@ -125,7 +135,7 @@ class OneBitAdamRule:
     """Update rule: 1-bit Adam, run by the trainer inside shard_map.
 
     Attributes:
-      optimizer: the hyperparameters (:func:`onebit_adam`).
+      optimizer: the hyperparameters (:func:`zeropp_jax.step.adam.onebit_adam`).
     """
 
     optimizer: OneBitAdam
@@ -302,11 +312,11 @@ def _exchange_momenta(
     ``m``, where a coordinate with a tiny ``v`` (a gradient that is ~0, e.g.
     attention key biases) would turn the code's error into an unbounded step.
 
-    Each node's new ``u`` is held within ``bound``
-    (:meth:`OneBitAdam.update_bound`) before it is coded: Adam never
-    exceeds it, so only a coordinate whose frozen ``v`` lags its gradient
-    gets there (one that had no gradient in the warm-up has ``d = eps``:
-    unbounded, it would step by ``lr (1 - b1) g / eps``).
+    Each node's own new ``u`` is held within ``nodes * bound`` before it is
+    coded and the shared ``u`` within ``bound``
+    (:meth:`~zeropp_jax.step.adam.OneBitAdam.update_bound`, which Adam never
+    exceeds: only a coordinate whose frozen ``v`` lags its gradient gets
+    there; see the module docstring).
 
     Args:
       b1: Adam's momentum decay.
@@ -319,23 +329,27 @@ def _exchange_momenta(
     Returns:
       ``(u, sender_carry, receiver_carry, bounded)``: name -> the new ``u``
       of this slice, the same on every node (float32 ``([L,] U / local)``),
-      the new carries (dicts like the arguments), and float32 ``()`` the
-      number of this device's coordinates held at the bound. Moves codes (of
+      the new carries (dicts like the arguments), and float32 ``()`` what
+      this device held: its values of the node's ``u`` held within
+      ``nodes * bound``, plus its coordinates of the shared ``u`` held
+      within ``bound`` divided by ``nodes`` (every node holds them), so the
+      sum over devices counts each held value once. Moves codes (of
       ``ZeroConfig.qgz_code``) over ``node``: with ``geo.gathered_share``
       one all-gather for all units; else per unit an all-to-all and an
       all-gather.
     """
     cfg = geo.config
     local_u = {name: next_momentum(u, g_slices[name], b1) for name, u in u_slices.items()}
-    bounded = sum(jnp.sum(jnp.abs(u) > bound, dtype=jnp.float32) for u in local_u.values())
-    local_u = {name: jnp.clip(u, -bound, bound) for name, u in local_u.items()}
+    local_u, held_here = _held_within(local_u, geo.nodes * bound)
     wire = dict(bits=cfg.qgz_bits, block=cfg.qgz_block, scale_dtype=cfg.scale_dtype,
                 kernels=geo.kernels, code=cfg.qgz_code)
     if geo.gathered_share:
         with jax.named_scope("cross_node_momentum"):
             shared, sent = cross_node_gather_mean(
                 local_u, {name: c[0] for name, c in sender_carry.items()}, **wire)
-        return shared, {name: c[None] for name, c in sent.items()}, {}, bounded
+        shared, held_shared = _held_within(shared, bound)
+        return (shared, {name: c[None] for name, c in sent.items()}, {},
+                held_here + held_shared / geo.nodes)
     shared, sent, received = {}, {}, {}
     for name, x in local_u.items():
         with jax.named_scope(f"cross_node_{name}"):
@@ -344,5 +358,14 @@ def _exchange_momenta(
                 reduce_dtype=geo.plan.reduce_dtype, compress=True, **wire)
             shared[name], received[name] = cross_node_share(
                 summed / geo.nodes, receiver_carry.get(name), **wire)
+    shared, held_shared = _held_within(shared, bound)
     return (shared, {n: c[None] for n, c in sent.items() if c is not None},
-            {n: c for n, c in received.items() if c is not None}, bounded)
+            {n: c for n, c in received.items() if c is not None},
+            held_here + held_shared / geo.nodes)
+
+
+def _held_within(u: dict, bound: jax.Array) -> tuple[dict, jax.Array]:
+    """``u`` (name -> float32 array) clipped to ``[-bound, bound]``, and how many
+    values the clip changed (float32 ``()``, this device's)."""
+    held = sum(jnp.sum(jnp.abs(x) > bound, dtype=jnp.float32) for x in u.values())
+    return {name: jnp.clip(x, -bound, bound) for name, x in u.items()}, held
