@@ -110,8 +110,10 @@ def test_onebit_adam_restores_into_zero3(saved, caplog):
     # The same parameters: the same first loss; then optax's full-precision
     # step from the converted state lands close to 1-bit Adam's compressed one.
     np.testing.assert_allclose(losses[0], run["losses"][0], rtol=1e-6)
-    # (within 1%: measured 0.8% with the hadamard code, 0.4% with the sign code)
-    np.testing.assert_allclose(losses[1], run["losses"][1], rtol=1e-2)
+    # (within 2%: measured 0.8% with the hadamard code, 0.4% with the sign code;
+    # 1.1% since stop 49 holds 1-bit Adam's update within Adam's own bound,
+    # which is tight this early: v frozen after a few steps lags more)
+    np.testing.assert_allclose(losses[1], run["losses"][1], rtol=2e-2)
     # Two steps move the parameters about as far as 1-bit Adam's, in about
     # the same direction (1-bit Adam's compressed steps differ from Adam's).
     got, want, before = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)]) for t in (
