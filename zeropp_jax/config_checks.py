@@ -48,6 +48,13 @@ def is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def is_real(value: Any) -> bool:
+    """Whether ``value`` is a real number (a Python or NumPy integer or float;
+    not ``bool``, a complex number nor a string)."""
+    return (isinstance(value, (int, float, np.integer, np.floating))
+            and not isinstance(value, (bool, np.bool_)))
+
+
 def check_values(config) -> None:
     """Single fields: dtypes (stored as jnp types), qwZ bits, block sizes, ``grad_accum``,
     and the switches (``bool`` fields)."""
@@ -91,8 +98,7 @@ def check_qgz_schedule(config) -> None:
             f"qgz_warmup_steps must be an integer >= 0, got {config.qgz_warmup_steps!r}"
         )
     rms = config.qgz_min_grad_rms
-    if isinstance(rms, (bool, np.bool_)) or not isinstance(rms, (int, float, np.number)) \
-            or not 0 <= rms < float("inf"):
+    if not is_real(rms) or not 0 <= rms < float("inf"):
         raise ValueError(
             "qgz_min_grad_rms must be a finite number >= 0 (0 disables the gate; an infinite "
             f"one would never compress), got {config.qgz_min_grad_rms!r}"

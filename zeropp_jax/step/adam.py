@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeropp_jax.config_checks import is_real
+
 Schedule = Callable[[jax.Array], jax.Array]
 
 
@@ -103,16 +105,12 @@ def onebit_adam(
 
 
 def _number(name: str, value: Any, rule: str, holds: Callable[[float], bool]) -> float:
-    """``value`` as a float if it is a real scalar (not a bool or a string) for
-    which ``holds``; else ValueError."""
-    try:
-        array = np.asarray(value)
-        number = float(array) if array.ndim == 0 and np.issubdtype(array.dtype, np.number) else None
-    except (TypeError, ValueError):
-        number = None
-    if number is None or not holds(number):
+    """``value`` as a float if it is a real scalar (:func:`~zeropp_jax.config_checks.is_real`,
+    or a 0-d NumPy or JAX array of one) for which ``holds``; else ValueError."""
+    scalar = value.item() if isinstance(value, (np.ndarray, jax.Array)) and not value.ndim else value
+    if not is_real(scalar) or not holds(float(scalar)):
         raise ValueError(f"{name} must be {rule}, got {value!r}")
-    return number
+    return float(scalar)
 
 
 def _positive_number(name: str, value: Any, rule: str) -> float:

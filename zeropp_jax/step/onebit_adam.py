@@ -347,17 +347,16 @@ def _exchange_momenta(
         with jax.named_scope("cross_node_momentum"):
             shared, sent = cross_node_gather_mean(
                 local_u, {name: c[0] for name, c in sender_carry.items()}, **wire)
-        shared, held_shared = _held_within(shared, bound)
-        return (shared, {name: c[None] for name, c in sent.items()}, {},
-                held_here + held_shared / geo.nodes)
-    shared, sent, received = {}, {}, {}
-    for name, x in local_u.items():
-        with jax.named_scope(f"cross_node_{name}"):
-            summed, sent[name], _ = cross_node_reduce(
-                x, sender_carry[name][0] if name in sender_carry else None,
-                reduce_dtype=geo.plan.reduce_dtype, compress=True, **wire)
-            shared[name], received[name] = cross_node_share(
-                summed / geo.nodes, receiver_carry.get(name), **wire)
+        received = {}
+    else:
+        shared, sent, received = {}, {}, {}
+        for name, x in local_u.items():
+            with jax.named_scope(f"cross_node_{name}"):
+                summed, sent[name], _ = cross_node_reduce(
+                    x, sender_carry[name][0] if name in sender_carry else None,
+                    reduce_dtype=geo.plan.reduce_dtype, compress=True, **wire)
+                shared[name], received[name] = cross_node_share(
+                    summed / geo.nodes, receiver_carry.get(name), **wire)
     shared, held_shared = _held_within(shared, bound)
     return (shared, {n: c[None] for n, c in sent.items() if c is not None},
             {n: c for n, c in received.items() if c is not None},
