@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -293,6 +294,52 @@ def test_onebit_adam_takes_numpy_and_jax_scalars_like_optax():
     assert (hyper.learning_rate, hyper.clip_norm) == (float(np.float32(1e-3)), 1.0)
     assert all(type(x) is float for x in (hyper.learning_rate, hyper.b1, hyper.b2, hyper.eps))
 
+
+
+def test_skip_non_finite_leaves_the_state_as_it_was_like_apply_if_finite():
+    """One device's gradient holds NaNs, at a warm-up step and at a compressed
+    one: with ``skip_non_finite`` neither moves anything (parameters, moments,
+    both carries, ``count``) and training goes on; without it, as with
+    ``optax.adam``, the parameters turn NaN."""
+    base = gpt_loss()
+    params = gpt.init_params(TINY, jax.random.key(0))
+    batches = tiny_batches()
+
+    def loss(p, b):  # row 0's device only: its gradient is NaN
+        return base(p, b["tokens"]) * jnp.mean(b["scale"])
+
+    def batch(i, nan):
+        scale = np.ones(batches.batch_size, np.float32)
+        scale[0] = np.nan if nan else 1.0
+        return {"tokens": batches.batch_at(i), "scale": scale}
+
+    config = zp.ZeroConfig.from_preset("zeropp", compute_dtype="float32", qgz_warmup_steps=2)
+    trainers = {skip: zp.make_trainer(loss, zp.onebit_adam(3e-3, clip_norm=1.0, skip_non_finite=skip),
+                                      params, mesh=mesh_of(2, 4), config=config, per_layer=True,
+                                      stacked=("blocks",)) for skip in (True, False)}
+    trainer = trainers[True]
+    state, skipped, losses = trainer.init(params), [], []
+    for i in range(6):
+        before = jax.device_get(state)
+        state, metrics = trainer.step(state, batch(i, nan=i in (1, 3)))
+        skipped.append(int(metrics["skipped"]))
+        losses.append(float(metrics["loss"]))
+        if i in (1, 3):  # everything as it was but the trainer's step
+            after = jax.device_get(state)
+            assert int(after.step) == int(before.step) + 1
+            jax.tree.map(np.testing.assert_array_equal, after._replace(step=before.step), before)
+    assert skipped == [0, 1, 0, 1, 0, 0]
+    assert int(state.opt_state.inner.count) == 4 and np.all(np.isfinite(np.array(losses)[[0, 2, 4, 5]]))
+    assert int(metrics["compressed"]) == 1 and losses[5] < losses[0]
+    state = trainers[False].init(params)
+    state, metrics = trainers[False].step(state, batch(0, nan=True))
+    assert "skipped" not in metrics
+    assert all(np.isnan(p).any() for p in jax.tree.leaves(trainers[False].gather_params(state)))
+
+
+def test_skip_non_finite_must_be_a_bool():
+    with pytest.raises(TypeError, match="skip_non_finite must be True or False, got 'yes'"):
+        zp.onebit_adam(1e-3, skip_non_finite="yes")
 
 
 @pytest.mark.parametrize("b1, b2", [(0.9, 0.999), (0.9, 0.95), (0.5, 0.3)])

@@ -403,6 +403,32 @@ def test_a_non_finite_gradient_leaves_the_carry_as_it_was(mode):
     assert all(np.isfinite(np.asarray(c)).all() for c in jax.tree.leaves(state.opt_state.qgz.carry))
 
 
+def test_a_finite_gradient_past_float32s_norm_is_applied_and_moves_the_carry():
+    """Finite elements whose squared norm overflows float32: ``apply_if_finite``
+    applies the step (its test is per element), so the carry must move on with
+    it; kept, what it held would be delivered twice."""
+    params = {"w": np.zeros((64, 4), np.float32)}
+    x = np.random.default_rng(1).normal(size=(16, 64)).astype(np.float32)
+    config = zp.ZeroConfig.from_preset("zero3", qgz="int8", qgz_warmup_steps=0, **GRADIENT)
+    trainer = zp.make_trainer(
+        lambda p, b: jnp.sum(b["x"] @ p["w"]) * 1e20,  # gradient ~1e20: finite, its square not
+        optax.apply_if_finite(optax.sgd(0.0), max_consecutive_errors=10), params,
+        mesh=mesh_of(2, 4), config=config)
+    state = trainer.init(params)
+    state, metrics = trainer.step(state, {"x": x})
+    carry_before = jax.device_get(state.opt_state.qgz.carry)
+    state, metrics = trainer.step(state, {"x": x[::-1] * 1.5})
+    assert np.isinf(float(metrics["grad_norm"])) and int(metrics["compressed"]) == 1
+    assert int(state.opt_state.inner.total_notfinite) == 0  # applied
+    carry = jax.device_get(state.opt_state.qgz.carry)
+    assert all(np.isfinite(c).all() for c in jax.tree.leaves(carry))
+    assert any(not np.array_equal(a, b) for a, b in
+               zip(jax.tree.leaves(carry), jax.tree.leaves(carry_before)))
+    state, metrics = trainer.step(state, {"x": _with_nan(x, True)})  # a NaN: kept, and
+    assert np.isnan(float(metrics["grad_norm"]))  # reported as NaN
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.opt_state.qgz.carry), carry)
+
+
 def _with_nan(x, nan):
     x = x.copy()
     if nan:

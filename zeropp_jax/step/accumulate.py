@@ -12,7 +12,7 @@ only parameter traffic across nodes.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -234,6 +234,19 @@ def over_devices(x: jax.Array, reduce: Callable = jax.lax.psum) -> jax.Array:
     """
     missing = tuple(a for a in DATA_AXES if a not in varying_axes(x))
     return reduce(jax.lax.pcast(x, missing, to="varying") if missing else x, DATA_AXES)
+
+
+def square_sum_or_nan(grads: Iterable[jax.Array]) -> jax.Array:
+    """float32 ``()``: the sum of the squares of the elements of ``grads``
+    (this device's arrays), or NaN if one of them is NaN or inf.
+
+    Summed over devices, it is NaN exactly where some device's gradient
+    holds a NaN or an inf (``optax.apply_if_finite``'s test, element by
+    element), and inf where only the squares pass float32. Moves nothing.
+    """
+    grads = list(grads)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads]))
+    return jnp.where(finite, sum(jnp.sum(jnp.square(g)) for g in grads), jnp.nan)
 
 
 def step_metrics(geo: StepGeometry, outputs: LossOutputs, sq_norm: jax.Array,

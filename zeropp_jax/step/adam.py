@@ -30,6 +30,11 @@ class OneBitAdam(NamedTuple):
       b1, b2, eps: Adam's, as in ``optax.adam`` (``eps`` outside the root).
       clip_norm: clip the gradient to this global norm (node-wise on
         compressed steps); ``None`` does not clip.
+      skip_non_finite: a step whose gradient holds a NaN or an inf on any
+        device changes nothing (parameters, moments, carries, ``count``),
+        like ``optax.apply_if_finite``; ``metrics["skipped"]`` is 1 then.
+        ``False``: such a step turns the moments and parameters NaN, as
+        ``optax.adam`` does.
     """
 
     learning_rate: Union[float, Schedule]
@@ -37,6 +42,7 @@ class OneBitAdam(NamedTuple):
     b2: float = 0.999
     eps: float = 1e-8
     clip_norm: float | None = None
+    skip_non_finite: bool = False
 
     def lr_at(self, count: jax.Array) -> jax.Array:
         """The learning rate of the step taken after ``count`` steps."""
@@ -79,6 +85,7 @@ def onebit_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     clip_norm: float | None = None,
+    skip_non_finite: bool = False,
 ) -> OneBitAdam:
     """The optimizer for ``ZeroConfig(qgz_target="momentum")``.
 
@@ -88,10 +95,15 @@ def onebit_adam(
       trainer = zp.make_trainer(loss, zp.onebit_adam(3e-3, clip_norm=1.0),
                                 params, mesh=mesh, config=config)
 
+    ``skip_non_finite=True`` skips a step whose gradient holds a NaN or an
+    inf (on any device) the way ``optax.apply_if_finite`` does: nothing of
+    the state moves, and the step's ``metrics["skipped"]`` is 1.
+
     Raises:
       ValueError: for a learning rate, ``eps`` or ``clip_norm`` that is not
         a finite number > 0, or ``b1``/``b2`` outside ``[0, 1)``. Numbers
         may be Python, NumPy or 0-d JAX scalars (not a ``bool`` or a string).
+      TypeError: for a ``skip_non_finite`` that is not a ``bool``.
     """
     if not callable(learning_rate):
         learning_rate = _positive_number("learning_rate", learning_rate,
@@ -101,7 +113,9 @@ def onebit_adam(
     eps = _positive_number("eps", eps, "a finite number > 0")
     if clip_norm is not None:
         clip_norm = _positive_number("clip_norm", clip_norm, "a finite number > 0, or None (no clipping)")
-    return OneBitAdam(learning_rate, b1, b2, eps, clip_norm)
+    if not isinstance(skip_non_finite, (bool, np.bool_)):
+        raise TypeError(f"skip_non_finite must be True or False, got {skip_non_finite!r}")
+    return OneBitAdam(learning_rate, b1, b2, eps, clip_norm, bool(skip_non_finite))
 
 
 def _number(name: str, value: Any, rule: str, holds: Callable[[float], bool]) -> float:

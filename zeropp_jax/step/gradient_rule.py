@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zeropp_jax.step.accumulate import accumulate, step_metrics
+from zeropp_jax.step.accumulate import accumulate, square_sum_or_nan, step_metrics
 from zeropp_jax.step.geometry import DATA_AXES, StepGeometry, node_level_once
 from zeropp_jax.step.state import TrainState, ZeroOptState, initial_qgz_state
 from zeropp_jax.wire import dither
@@ -91,7 +91,8 @@ def _reduced_gradients(
 
     Returns:
       ``(grads, carry, metrics)`` with grads shaped like ``params``; the
-      carry is the old one where the gradient's norm is not finite. Only
+      carry is the old one where an element of the gradient is not finite
+      (NaN or inf; ``metrics["grad_norm"]`` is NaN then). Only
       the cross-node reduction moves data over ``node``.
     """
     cfg = geo.config
@@ -118,12 +119,13 @@ def _reduced_gradients(
         g = g / (geo.n_devices * cfg.grad_accum)
         grads[u.name] = jnp.where(geo.shard_mask(u, g.shape[-1]), g, 0.0)
 
-    sq = jax.lax.psum(sum(jnp.sum(jnp.square(g)) for g in grads.values()), DATA_AXES)
-    # A step whose gradient is not finite (a NaN, an inf, or a norm past
-    # float32) leaves the carries as they were: what they hold is delivered
-    # by the next finite step, as when an optimizer such as
-    # optax.apply_if_finite skips this one (a NaN carry would poison every
-    # later step).
-    finite = jnp.isfinite(sq)
+    # A step with a NaN or inf in its gradient leaves the carries as they
+    # were: what they hold is delivered by the next finite step, as when an
+    # optimizer such as optax.apply_if_finite skips this one (a NaN carry
+    # would poison every later step). The test is the optimizer's own, one
+    # element at a time (finite elements whose squares pass float32 make the
+    # norm inf, a step the optimizer still applies).
+    sq = jax.lax.psum(square_sum_or_nan(grads.values()), DATA_AXES)
+    finite = ~jnp.isnan(sq)
     new_carry = {name: jnp.where(finite, c, carry[name]) for name, c in new_carry.items()}
     return grads, new_carry, step_metrics(geo, outputs, sq, compress)

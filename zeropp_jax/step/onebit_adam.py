@@ -81,7 +81,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.layout import padding_mask
 from zeropp_jax.mesh import LOCAL, NODE
-from zeropp_jax.step.accumulate import accumulate, over_devices, step_metrics
+from zeropp_jax.step.accumulate import accumulate, over_devices, square_sum_or_nan, step_metrics
 from zeropp_jax.step.adam import (
     OneBitAdam, adam_step, next_momentum, next_second_moment, preconditioner,
 )
@@ -173,8 +173,10 @@ class OneBitAdamRule:
             check_vma=geo.check_vma,
         )(state.params, inner.m, inner.v, inner.receiver_carry, state.opt_state.qgz.carry,
           batch, inner.count, inner.v_count, state.step)
-        inner = OneBitAdamState(inner.count + 1, v_count, m, v, receiver_carry)
-        qgz = QgzState(carry=sender_carry, grad_rms=metrics["grad_rms"])
+        taken = 1 - metrics.get("skipped", 0)  # a skipped step moves nothing
+        inner = OneBitAdamState(inner.count + taken, v_count, m, v, receiver_carry)
+        grad_rms = jnp.where(taken > 0, metrics["grad_rms"], state.opt_state.qgz.grad_rms)
+        qgz = QgzState(carry=sender_carry, grad_rms=grad_rms)
         return TrainState(state.step + 1, params, ZeroOptState(inner, qgz)), metrics
 
     def extra_memory(self, geo: StepGeometry) -> int:
@@ -221,7 +223,10 @@ def _local_update(
       ``(params, m, v, receiver_carry, sender_carry, v_count, metrics)``.
       Full-precision steps all-reduce gradients over ``node``; compressed
       steps move momentum codes over ``node`` (:func:`_exchange_momenta`).
+      With ``adam.skip_non_finite``, the inputs as they came where a
+      device's gradient held a NaN or an inf (``metrics["skipped"]`` 1).
     """
+    before = (params, m, v, receiver_carry, sender_carry, v_count)
     cfg = geo.config
     replicated = cfg.node_replicated
     if replicated:
@@ -245,8 +250,9 @@ def _local_update(
                                                              sum_bits=geo.plan.sum_bits))
                      for u in geo.layout.units}
     grads = {name: jnp.where(slice_masks[name], g, 0.0) for name, g in grads.items()}
-    # This node's squared norm (compressed) or the global one (full precision).
-    sq_norm = jax.lax.psum(sum(jnp.sum(jnp.square(g)) for g in grads.values()), LOCAL)
+    # This node's squared norm (compressed) or the global one (full precision);
+    # NaN exactly where an element of some device's gradient is NaN or inf.
+    sq_norm = jax.lax.psum(square_sum_or_nan(grads.values()), LOCAL)
     clip = adam.clip_scale(sq_norm)
 
     new = {key: {} for key in ("params", "m", "v", "receiver", "sender")}
@@ -296,8 +302,13 @@ def _local_update(
     totals = over_devices(jnp.stack([sq_norm / geo.n_devices, bounded]))
     metrics = step_metrics(geo, outputs, totals[0], compress)
     metrics["bounded"] = totals[1].astype(jnp.int32)
-    return (new["params"], new["m"], new["v"], new["receiver"], new["sender"],
-            new_v_count, metrics)
+    after = (new["params"], new["m"], new["v"], new["receiver"], new["sender"], new_v_count)
+    if adam.skip_non_finite:  # totals[0] is NaN where any device's gradient was
+        skipped = jnp.isnan(totals[0])
+        after = jax.tree.map(lambda old, now: jnp.where(skipped, old, now), before, after)
+        metrics["skipped"] = skipped.astype(jnp.int32)
+    return (*after, metrics)
+
 
 
 def _exchange_momenta(
