@@ -296,43 +296,52 @@ def test_onebit_adam_takes_numpy_and_jax_scalars_like_optax():
 
 
 
-def test_skip_non_finite_leaves_the_state_as_it_was_like_apply_if_finite():
-    """One device's gradient holds NaNs, at a warm-up step and at a compressed
-    one: with ``skip_non_finite`` neither moves anything (parameters, moments,
-    both carries, ``count``) and training goes on; without it, as with
-    ``optax.adam``, the parameters turn NaN."""
+@pytest.mark.parametrize("preset, overrides", [
+    ("zeropp", {}),
+    pytest.param("zeropp", SIGN_TWO_HOP, marks=pytest.mark.slow, id="two-hop"),  # receiver carry
+    pytest.param("zeropp-max", dict(grad_accum=2), marks=pytest.mark.slow, id="zeropp-max"),
+])
+def test_skip_non_finite_leaves_the_state_as_it_was_like_apply_if_finite(preset, overrides):
+    """One device's gradient holds NaNs at a warm-up step and infs at a
+    compressed one: with ``skip_non_finite`` neither moves anything
+    (parameters, moments, carries, ``count``) and training goes on; without
+    it, as with ``optax.adam``, the parameters turn NaN."""
     base = gpt_loss()
     params = gpt.init_params(TINY, jax.random.key(0))
-    batches = tiny_batches()
+    batches = tiny_batches(batch_size=32)
 
-    def loss(p, b):  # row 0's device only: its gradient is NaN
+    def loss(p, b):  # row 0's device only: its gradient is not finite
         return base(p, b["tokens"]) * jnp.mean(b["scale"])
 
-    def batch(i, nan):
+    def batch(i, bad=1.0):
         scale = np.ones(batches.batch_size, np.float32)
-        scale[0] = np.nan if nan else 1.0
+        scale[0] = bad
         return {"tokens": batches.batch_at(i), "scale": scale}
 
-    config = zp.ZeroConfig.from_preset("zeropp", compute_dtype="float32", qgz_warmup_steps=2)
+    config = zp.ZeroConfig.from_preset(preset, compute_dtype="float32", qgz_warmup_steps=2,
+                                       **overrides)
     trainers = {skip: zp.make_trainer(loss, zp.onebit_adam(3e-3, clip_norm=1.0, skip_non_finite=skip),
                                       params, mesh=mesh_of(2, 4), config=config, per_layer=True,
                                       stacked=("blocks",)) for skip in (True, False)}
-    trainer = trainers[True]
-    state, skipped, losses = trainer.init(params), [], []
+    trainer, bad = trainers[True], {1: np.nan, 3: np.inf}
+    state, seen = trainer.init(params), []
     for i in range(6):
         before = jax.device_get(state)
-        state, metrics = trainer.step(state, batch(i, nan=i in (1, 3)))
-        skipped.append(int(metrics["skipped"]))
-        losses.append(float(metrics["loss"]))
-        if i in (1, 3):  # everything as it was but the trainer's step
+        state, metrics = trainer.step(state, batch(i, bad.get(i, 1.0)))
+        seen.append({k: int(metrics[k]) for k in ("skipped", "compressed")})
+        assert np.isfinite(float(metrics["loss"])) == (i not in bad)
+        if i in bad:  # everything as it was but the trainer's step
+            assert int(metrics["bounded"]) == 0
             after = jax.device_get(state)
             assert int(after.step) == int(before.step) + 1
             jax.tree.map(np.testing.assert_array_equal, after._replace(step=before.step), before)
-    assert skipped == [0, 1, 0, 1, 0, 0]
-    assert int(state.opt_state.inner.count) == 4 and np.all(np.isfinite(np.array(losses)[[0, 2, 4, 5]]))
-    assert int(metrics["compressed"]) == 1 and losses[5] < losses[0]
+    assert seen == [{"skipped": int(i in bad), "compressed": int(i >= 2)} for i in range(6)]
+    inner = state.opt_state.inner
+    assert int(inner.count) == 4 and int(inner.v_count) == 1
+    if overrides is SIGN_TWO_HOP:
+        assert all(np.abs(np.asarray(c)).max() > 0 for c in jax.tree.leaves(inner.receiver_carry))
     state = trainers[False].init(params)
-    state, metrics = trainers[False].step(state, batch(0, nan=True))
+    state, metrics = trainers[False].step(state, batch(0, np.nan))
     assert "skipped" not in metrics
     assert all(np.isnan(p).any() for p in jax.tree.leaves(trainers[False].gather_params(state)))
 

@@ -240,9 +240,10 @@ def square_sum_or_nan(grads: Iterable[jax.Array]) -> jax.Array:
     """float32 ``()``: the sum of the squares of the elements of ``grads``
     (this device's arrays), or NaN if one of them is NaN or inf.
 
-    Summed over devices, it is NaN exactly where some device's gradient
-    holds a NaN or an inf (``optax.apply_if_finite``'s test, element by
-    element), and inf where only the squares pass float32. Moves nothing.
+    Of each device's shard of the reduced gradient (what the optimizer
+    sees) and summed over devices, it is NaN exactly where an element of
+    that gradient is NaN or inf (``optax.apply_if_finite``'s test, element
+    by element), and inf where only the squares pass float32. Moves nothing.
     """
     grads = list(grads)
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads]))

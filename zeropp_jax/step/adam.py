@@ -30,11 +30,16 @@ class OneBitAdam(NamedTuple):
       b1, b2, eps: Adam's, as in ``optax.adam`` (``eps`` outside the root).
       clip_norm: clip the gradient to this global norm (node-wise on
         compressed steps); ``None`` does not clip.
-      skip_non_finite: a step whose gradient holds a NaN or an inf on any
-        device changes nothing (parameters, moments, carries, ``count``),
-        like ``optax.apply_if_finite``; ``metrics["skipped"]`` is 1 then.
-        ``False``: such a step turns the moments and parameters NaN, as
-        ``optax.adam`` does.
+      skip_non_finite: a step whose reduced gradient holds a NaN or an inf
+        changes nothing (parameters, moments, carries, ``count``), as
+        ``optax.apply_if_finite`` skips one; ``metrics["skipped"]`` is 1
+        then. Unlike it there is no ``max_consecutive_errors`` and no
+        counter in the state: every such step is skipped, and only
+        ``metrics["skipped"]`` (and the NaN loss) shows it. The qgZ
+        schedule counts skipped steps (the host counts steps without
+        waiting for the device): a skipped warm-up step is not made up.
+        ``False``: such a step turns the moments, carries and parameters
+        NaN, as ``optax.adam`` does.
     """
 
     learning_rate: Union[float, Schedule]
@@ -96,8 +101,9 @@ def onebit_adam(
                                 params, mesh=mesh, config=config)
 
     ``skip_non_finite=True`` skips a step whose gradient holds a NaN or an
-    inf (on any device) the way ``optax.apply_if_finite`` does: nothing of
-    the state moves, and the step's ``metrics["skipped"]`` is 1.
+    inf (on any device) as ``optax.apply_if_finite`` does, without its
+    limit on consecutive skips (see :class:`OneBitAdam`): nothing of the
+    state moves, and the step's ``metrics["skipped"]`` is 1.
 
     Raises:
       ValueError: for a learning rate, ``eps`` or ``clip_norm`` that is not

@@ -65,7 +65,10 @@ class GradientRule:
         with jax.named_scope("optimizer"):
             updates, inner = self.optimizer.update(grads, state.opt_state.inner, state.params)
             params = optax.apply_updates(state.params, updates)
-        qgz = QgzState(carry=carry, grad_rms=metrics["grad_rms"])
+        # a non-finite step's RMS (NaN) would open qgz_min_grad_rms's gate
+        grad_rms = jnp.where(jnp.isnan(metrics["grad_rms"]), state.opt_state.qgz.grad_rms,
+                             metrics["grad_rms"])
+        qgz = QgzState(carry=carry, grad_rms=grad_rms)
         return TrainState(state.step + 1, params, ZeroOptState(inner, qgz)), metrics
 
     def extra_memory(self, geo: StepGeometry) -> int:

@@ -223,8 +223,9 @@ def _local_update(
       ``(params, m, v, receiver_carry, sender_carry, v_count, metrics)``.
       Full-precision steps all-reduce gradients over ``node``; compressed
       steps move momentum codes over ``node`` (:func:`_exchange_momenta`).
-      With ``adam.skip_non_finite``, the inputs as they came where a
-      device's gradient held a NaN or an inf (``metrics["skipped"]`` 1).
+      With ``adam.skip_non_finite``, the inputs as they came where the
+      reduced gradient (what Adam would see) held a NaN or an inf
+      (``metrics["skipped"]`` 1, ``metrics["bounded"]`` 0).
     """
     before = (params, m, v, receiver_carry, sender_carry, v_count)
     cfg = geo.config
@@ -251,7 +252,7 @@ def _local_update(
                      for u in geo.layout.units}
     grads = {name: jnp.where(slice_masks[name], g, 0.0) for name, g in grads.items()}
     # This node's squared norm (compressed) or the global one (full precision);
-    # NaN exactly where an element of some device's gradient is NaN or inf.
+    # NaN exactly where an element of the reduced gradient is NaN or inf.
     sq_norm = jax.lax.psum(square_sum_or_nan(grads.values()), LOCAL)
     clip = adam.clip_scale(sq_norm)
 
@@ -307,6 +308,7 @@ def _local_update(
         skipped = jnp.isnan(totals[0])
         after = jax.tree.map(lambda old, now: jnp.where(skipped, old, now), before, after)
         metrics["skipped"] = skipped.astype(jnp.int32)
+        metrics["bounded"] = jnp.where(skipped, 0, metrics["bounded"])  # nothing was applied
     return (*after, metrics)
 
 

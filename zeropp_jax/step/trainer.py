@@ -165,7 +165,9 @@ class Trainer:
 
         Returns:
           ``(new_state, metrics)``: metrics is a dict of scalars ``loss``, ``grad_norm``,
-          ``grad_rms``, ``compressed`` (0 or 1); ``aux``: a loss's aux, each leaf averaged.
+          ``grad_rms``, ``compressed`` (0 or 1); ``aux``: a loss's aux, each leaf averaged;
+          under 1-bit Adam ``bounded`` (values held at Adam's bound) and, with
+          ``skip_non_finite``, ``skipped`` (0 or 1).
         """
         _check_not_consumed(state)
         step = self._host_steps.get(state.step)

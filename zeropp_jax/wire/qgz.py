@@ -48,7 +48,8 @@ class QgzState(NamedTuple):
       carry: dict unit name -> float32 ``(nodes, [L,] padded)`` error-feedback
         carry, or an empty dict when error feedback is off.
       grad_rms: float32 scalar, root-mean-square of the last step's reduced
-        gradient (drives the optional compression gate).
+        gradient (drives the optional compression gate); a step whose
+        gradient holds a NaN or an inf leaves it as it was.
     """
 
     carry: dict  # name -> float32 (nodes, [L,] padded), P(node, [None,] local)
