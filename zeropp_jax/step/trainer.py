@@ -164,10 +164,8 @@ class Trainer:
             <zeropp_jax.step.schedule.QgzSchedule.forced>`).
 
         Returns:
-          ``(new_state, metrics)``: metrics is a dict of scalars ``loss``, ``grad_norm``,
-          ``grad_rms``, ``compressed`` (0 or 1); ``aux``: a loss's aux, each leaf averaged;
-          under 1-bit Adam ``bounded`` (values held at Adam's bound) and, with
-          ``skip_non_finite``, ``skipped`` (0 or 1).
+          ``(new_state, metrics)``: scalars ``loss``, ``grad_norm``, ``grad_rms``, ``compressed``
+          (0/1), 1-bit Adam's ``bounded`` and ``skipped`` (0/1, with ``skip_non_finite``); ``aux``.
         """
         _check_not_consumed(state)
         step = self._host_steps.get(state.step)
