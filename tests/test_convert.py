@@ -169,6 +169,32 @@ def _init_checkpoint(directory, tr):
     return directory
 
 
+def test_apply_if_finite_around_adam_converts_either_way(tmp_path, caplog):
+    """``optax.apply_if_finite`` (the counterpart of ``skip_non_finite``):
+    its counters, which 1-bit Adam does not keep, are dropped (named in the
+    log) one way and start afresh the other."""
+    guarded = optax.apply_if_finite(optimizer(), max_consecutive_errors=5)
+    zero3, onebit = trainer("zero3", guarded), trainer("zeropp-max")
+    state = zero3.init(params())
+    counters = dict(notfinite_count=2, last_finite=False, total_notfinite=3)
+    state = state._replace(opt_state=state.opt_state._replace(inner=state.opt_state.inner._replace(
+        **{k: jax.device_put(np.asarray(v, getattr(state.opt_state.inner, k).dtype),
+                             getattr(state.opt_state.inner, k).sharding)
+           for k, v in counters.items()})))
+    with Checkpointer(tmp_path / "guarded", async_save=False) as ckpt:
+        ckpt.save(0, state, zero3)
+    with caplog.at_level("WARNING", logger="zeropp_jax.checkpoint.convert"):
+        restored = Checkpointer(tmp_path / "guarded").restore(onebit)
+    assert int(restored.opt_state.inner.count) == 0
+    assert ("dropped optax.apply_if_finite's counters {'last_finite': False, "
+            "'notfinite_count': 2, 'total_notfinite': 3}") in caplog.text
+    onebit_dir = _init_checkpoint(tmp_path / "onebit", onebit)
+    back = jax.device_get(Checkpointer(onebit_dir).restore(zero3).opt_state.inner)
+    assert (int(back.notfinite_count), bool(back.last_finite), int(back.total_notfinite)) == (
+        0, True, 0)
+    assert int(back.inner_state[1][0].count) == 0
+
+
 def test_conversion_is_refused_where_it_does_not_fit(tmp_path):
     onebit_dir = _init_checkpoint(tmp_path / "onebit", trainer("zeropp-max"))
     clipped_sgd = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))

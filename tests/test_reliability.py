@@ -60,6 +60,12 @@ def test_fingerprint_is_the_same_on_devices_and_on_the_host():
     swapped = x.copy()
     swapped[0, [0, 1]] = swapped[0, [1, 0]]  # same values, another order
     assert checksum.host_fingerprint(swapped) != sums["params"]["w"]
+    # every dtype a state holds, labels included (a bool was labelled uint8
+    # on the host, so a converted optax.apply_if_finite state never restored)
+    leaves = {"flag": np.asarray(False), "flags": x > 0, "count": np.asarray(7, np.int32),
+              "codes": (x * 50).astype(np.int8), "half": x.astype(jnp.bfloat16)}
+    sums, _ = checksum.state_summary({"s": {k: jax.device_put(v) for k, v in leaves.items()}})
+    assert sums["s"] == {k: checksum.host_fingerprint(v) for k, v in leaves.items()}
 
 
 @pytest.mark.parametrize("nan", ["params", "opt_state"])

@@ -63,12 +63,13 @@ def _device_fingerprint(x: jax.Array) -> jax.Array:
 def host_fingerprint(x: np.ndarray) -> str:
     """``"<dtype>:<16 hex digits>"``: the fingerprint of a host array (same as on devices)."""
     x = np.ascontiguousarray(x)
-    if x.dtype == np.bool_:
+    dtype = x.dtype  # the label: a bool's words are its bytes, as on devices
+    if dtype == np.bool_:
         x = x.astype(np.uint8)
     w = x.view(_WORD[x.dtype.itemsize]).astype(np.uint32).reshape(-1)
     idx = (np.arange(w.size, dtype=np.uint64) % 2**32).astype(np.uint32)
     a, b = _terms(w, idx, np)
-    return _hex(x.dtype, np.sum(a, dtype=np.uint32), np.sum(b, dtype=np.uint32))
+    return _hex(dtype, np.sum(a, dtype=np.uint32), np.sum(b, dtype=np.uint32))
 
 
 def _hex(dtype, a, b) -> str:

@@ -33,6 +33,11 @@ optax Adam -> 1-bit Adam (exact): ``m = mu`` and ``v = nu`` on every node's
 row, ``count = v_count = `` optax's count (so ``v``'s bias correction is
 optax's), carries zero.
 
+``optax.apply_if_finite`` around Adam (the counterpart of
+``onebit_adam(skip_non_finite=True)``) converts either way: its counters,
+which 1-bit Adam does not keep, start afresh (0 skips, last step finite)
+or are dropped, named in the log line.
+
 Hyperparameters. ``b1``, ``b2`` and ``eps`` are not in optax's state. 1-bit
 Adam's are stored with the checkpoint (``meta["optimizer"]``); the target's
 optax Adam's ``b1`` and ``b2`` are read back from two probe updates of its
@@ -74,6 +79,9 @@ Key = tuple[str, ...]
 _COUNT, _V_COUNT = ("inner", "count"), ("inner", "v_count")
 _GRAD_RMS = ("qgz", "grad_rms")
 _BETA_TOLERANCE = 1e-6  # the probe reads float32 moments
+# optax.apply_if_finite's counters (ApplyIfFiniteState) and their fresh values:
+# 1-bit Adam's skip_non_finite keeps none, so they start afresh or are dropped.
+_GUARD_FRESH = {"notfinite_count": 0, "last_finite": True, "total_notfinite": 0}
 
 
 def converter_for(meta: dict, trainer: Trainer, where: str) -> Callable | None:
@@ -175,6 +183,9 @@ def _onebit_to_adam(hyper: dict, notices: list[str], where: str, plan: Any,
             makers.append(functools.partial(_moment_maker, rel[0], rel[1], tgt, plan))
         elif _is_count(key, tgt):  # Adam's count, a schedule's count
             makers.append(lambda values, _, tgt=tgt: place(values[_COUNT], tgt))
+        elif _is_guard(key, tgt):  # optax.apply_if_finite's: no skip seen yet
+            makers.append(lambda values, _, tgt=tgt, fresh=_GUARD_FRESH[key[-1]]: place(
+                np.asarray(fresh, tgt.dtype), tgt))
         elif key[:2] == ("qgz", "carry"):  # a gradient carry: nothing deferred yet
             makers.append(lambda values, _, tgt=tgt: place(np.zeros(tgt.shape, tgt.dtype), tgt))
         elif key == _GRAD_RMS:
@@ -248,6 +259,8 @@ def _adam_to_onebit(meta: dict, trainer: Trainer, where: str, plan: Any,
     adam = _stored_adam_prefix(meta, trainer, where, stored, plan.new_units)
     count = adam + ("count",)
     read = {count, _GRAD_RMS} | {adam + (w, u) for w in ("mu", "nu") for u in plan.new_units}
+    guards = [k for k in stored if _is_guard(k, stored[k])]  # dropped, and announced
+    read |= set(guards)
     other = [k for k in stored if k not in read and not _is_count(k, stored[k])]
     if other:
         raise qgz_target_mismatch(
@@ -271,8 +284,8 @@ def _adam_to_onebit(meta: dict, trainer: Trainer, where: str, plan: Any,
     def fill(values: dict) -> list[jax.Array]:
         log.warning(
             "%s: restoring optax Adam's state (count %d) as 1-bit Adam's: m = mu, v = nu, "
-            "v_count = count, carries zero (exact; zeropp_jax.checkpoint.convert)",
-            where, int(values[count]))
+            "v_count = count, carries zero (exact; zeropp_jax.checkpoint.convert)%s",
+            where, int(values[count]), _dropped_guards(values, guards))
         return [make(values) for make in makers]
 
     return {k: NUMPY if k in read else None for k in stored}, fill
@@ -321,6 +334,20 @@ def _abstract_opt(trainer: Trainer) -> Any:
 def _is_count(key: Key, leaf: Any) -> bool:
     """A step count: Adam's or a learning-rate schedule's (an integer scalar)."""
     return key[-1] == "count" and tuple(leaf.shape) == () and jnp.issubdtype(leaf.dtype, jnp.integer)
+
+
+def _is_guard(key: Key, leaf: Any) -> bool:
+    """A counter of ``optax.apply_if_finite`` (a scalar named as in ``ApplyIfFiniteState``)."""
+    return key[-1] in _GUARD_FRESH and tuple(leaf.shape) == ()
+
+
+def _dropped_guards(values: dict, guards: list[Key]) -> str:
+    """What a log line says of the ``apply_if_finite`` counters 1-bit Adam has no place for."""
+    if not guards:
+        return ""
+    counts = {k[-1]: values[k].item() for k in guards}
+    return (f"; dropped optax.apply_if_finite's counters {counts} (1-bit Adam skips non-finite "
+            "steps with onebit_adam(skip_non_finite=True), without counters)")
 
 
 def _unconvertible(where: str, name: str, what: str) -> CheckpointMismatchError:
