@@ -195,6 +195,29 @@ def test_apply_if_finite_around_adam_converts_either_way(tmp_path, caplog):
     assert int(back.inner_state[1][0].count) == 0
 
 
+def test_adams_betas_are_read_back_through_weight_decay_and_a_bf16_momentum(tmp_path):
+    """The probe runs on zero parameters (a weight decay in front of Adam
+    adds nothing) and allows a moment dtype's rounding: these Adams have
+    1-bit Adam's betas and take its checkpoint; other betas are still told apart."""
+    from zeropp_jax.checkpoint.convert import optax_adam_betas
+
+    same = {
+        "bf16 mu": optax.adam(3e-3, mu_dtype=jax.numpy.bfloat16),
+        "L2 in front": optax.chain(optax.add_decayed_weights(1e-2), optax.adam(3e-3)),
+    }
+    for name, opt in same.items():
+        b1, b2, tolerance = optax_adam_betas(opt)
+        assert abs(b1 - B1) <= tolerance and abs(b2 - B2) <= tolerance, (name, b1, b2)
+    b1, _, tolerance = optax_adam_betas(optax.adam(3e-3, b1=0.95, mu_dtype=jax.numpy.bfloat16))
+    assert abs(b1 - 0.95) <= tolerance < abs(b1 - B1)
+    onebit_dir = _init_checkpoint(tmp_path / "onebit", trainer("zeropp-max"))
+    restored = Checkpointer(onebit_dir).restore(trainer("zero3", optax.chain(
+        optax.clip_by_global_norm(1.0), optax.add_decayed_weights(1e-2),
+        optax.adam(3e-3, mu_dtype=jax.numpy.bfloat16))))
+    adam = restored.opt_state.inner[2][0]  # chain(clip, decay, adam)
+    assert adam.mu["blocks"].dtype == jax.numpy.bfloat16 and int(adam.count) == 0
+
+
 def test_conversion_is_refused_where_it_does_not_fit(tmp_path):
     onebit_dir = _init_checkpoint(tmp_path / "onebit", trainer("zeropp-max"))
     clipped_sgd = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))

@@ -78,7 +78,7 @@ log = logging.getLogger(__name__)
 Key = tuple[str, ...]
 _COUNT, _V_COUNT = ("inner", "count"), ("inner", "v_count")
 _GRAD_RMS = ("qgz", "grad_rms")
-_BETA_TOLERANCE = 1e-6  # the probe reads float32 moments
+_BETA_TOLERANCE = 1e-6  # the probe's float32 arithmetic; a coarser moment dtype widens it
 # optax.apply_if_finite's counters (ApplyIfFiniteState) and their fresh values:
 # 1-bit Adam's skip_non_finite keeps none, so they start afresh or are dropped.
 _GUARD_FRESH = {"notfinite_count": 0, "last_finite": True, "total_notfinite": 0}
@@ -110,20 +110,24 @@ def converter_for(meta: dict, trainer: Trainer, where: str) -> Callable | None:
 
 
 # ------------------------------------------------------- hyperparameters
-def optax_adam_betas(optimizer: optax.GradientTransformation) -> tuple[float, float] | None:
-    """``(b1, b2)`` of the one optax Adam in ``optimizer``, read back from its state.
+def optax_adam_betas(optimizer: optax.GradientTransformation) -> tuple[float, float, float] | None:
+    """``(b1, b2, tolerance)`` of the one optax Adam in ``optimizer``, read back from its state.
 
-    Two updates of a float32 ``(4,)`` probe tree: a gradient of ones, then
-    zeros, so the second ``ScaleByAdamState`` holds ``b1 * mu`` and
-    ``b2 * nu`` of the first (whatever clipping or rate comes around it).
-    ``None`` where the optimizer does not run on such a tree (e.g. it
-    labels the unit names).
+    Two updates of a float32 ``(4,)`` probe tree with parameters of zeros: a
+    gradient of ones, then zeros, so the second ``ScaleByAdamState`` holds
+    ``b1 * mu`` and ``b2 * nu`` of the first (whatever clipping or rate
+    comes around it; zero parameters give a weight decay in front of Adam
+    nothing to add). ``tolerance`` is how far the read betas may be off:
+    the probe's float32 arithmetic, or the rounding of a moment kept in a
+    coarser dtype (``optax.adam(mu_dtype=jnp.bfloat16)``). ``None`` where
+    the optimizer does not run on such a tree (e.g. it labels the unit names).
     """
     x = {"probe": jnp.ones((4,), jnp.float32)}
+    zeros = jax.tree.map(jnp.zeros_like, x)
     try:
-        state = optimizer.init(x)
-        _, first = optimizer.update(x, state, x)
-        _, second = optimizer.update(jax.tree.map(jnp.zeros_like, x), first, x)
+        state = optimizer.init(zeros)
+        _, first = optimizer.update(x, state, zeros)
+        _, second = optimizer.update(zeros, first, zeros)
     except Exception as e:  # noqa: BLE001 - any optimizer may reject the probe
         log.info("optax Adam probe failed: %s: %s", type(e).__name__, e)
         return None
@@ -133,7 +137,10 @@ def optax_adam_betas(optimizer: optax.GradientTransformation) -> tuple[float, fl
     mu, nu = float(a.mu["probe"][0]), float(a.nu["probe"][0])
     if mu == 0 or nu == 0:
         return None
-    return float(b.mu["probe"][0]) / mu, float(b.nu["probe"][0]) / nu
+    # a ratio of two values each rounded to its dtype: off by up to ~2 ulps
+    tolerance = max([_BETA_TOLERANCE] + [2 * float(jnp.finfo(m["probe"].dtype).eps)
+                                         for m in (a.mu, a.nu)])
+    return float(b.mu["probe"][0]) / mu, float(b.nu["probe"][0]) / nu, tolerance
 
 
 def _onebit_hyper(meta: dict, trainer: Trainer, where: str) -> tuple[dict, list[str]]:
@@ -146,7 +153,8 @@ def _onebit_hyper(meta: dict, trainer: Trainer, where: str) -> tuple[dict, list[
             meta, trainer, where, f"the trainer's optax state has {len(prefixes)} "
             "ScaleByAdamState (optax.adam and the like) where the conversion needs exactly one.")
     stored = meta.get("optimizer") or {}
-    betas = optax_adam_betas(trainer.optimizer)
+    probed = optax_adam_betas(trainer.optimizer)
+    betas, tolerance = (probed[:2], probed[2]) if probed else (None, 0.0)
     notices = []
     if stored.get("name") == "onebit_adam":
         hyper = {k: float(stored[k]) for k in ("b1", "b2", "eps")}
@@ -162,7 +170,7 @@ def _onebit_hyper(meta: dict, trainer: Trainer, where: str) -> tuple[dict, list[
         notices.append(f"{where}: could not read b1 and b2 back from the trainer's optax "
                        f"optimizer; converting with 1-bit Adam's {hyper} and taking them "
                        "to be the same")
-    elif max(abs(betas[0] - hyper["b1"]), abs(betas[1] - hyper["b2"])) > _BETA_TOLERANCE:
+    elif max(abs(betas[0] - hyper["b1"]), abs(betas[1] - hyper["b2"])) > tolerance:
         raise qgz_target_mismatch(
             meta, trainer, where, f"the checkpoint's 1-bit Adam has b1={hyper['b1']}, "
             f"b2={hyper['b2']} and the trainer's optax Adam b1={betas[0]:.6g}, "
