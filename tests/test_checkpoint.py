@@ -197,6 +197,74 @@ def test_zeropp_restores_onto_another_mesh(runs, mesh, caplog):
     np.testing.assert_allclose(losses, run["losses"][RESUME:], rtol=rtol)
 
 
+def _history(k):
+    """An optax transformation keeping the last ``k`` gradients, ``(k, *shape)``
+    per leaf (a unit's is ``(k, [L,] U)``), and stepping along their mean."""
+    def init(params):
+        return (jax.tree.map(lambda p: jnp.stack([jnp.zeros_like(p)] * k), params),)
+
+    def update(g, state, params=None):
+        past = jax.tree.map(lambda h, x: jnp.concatenate([x[None], h[:-1]]), state[0], g)
+        return jax.tree.map(lambda h: h.mean(0), past), (past,)
+
+    return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("k", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_an_optimizer_history_moves_onto_another_padding(tmp_path, k):
+    """A state leaf ``(k, [L,] U)`` is re-padded row by row. With ``k`` equal
+    to the checkpoint's node count it was taken for one equal row per node
+    (1-bit Adam's ``m``): row 0 was copied over the others, silently; with
+    another ``k`` it was refused."""
+    opt = optax.chain(_history(k), optax.adam(3e-3))
+    source, target = trainer("qwz", 2, 4, opt=opt), trainer("qwz", 1, 4, opt=opt)
+    assert [u.padded for u in source.layout.units] != [u.padded for u in target.layout.units]
+    state = source.init(params())
+    for i in range(k):
+        state, _ = source.step(state, tiny_batches().batch_at(i))
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(k, state, source)
+    restored = Checkpointer(tmp_path).restore(target)
+    saved, got = jax.device_get((state.opt_state.inner[0][0], restored.opt_state.inner[0][0]))
+    for unit in source.layout.units:
+        old, new = unit, target.layout.unit(unit.name)
+        assert saved[unit.name].shape[0] == k and np.abs(saved[unit.name][1]).max() > 0
+        for a, b in zip(old.leaves, new.leaves):
+            np.testing.assert_array_equal(got[unit.name][..., b.offset:b.offset + b.size],
+                                          saved[unit.name][..., a.offset:a.offset + a.size])
+
+
+@pytest.mark.slow
+def test_a_typed_prng_key_in_the_optimizer_state_restores(tmp_path):
+    """``optax.add_noise`` keeps a typed key (``key<fry>``), stored as its
+    uint32 data: restored as it was (the next step's noise the same), on
+    this mesh and onto another."""
+    opt = optax.chain(optax.add_noise(0.01, 0.55, seed=0), optax.adam(3e-3))
+    config = zp.ZeroConfig.from_preset("zero3", compute_dtype="float32")
+
+    def make(nodes, local):  # add_noise's per-leaf noise looks like a mask to the check
+        return zp.make_trainer(gpt_loss(), opt, params(), mesh=mesh_of(nodes, local),
+                               config=config, per_layer=True, stacked=("blocks",),
+                               check_optimizer=False)
+
+    source = make(2, 4)
+    state, _ = source.step(source.init(params()), tiny_batches().batch_at(0))
+    key_type = state.opt_state.inner[0].rng_key.dtype
+    saved = jax.device_get(jax.random.key_data(state.opt_state.inner[0].rng_key))
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(1, state, source)
+    _, want = continue_run(source, state, 1, 2)
+    for mesh in ((2, 4), (1, 8)):
+        tr = make(*mesh)
+        restored = Checkpointer(tmp_path).restore(tr)
+        key = restored.opt_state.inner[0].rng_key
+        assert key.dtype == key_type
+        np.testing.assert_array_equal(jax.device_get(jax.random.key_data(key)), saved)
+        _, got = continue_run(tr, restored, 1, 2)
+        jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6),
+                     tr.gather_params(got), source.gather_params(want))
+
+
 @pytest.mark.slow
 def test_carry_starts_at_zero_when_the_checkpoint_has_none(runs):
     tr = trainer("zeropp", 2, 4)

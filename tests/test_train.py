@@ -59,6 +59,26 @@ def test_matches_single_device(reference, shape, preset, per_layer):
     assert_trees_close(trainer.gather_params(state), ref_final, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", [pytest.param("lbfgs", marks=pytest.mark.slow), "prodigy"])
+def test_optimizers_taking_inner_products_match_single_device(name):
+    """Optimizers that reduce over a unit (``optax.tree.vdot``: L-BFGS,
+    Prodigy) run on the sharded units as on one device; on the mesh's
+    explicit axes they were refused at the first step."""
+    opt = {"lbfgs": optax.chain(optax.scale_by_lbfgs(memory_size=3), optax.scale(-0.05)),
+           "prodigy": optax.contrib.prodigy(1.0)}[name]
+    params = gpt.init_params(TINY, jax.random.key(0))
+    ref_losses, ref_final = reference_run(gpt_loss(per_layer=False), params, opt, tiny_batches(), 4)
+    trainer = zp.make_trainer(gpt_loss(), opt, params, mesh=mesh_of(2, 4),
+                              config=zp.ZeroConfig.from_preset("zero3", **FP32), per_layer=True,
+                              stacked=("blocks",))
+    losses, state = zero_run(trainer, params, tiny_batches(), 4)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(trainer.gather_params(state), ref_final, rtol=1e-4, atol=1e-5)
+    placed = trainer.abstract_state(params)
+    assert all(a.sharding == b.sharding for a, b in zip(jax.tree.leaves(state),
+                                                        jax.tree.leaves(placed)))
+
+
 def test_grad_accumulation_is_exact_mean(reference):
     """Three micro-batches per device: the losses of one-device training, and
     the gradient is the mean over devices and micro-batches, not their sum.

@@ -22,7 +22,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from zeropp_jax.checkpoint import checksum, storage
+from zeropp_jax.checkpoint import checksum, keys, storage
 from zeropp_jax.checkpoint.convert import converter_for
 from zeropp_jax.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from zeropp_jax.checkpoint.metadata import describe_checkpoint
@@ -212,11 +212,12 @@ class Checkpointer:
                 "resume from it, or save into another directory"
             )
         meta = describe_checkpoint(trainer, step, extra_metadata, state.opt_state.inner)
+        stored = keys.to_data(state)  # a typed PRNG key (optax.add_noise) as its uint32 data
         meta["checksums"] = checksum.checksums_of_finite(
-            {storage.PARAMS: state.params, storage.OPT: state.opt_state},
+            {storage.PARAMS: stored.params, storage.OPT: stored.opt_state},
             f"step {step}",
         )
-        if not storage.save_items(self._manager, step, state, meta):
+        if not storage.save_items(self._manager, step, stored, meta):
             raise RuntimeError(f"Orbax declined to save step {step} in {self.directory}")
 
     # ------------------------------------------------------------ metadata

@@ -44,6 +44,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from zeropp_jax.checkpoint import keys
 from zeropp_jax.checkpoint.errors import CheckpointMismatchError
 from zeropp_jax.checkpoint.metadata import (
     check_layout,
@@ -93,9 +94,10 @@ def plan_restore(
     check_layout(meta["layout"], trainer.layout, where)
     if convert_opt is None:
         check_qgz_target(meta, trainer, where)
-    target = _abstract_state(trainer)
+    with_keys = _abstract_state(trainer)
+    target = keys.data_like(with_keys)  # typed PRNG keys are stored as their data
     if convert_opt is None:
-        check_optimizer(meta, trainer, target.opt_state.inner, where)
+        check_optimizer(meta, trainer, with_keys.opt_state.inner, where)
     plan = _Plan(meta, trainer, where)
     params_args, params_fill = plan.item(
         flat_with_keys(stored[PARAMS]), flat_with_keys(target.params), params=True
@@ -122,7 +124,7 @@ def plan_restore(
         )
         if not isinstance(state.opt_state, ZeroOptState):
             raise AssertionError("internal error: restored opt_state is not a ZeroOptState")
-        return state
+        return keys.from_data(state, with_keys)
 
     restore_args = {PARAMS: (stored[PARAMS], params_args), OPT: (stored[OPT], opt_args)}
     return restore_args, build
@@ -184,18 +186,36 @@ class _Plan:
         self.old_nodes = int(meta["mesh"]["node"])
         self.old_mesh = f"{meta['mesh']['node']}x{meta['mesh']['local']}"
         self.dropped_carry = False
+        # which leaves hold one equal row per node, on each side
+        self.old_config = {"node_replicated": bool(meta["config"].get("node_replicated", False)),
+                           "qgz_target": meta["config"].get("qgz_target", "gradient")}
+        self.new_config = {"node_replicated": trainer.config.node_replicated,
+                           "qgz_target": trainer.config.qgz_target}
 
     def _unit_of(self, key: tuple[str, ...], stored_shape, target_shape):
-        """The unit a parameter-shaped leaf belongs to, else ``None``."""
+        """The unit a unit-shaped leaf ``(..., [L,] U)`` belongs to (the same
+        leading axes on both sides: an optimizer's history of K gradients,
+        say), else ``None``."""
         name = key[-1] if key else None
         if name not in self.new_units:
             return None
         old, new = self.old_units[name], self.new_units[name]
-        if tuple(stored_shape) == old.global_shape and tuple(target_shape) == new.global_shape:
+        n = len(old.global_shape)
+        stored_shape, target_shape = tuple(stored_shape), tuple(target_shape)
+        if (len(stored_shape) == len(target_shape) >= n and stored_shape[-n:] == old.global_shape
+                and target_shape[-n:] == new.global_shape and stored_shape[:-n] == target_shape[:-n]):
             return name
         return None
 
-    def _rows_of(self, key, stored_shape, target_shape):
+    @staticmethod
+    def _per_node(key: tuple[str, ...], params: bool, config: dict) -> bool:
+        """Whether ``key`` holds one equal row per node under ``config``: node-replicated
+        parameters, or 1-bit Adam's ``m`` / ``v`` (by name, never by shape alone)."""
+        if params:
+            return config["node_replicated"]
+        return config["qgz_target"] == "momentum" and key[:2] in (("inner", "m"), ("inner", "v"))
+
+    def _rows_of(self, key, stored_shape, target_shape, params: bool):
         """``(unit, stored per node, target per node)`` for a leaf under a unit's
         name that has one equal row per node on either side (1-bit Adam's
         ``m`` / ``v``, node-replicated parameters), else ``None``."""
@@ -203,9 +223,11 @@ class _Plan:
         if name not in self.new_units:
             return None
         old, new = self.old_units[name], self.new_units[name]
-        src_rows = (len(stored_shape) >= 2 and stored_shape[0] == self.old_nodes
+        src_rows = (self._per_node(key, params, self.old_config) and len(stored_shape) >= 2
+                    and stored_shape[0] == self.old_nodes
                     and tuple(stored_shape[1:]) == old.global_shape)
-        tgt_rows = len(target_shape) >= 2 and tuple(target_shape[1:]) == new.global_shape
+        tgt_rows = (self._per_node(key, params, self.new_config) and len(target_shape) >= 2
+                    and tuple(target_shape[1:]) == new.global_shape)
         src_flat = tuple(stored_shape) == old.global_shape
         tgt_flat = tuple(target_shape) == new.global_shape
         if (src_rows or tgt_rows) and (src_rows or src_flat) and (tgt_rows or tgt_flat):
@@ -257,7 +279,7 @@ class _Plan:
                     "was it written with another optimizer?"
                 )
             src = stored[key]
-            rows = self._rows_of(key, src.shape, tgt.shape)
+            rows = self._rows_of(key, src.shape, tgt.shape, params)
             if rows is not None:  # one equal row per node on either side
                 makers.append(self._rows_maker(key, rows, tgt, args))
                 continue

@@ -63,8 +63,8 @@ class GradientRule:
             check_vma=geo.check_vma,
         )(state.params, state.opt_state.qgz.carry, batch, state.step)
         with jax.named_scope("optimizer"):
-            updates, inner = self.optimizer.update(grads, state.opt_state.inner, state.params)
-            params = optax.apply_updates(state.params, updates)
+            params, inner = _optimizer_step(self.optimizer, geo.mesh, grads,
+                                            state.opt_state.inner, state.params)
         # a non-finite step's RMS (NaN) would open qgz_min_grad_rms's gate
         grad_rms = jnp.where(jnp.isnan(metrics["grad_rms"]), state.opt_state.qgz.grad_rms,
                              metrics["grad_rms"])
@@ -74,6 +74,29 @@ class GradientRule:
     def extra_memory(self, geo: StepGeometry) -> int:
         """Bytes per device of state beyond the optimizer's own (none)."""
         return 0
+
+
+def _optimizer_step(optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh,
+                    grads: dict, inner: Any, params: dict) -> tuple[dict, Any]:
+    """``optimizer``'s update applied: new ``(params, inner)``, each placed as it came.
+
+    Runs with the mesh's explicit axes turned automatic
+    (``jax.sharding.auto_axes``): an optimizer that takes inner products or
+    reshapes a unit (``optax.tree.vdot`` in prodigy, D-Adaptation, L-BFGS,
+    mechanize) leaves XLA to choose where to reduce, which an explicitly
+    sharded operand would refuse. Element-wise optimizers (Adam and most
+    others) compile to the same program either way.
+    """
+    def step(grads, inner, params):
+        updates, inner = optimizer.update(grads, inner, params)
+        return optax.apply_updates(params, updates), inner
+
+    explicit = tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                     if kind == jax.sharding.AxisType.Explicit)
+    if not explicit:
+        return step(grads, inner, params)
+    placed = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, (params, inner))
+    return jax.sharding.auto_axes(step, axes=explicit, out_sharding=placed)(grads, inner, params)
 
 
 def _reduced_gradients(

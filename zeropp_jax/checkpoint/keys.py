@@ -1,0 +1,62 @@
+"""Typed PRNG keys in a train state, stored as their raw data.
+
+An optax state may hold a typed key (``optax.add_noise``'s ``rng_key``,
+dtype ``key<fry>``), which neither Orbax nor the checksums can write. A
+checkpoint stores each such leaf as ``jax.random.key_data`` (uint32, the
+key's shape plus the implementation's, e.g. ``(2,)`` for threefry) and
+restore wraps it back with the implementation the trainer's own state has.
+Other leaves pass through unchanged. No collective: the data keeps the
+key's sharding, with the trailing axes replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def is_key(x: Any) -> bool:
+    """Whether ``x`` (an array or a ``ShapeDtypeStruct``) is a typed PRNG key."""
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def to_data(tree: Any) -> Any:
+    """``tree`` with every typed key replaced by its uint32 data (what a checkpoint stores)."""
+    return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
+
+
+def data_like(abstract: Any) -> Any:
+    """``abstract`` (``ShapeDtypeStruct`` leaves) with each key's data shape, dtype and sharding."""
+    def data(x):
+        if not is_key(x):
+            return x
+        shape = jax.eval_shape(jax.random.key_data, x)
+        sharding = x.sharding
+        if isinstance(sharding, NamedSharding):
+            spec = tuple(sharding.spec) + (None,) * (len(shape.shape) - len(sharding.spec))
+            sharding = NamedSharding(sharding.mesh, P(*spec))
+        return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
+
+    return jax.tree.map(data, abstract)
+
+
+def from_data(tree: Any, abstract: Any) -> Any:
+    """``tree`` (restored, keys as data) with the keys of ``abstract`` wrapped back."""
+    def wrap(x, like):
+        return jax.random.wrap_key_data(x, impl=_impl(like)) if is_key(like) else x
+
+    return jax.tree.map(wrap, tree, abstract)
+
+
+def _impl(key: jax.ShapeDtypeStruct) -> Any:
+    """The PRNG implementation of an abstract key (read while tracing its shape)."""
+    found = []
+
+    def probe(k):
+        found.append(jax.random.key_impl(k))
+        return jax.random.key_data(k)
+
+    jax.eval_shape(probe, key)
+    return found[0]
