@@ -77,6 +77,11 @@ def test_optimizers_taking_inner_products_match_single_device(name):
     placed = trainer.abstract_state(params)
     assert all(a.sharding == b.sharding for a, b in zip(jax.tree.leaves(state),
                                                         jax.tree.leaves(placed)))
+    # every unit-sized leaf is sharded as the units are, L-BFGS's (K, [L,] U)
+    # history too (optax builds it replicated: a copy of the model per device)
+    padded = {u.padded for u in trainer.layout.units}
+    sized = [x for x in jax.tree.leaves(state.opt_state.inner) if x.ndim and x.shape[-1] in padded]
+    assert sized and all(x.sharding.spec[-1] == ("local", "node") for x in sized)
 
 
 def test_grad_accumulation_is_exact_mean(reference):

@@ -46,7 +46,7 @@ class GradientRule:
 
     def init(self, geo: StepGeometry, params: dict) -> ZeroOptState:
         """The optimizer state for float32 ``params`` (placed like the parameters)."""
-        inner = self.optimizer.init(params)
+        inner = _sharded_like_units(self.optimizer.init(params), params)
         return ZeroOptState(inner, initial_qgz_state(geo))
 
     def update(
@@ -74,6 +74,25 @@ class GradientRule:
     def extra_memory(self, geo: StepGeometry) -> int:
         """Bytes per device of state beyond the optimizer's own (none)."""
         return 0
+
+
+def _sharded_like_units(inner: Any, params: dict) -> Any:
+    """``inner`` with each replicated leaf shaped like a unit, or like one
+    with leading axes (L-BFGS's history ``(K, [L,] U)``, which optax builds
+    with ``jnp.zeros(shape)``, not ``zeros_like``), sharded as the unit is
+    (its leading axes replicated): not a whole copy of the model per device.
+    Runs under ``jit`` on the mesh; other leaves are left as they are."""
+    def place(path, x):
+        name = getattr(path[-1], "key", None) if path else None
+        p = params.get(name) if isinstance(name, str) else None
+        if p is None or x.ndim < p.ndim or x.shape[x.ndim - p.ndim:] != p.shape:
+            return x
+        if any(jax.typeof(x).sharding.spec):  # already placed (zeros_like follows the unit)
+            return x
+        spec = (None,) * (x.ndim - p.ndim) + tuple(jax.typeof(p).sharding.spec)
+        return jax.sharding.reshard(x, P(*spec))
+
+    return jax.tree_util.tree_map_with_path(place, inner)
 
 
 def _optimizer_step(optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh,
