@@ -236,6 +236,16 @@ def test_bad_input_errors(monkeypatch):
     )
     with pytest.raises(ValueError, match="batch size 12 must be divisible by .* 8"):
         trainer.shard_batch(np.zeros((12, 17), np.int32))
+    for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):  # numbers numpy does not call numbers
+        assert trainer.shard_batch({"x": np.ones((8, 3), dtype)})["x"].dtype == dtype
+    auto = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(2, 4), ("node", "local"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with pytest.raises(ValueError, match=r"axes node \(Auto\), local \(Auto\) are not "
+                       "Explicit.*zeropp_jax.make_mesh"):
+        zp.make_trainer(gpt_loss(), optimizer(), params, mesh=auto, per_layer=True)
+    as_str = zp.make_trainer(gpt_loss(), optimizer(), params, mesh=mesh_of(2, 4), per_layer=True,
+                             stacked="blocks")  # one name, not its letters
+    assert as_str.layout == trainer.layout
     with pytest.raises(ValueError, match="stacked names"):
         zp.make_trainer(gpt_loss(), optimizer(), params, mesh=mesh_of(2, 4), per_layer=True, stacked=("layers",))
     bad = dict(params, ln_f={"scale": jnp.ones(7), "bias": jnp.zeros(32)})

@@ -118,6 +118,28 @@ def test_wrap_needs_an_example_batch():
                         mesh=zp.make_mesh(2, 4), wrap=(FlaxGPT2Block,))
 
 
+def test_a_wrapped_module_named_like_the_remaining_units_is_refused():
+    """Units are named by path; ``rest`` holds what no wrapped module does:
+    a module named ``rest`` beside other parameters would share its name."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            return jnp.tanh(nn.Dense(8)(h))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1, name="out")(Block(name="rest")(nn.Dense(8, name="inp")(x)))
+
+    model, x = Model(), np.ones((8, 4), np.float32)
+    params = model.init(jax.random.key(0), x)["params"]
+    with pytest.raises(ValueError, match="wrap= makes two units named 'rest'.*rename the module"):
+        zp.make_trainer(lambda p, b: jnp.mean(model.apply({"params": p}, b)), optax.adam(1e-3),
+                        params, mesh=zp.make_mesh(2, 4), wrap=(Block,), example_batch=x)
+
+
 def counting_batch(step, rows=16):
     """Rows that count up from a random token: the next token is learnable."""
     first = np.random.default_rng(step).integers(0, VOCAB, (rows, 1))

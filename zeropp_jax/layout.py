@@ -240,7 +240,7 @@ def build_layout(
     Returns:
       The :class:`ParamLayout`.
     """
-    stacked = tuple(stacked)
+    stacked = (stacked,) if isinstance(stacked, str) else tuple(stacked)  # "blocks" as ("blocks",)
     if units:
         return _nested_layout(
             params, [tuple(p) for p in units], n_devices=n_devices,

@@ -130,11 +130,23 @@ def make_mesh(
 
 
 def mesh_shape(mesh: Mesh) -> tuple[int, int]:
-    """Returns ``(nodes, local)`` of a mesh built by :func:`make_mesh`."""
+    """Returns ``(nodes, local)`` of a mesh built by :func:`make_mesh`.
+
+    Raises:
+      ValueError: for axes other than ``("node", "local")``, or not Explicit.
+    """
     if tuple(mesh.axis_names) != AXES:
         raise ValueError(
             f"expected a mesh with axes {AXES}, got {tuple(mesh.axis_names)}; "
             "build it with zeropp_jax.make_mesh"
+        )
+    other = [f"{name} ({kind.name})" for name, kind in zip(mesh.axis_names, mesh.axis_types)
+             if kind != jax.sharding.AxisType.Explicit]
+    if other:
+        raise ValueError(
+            f"the mesh's axes {', '.join(other)} are not Explicit; the trainer places every "
+            "array with explicit axes: build the mesh with zeropp_jax.make_mesh (or pass "
+            "axis_types=(jax.sharding.AxisType.Explicit,) * 2)"
         )
     return mesh.shape[NODE], mesh.shape[LOCAL]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -43,7 +44,7 @@ def _as_array(path, x) -> Any:
             arr = np.asarray(x)
         except ValueError as e:  # ragged nested lists
             raise ValueError(f"{_describe(path)} is not a rectangular array: {e}") from None
-    if not (np.issubdtype(arr.dtype, np.number) or np.issubdtype(arr.dtype, np.bool_)):
+    if not (jnp.issubdtype(arr.dtype, jnp.number) or jnp.issubdtype(arr.dtype, jnp.bool_)):
         raise ValueError(
             f"{_describe(path)} has dtype {arr.dtype}; batch leaves must be numeric or bool "
             "arrays (tokenize text before batching)"

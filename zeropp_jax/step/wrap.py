@@ -61,6 +61,7 @@ import jax
 import numpy as np
 
 from zeropp_jax.nnx_model import UNITS_BY_WRAP_ONLY
+from zeropp_jax.tree_paths import REMAINDER, cut_paths
 from zeropp_jax.step import wrap_nnx
 from zeropp_jax.step.blocks import (
     as_layer, depth, inside_block, keys_as_data, keys_from_data, subtree, trace_calls,
@@ -155,7 +156,23 @@ def prepare(
         return wrap_nnx.wrap_loss(loss_fn, nnx_classes, paths), paths, stacked
     paths, stacked = discover(loss_fn, params, example_batch, classes, key)
     check(loss_fn, params, example_batch, classes, paths, key)
+    _check_unit_names(params, paths)
     return wrap_loss(loss_fn, classes), paths, stacked
+
+
+def _check_unit_names(params: Any, paths: list) -> None:
+    """A unit is named by its path joined with ``/``; two units must not share
+    a name, nor a wrapped module take the remaining parameters' (``rest``)."""
+    names = ["/".join(map(str, p)) for p in paths]
+    rest, _ = cut_paths(params, paths)
+    if jax.tree_util.tree_leaves(rest):
+        names.append(REMAINDER)
+    taken = sorted({n for n in names if names.count(n) > 1})
+    if taken:
+        raise ValueError(
+            f"wrap= makes two units named {taken[0]!r} (a unit is named by its module's "
+            f"path; {REMAINDER!r} holds the parameters outside every wrapped module): "
+            "rename the module")
 
 
 def discover(
