@@ -59,6 +59,29 @@ def test_keys_differ_per_step_and_follow_the_seed():
     assert again == losses  # reproducible from the seed
 
 
+@pytest.mark.parametrize("preset", ["zero3", pytest.param("zeropp", marks=pytest.mark.slow)])
+def test_a_key_placed_on_the_mesh_draws_what_the_same_seed_does(preset):
+    """A key made under ``jax.set_mesh`` (sharded on the mesh's explicit
+    axes) is an argument of the step's shard_map, not closed over, which
+    JAX refuses; an array the loss closes over there is refused by name."""
+    mesh = mesh_of(2, 4)
+    with jax.set_mesh(mesh):
+        key = jax.random.key(7)
+        table = jnp.ones((1, 8))
+    opt = zp.onebit_adam(0.1) if preset == "zeropp" else optax.sgd(0.1)
+    config = zp.ZeroConfig.from_preset(preset, compute_dtype="float32")
+    losses = {}
+    for name, rng in (("on the mesh", key), ("a seed", 7)):
+        trainer = zp.make_trainer(dropout_loss, opt, PARAMS, mesh=mesh, config=config, rng=rng)
+        losses[name] = run(trainer, 2)[1]
+    assert losses["on the mesh"] == losses["a seed"]
+    closes = zp.make_trainer(lambda p, b: dropout_loss(p, b * table, jax.random.key(0)), opt,
+                             PARAMS, mesh=mesh, config=config)
+    with pytest.raises(ValueError, match="the loss closes over an array placed on the trainer's "
+                       r"mesh .* pass it in the batch, or close over a NumPy"):
+        run(closes, 1)
+
+
 def test_each_device_and_micro_batch_draws_its_own_key():
     from zeropp_jax.step.accumulate import micro_batch_key
 

@@ -84,6 +84,69 @@ def test_optimizers_taking_inner_products_match_single_device(name):
     assert sized and all(x.sharding.spec[-1] == ("local", "node") for x in sized)
 
 
+class _MaskedBatches:
+    """Rows of floats with a bool mask and int positions, as a model reads them."""
+
+    def batch_at(self, step):
+        rng = np.random.default_rng(step)
+        return {"x": rng.normal(size=(16, 8)).astype(np.float32),
+                "mask": rng.random((16, 8)) > 0.3, "pos": rng.integers(0, 8, (16,)).astype(np.int32)}
+
+
+def _masked_stack_loss(params, batch):
+    """A stack of layers under ``lax.scan(zp.layer(...))`` whose block closes
+    over a bool mask and int positions from the batch (not its arguments)."""
+    def block(h, w):
+        w = zp.gather(w)
+        h = jnp.where(batch["mask"], jnp.tanh(h @ w["w"] + w["b"][None]), h)
+        return h + 0.01 * batch["pos"][:, None], None
+
+    h, _ = jax.lax.scan(zp.layer(block), batch["x"], params["blocks"])
+    return jnp.mean(jnp.square(h @ zp.gather(params["head"])))
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(prefetch=False),
+                                       dict(keep_activations=True)])
+def test_a_layer_closing_over_int_and_bool_values_trains_like_one_device(overrides):
+    """``jax.closure_convert`` hoists only floats: a block closing over an int
+    or bool value failed to compile under ``lax.scan(zp.layer(...))``."""
+    rng = np.random.default_rng(0)
+    params = {"blocks": {"w": rng.normal(size=(3, 8, 8)).astype(np.float32) * 0.3,
+                         "b": np.zeros((3, 8), np.float32)},
+              "head": rng.normal(size=(8, 2)).astype(np.float32)}
+    opt = optax.adam(1e-2)
+    ref_losses, ref_final = reference_run(_masked_stack_loss, params, opt, _MaskedBatches(), 3)
+    trainer = zp.make_trainer(_masked_stack_loss, opt, params, mesh=mesh_of(2, 4),
+                              config=zp.ZeroConfig.from_preset("zero3", **FP32, **overrides),
+                              per_layer=True, stacked=("blocks",))
+    losses, state = zero_run(trainer, params, _MaskedBatches(), 3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(trainer.gather_params(state), ref_final, rtol=1e-4, atol=1e-6)
+
+
+def test_init_takes_parameters_committed_to_a_device_or_sharded_on_a_mesh():
+    """A model loaded or initialised already placed (on one device, sharded
+    on the trainer's mesh or another one) starts the state a host copy does."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    params = gpt.init_params(TINY, jax.random.key(0))
+    mesh = mesh_of(2, 4)
+    trainer = zp.make_trainer(gpt_loss(), optimizer(), params, mesh=mesh, per_layer=True,
+                              stacked=("blocks",))
+    want = jax.device_get(trainer.init(jax.device_get(params)))
+    line = jax.sharding.Mesh(np.asarray(jax.devices()), ("d",))
+    placed = {
+        "one device": jax.device_put(params, jax.devices()[3]),
+        "this mesh": jax.tree.map(lambda x: jax.device_put(
+            x, NamedSharding(mesh, P(*[None] * (x.ndim - 1), "local"))), params),
+        "another mesh": jax.tree.map(lambda x: jax.device_put(
+            x, NamedSharding(line, P("d") if x.shape[0] % 8 == 0 else P())), params),
+    }
+    for name, p in placed.items():
+        got = jax.device_get(trainer.init(p))
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
 def test_grad_accumulation_is_exact_mean(reference):
     """Three micro-batches per device: the losses of one-device training, and
     the gradient is the mean over devices and micro-batches, not their sum.

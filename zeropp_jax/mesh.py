@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zeropp_jax.config_checks import is_int
 
@@ -164,3 +164,27 @@ def default_mesh_shape() -> tuple[int, int]:
     if n_proc > 1:
         return n_proc, n_dev // n_proc
     return 1, n_dev
+
+
+def replicated_on(tree: Any, mesh: Mesh) -> Any:
+    """``tree`` with each ``jax.Array`` leaf not yet replicated on ``mesh``
+    (committed to one device, sharded on ``mesh`` or on another mesh) put
+    there replicated, as a host array would be; other leaves unchanged.
+
+    What :meth:`zeropp_jax.Trainer.init` cuts into units: a parameter loaded
+    or initialised already sharded is gathered whole on every device first,
+    as host parameters are (moves the leaves it changes).
+    """
+    target = NamedSharding(mesh, P())
+
+    def put(x):
+        if not isinstance(x, jax.Array):
+            return x
+        sharding = x.sharding
+        if (isinstance(sharding, NamedSharding) and sharding.mesh == mesh
+                and sharding.is_equivalent_to(target, x.ndim)):
+            return x
+        return jax.device_put(x, target)
+
+    return jax.tree.map(put, tree)
+

@@ -149,9 +149,17 @@ def accumulate(
         tree = join_units(handles, geo.layout)
         if geo.layout.whole_model:
             tree = gather(tree)
-        if micro_key is None:
-            return split_loss_output(loss_fn(tree, micro_batch))
-        return split_loss_output(loss_fn(tree, micro_batch, micro_key))
+        keys = () if micro_key is None else (micro_key,)
+        try:
+            return split_loss_output(loss_fn(tree, micro_batch, *keys))
+        except NotImplementedError as e:  # JAX's advice names shard_map, which the user never calls
+            if "Closing over inputs to shard_map" not in str(e):
+                raise
+            raise ValueError(
+                "the loss closes over an array placed on the trainer's mesh (made under "
+                "jax.set_mesh, or put there with a NamedSharding), which JAX cannot close "
+                "over inside the step's shard_map: pass it in the batch, or close over a "
+                f"NumPy or single-device copy (np.asarray(x)). JAX said: {e}") from None
 
     rows = jax.tree.leaves(batch)[0].shape[0]  # this device's rows, B / D
 

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import jax.extend.core
 
 from zeropp_jax.wire import collectives
 from zeropp_jax.layout import UnitLayout, unflatten_unit
@@ -262,10 +263,38 @@ def layer(fn: Callable) -> Callable:
     def wrapped(*args):
         args = _in_order(args)  # units carry an order scalar from here on
         args = _formed(args)  # and hold their hpZ secondary, kept for the recomputation
-        converted, consts = jax.closure_convert(fn, *args)
+        converted, consts = _closure_converted(fn, *args)
         return _rematerialized(converted, tuple(consts), args)
 
     return wrapped
+
+
+def _closure_converted(fn: Callable, *args: Any) -> tuple[Callable, list]:
+    """``jax.closure_convert`` hoisting every value ``fn`` closes over from an
+    enclosing trace, whatever its dtype.
+
+    ``jax.closure_convert`` hoists only values that may carry a tangent
+    (floats); an int or bool one (an attention mask or positions read from
+    the batch, closed over by a block under ``lax.scan``) stayed a constant
+    of the converted function, which :func:`_rematerialized` takes as a
+    static argument, and compiling failed ("No constant handler"). Hoisted,
+    it is one more input (its cotangent ``float0``). Returns
+    ``(converted, consts)``: ``converted(*args, *consts)`` is ``fn(*args)``.
+    """
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    hoist = [isinstance(c, jax.core.Tracer) for c in closed.consts]
+    kept = [c for c, h in zip(closed.consts, hoist) if not h]
+    hoisted = [c for c, h in zip(closed.consts, hoist) if h]
+    out_tree = jax.tree.structure(out_shape)
+
+    def converted(*args_and_consts):
+        n = len(args_and_consts) - len(hoisted)
+        given, keep = iter(args_and_consts[n:]), iter(kept)
+        consts = [next(given) if h else next(keep) for h in hoist]
+        run = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(closed.jaxpr, consts))
+        return jax.tree.unflatten(out_tree, run(*jax.tree.leaves(args_and_consts[:n])))
+
+    return converted, hoisted
 
 
 def _in_order(args: tuple, after: Any = None) -> tuple:

@@ -56,12 +56,13 @@ class GradientRule:
         """One optimizer step (global, under ``jit``); see the module docstring."""
         param_specs, carry_specs = geo.param_specs(), geo.carry_specs()
         grads, carry, metrics = jax.shard_map(
-            functools.partial(_reduced_gradients, geo, loss_fn, compress=compress, key=key),
+            functools.partial(_reduced_gradients, geo, loss_fn, compress=compress),
             mesh=geo.mesh,
-            in_specs=(param_specs, carry_specs, geo.batch_specs(batch), P()),
+            in_specs=(param_specs, carry_specs, geo.batch_specs(batch), P(), P()),
             out_specs=(param_specs, carry_specs, P()),
             check_vma=geo.check_vma,
-        )(state.params, state.opt_state.qgz.carry, batch, state.step)
+        )(state.params, state.opt_state.qgz.carry, batch, state.step, key)  # key: an argument,
+        # not closed over (a key placed on the mesh cannot be, on its explicit axes)
         with jax.named_scope("optimizer"):
             params, inner = _optimizer_step(self.optimizer, geo.mesh, grads,
                                             state.opt_state.inner, state.params)
@@ -120,7 +121,7 @@ def _optimizer_step(optimizer: optax.GradientTransformation, mesh: jax.sharding.
 
 def _reduced_gradients(
     geo: StepGeometry, loss_fn: Callable, params: dict, carry: dict, batch: Any,
-    step: jax.Array, *, compress: bool, key: jax.Array | None,
+    step: jax.Array, key: jax.Array | None, *, compress: bool,
 ) -> tuple[dict, dict, dict]:
     """The mean gradient's shard on each device (inside shard_map).
 

@@ -165,14 +165,13 @@ class OneBitAdamRule:
         sender_spec = geo.carry_specs()
         specs = (params_spec, moments_spec, moments_spec, receiver_spec, sender_spec)
         params, m, v, receiver_carry, sender_carry, v_count, metrics = jax.shard_map(
-            functools.partial(_local_update, geo, loss_fn, self.optimizer, compress=compress,
-                              key=key),
+            functools.partial(_local_update, geo, loss_fn, self.optimizer, compress=compress),
             mesh=geo.mesh,
-            in_specs=specs + (geo.batch_specs(batch), P(), P(), P()),
+            in_specs=specs + (geo.batch_specs(batch), P(), P(), P(), P()),
             out_specs=specs + (P(), P()),
             check_vma=geo.check_vma,
         )(state.params, inner.m, inner.v, inner.receiver_carry, state.opt_state.qgz.carry,
-          batch, inner.count, inner.v_count, state.step)
+          batch, inner.count, inner.v_count, state.step, key)  # key: an argument, not closed over
         taken = 1 - metrics.get("skipped", 0)  # a skipped step moves nothing
         inner = OneBitAdamState(inner.count + taken, v_count, m, v, receiver_carry)
         grad_rms = jnp.where(taken > 0, metrics["grad_rms"], state.opt_state.qgz.grad_rms)
@@ -197,8 +196,8 @@ class OneBitAdamRule:
 def _local_update(
     geo: StepGeometry, loss_fn: Callable, adam: OneBitAdam,
     params: dict, m: dict, v: dict, receiver_carry: dict, sender_carry: dict,
-    batch: Any, count: jax.Array, v_count: jax.Array, step: jax.Array, *,
-    compress: bool, key: jax.Array | None,
+    batch: Any, count: jax.Array, v_count: jax.Array, step: jax.Array,
+    key: jax.Array | None, *, compress: bool,
 ):
     """Per-device 1-bit Adam step (inside shard_map).
 

@@ -45,7 +45,7 @@ from zeropp_jax.layout import (
     split_units,
     unflatten_unit,
 )
-from zeropp_jax.mesh import mesh_shape
+from zeropp_jax.mesh import mesh_shape, replicated_on
 from zeropp_jax.tree_paths import check_unit_trees
 from zeropp_jax.step.accumulate import check_loss_arguments
 # global_batch_size_check: re-exported (the CLI imports it from here).
@@ -124,8 +124,8 @@ class Trainer:
           The sharded :class:`TrainState` at step 0.
         """
         check_unit_trees(params, self.layout)
-        with jax.set_mesh(self.mesh):
-            state = self._init_jit(params)
+        with jax.set_mesh(self.mesh):  # a committed or sharded leaf: replicated first, as host ones
+            state = self._init_jit(replicated_on(params, self.mesh))
         self._host_steps.record(state.step, 0)
         return state
 
