@@ -118,15 +118,24 @@ def test_wrap_needs_an_example_batch():
                         mesh=zp.make_mesh(2, 4), wrap=(FlaxGPT2Block,))
 
 
+def _tanh_block():
+    """A Linen block class: ``tanh(Dense(8)(x))``."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.tanh(nn.Dense(8)(x))
+
+    return Block
+
+
 def test_a_wrapped_module_named_like_the_remaining_units_is_refused():
     """Units are named by path; ``rest`` holds what no wrapped module does:
     a module named ``rest`` beside other parameters would share its name."""
     import flax.linen as nn
 
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, h):
-            return jnp.tanh(nn.Dense(8)(h))
+    Block = _tanh_block()
 
     class Model(nn.Module):
         @nn.compact
@@ -382,10 +391,7 @@ def test_every_parameter_inside_a_wrapped_block_leaves_no_remainder_unit():
     remainder, so there is no ``rest`` unit, and the step is optax's step."""
     import flax.linen as nn
 
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return jnp.tanh(nn.Dense(8)(x))
+    Block = _tanh_block()
 
     class Model(nn.Module):
         @nn.compact
