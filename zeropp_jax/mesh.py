@@ -187,4 +187,3 @@ def replicated_on(tree: Any, mesh: Mesh) -> Any:
         return jax.device_put(x, target)
 
     return jax.tree.map(put, tree)
-

@@ -4,7 +4,9 @@ An optax state may hold a typed key (``optax.add_noise``'s ``rng_key``,
 dtype ``key<fry>``), which neither Orbax nor the checksums can write. A
 checkpoint stores each such leaf as ``jax.random.key_data`` (uint32, the
 key's shape plus the implementation's, e.g. ``(2,)`` for threefry) and
-restore wraps it back with the implementation the trainer's own state has.
+restore wraps it back with the implementation the trainer's own state has
+(:func:`zeropp_jax.step.blocks.keys_as_data` and its inverse, which a
+wrapped layer's random streams use the same way).
 Other leaves pass through unchanged. No collective: the data keeps the
 key's sharding, with the trailing axes replicated.
 """
@@ -16,15 +18,13 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-
-def is_key(x: Any) -> bool:
-    """Whether ``x`` (an array or a ``ShapeDtypeStruct``) is a typed PRNG key."""
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+from zeropp_jax.step.blocks import is_key, keys_from_data, state_as_data
 
 
 def to_data(tree: Any) -> Any:
     """``tree`` with every typed key replaced by its uint32 data (what a checkpoint stores)."""
-    return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
+    data, treedef, _ = state_as_data(tree)
+    return jax.tree.unflatten(treedef, data)
 
 
 def data_like(abstract: Any) -> Any:
@@ -44,10 +44,9 @@ def data_like(abstract: Any) -> Any:
 
 def from_data(tree: Any, abstract: Any) -> Any:
     """``tree`` (restored, keys as data) with the keys of ``abstract`` wrapped back."""
-    def wrap(x, like):
-        return jax.random.wrap_key_data(x, impl=_impl(like)) if is_key(like) else x
-
-    return jax.tree.map(wrap, tree, abstract)
+    leaves, treedef = jax.tree.flatten(tree)
+    impls = [_impl(x) if is_key(x) else None for x in jax.tree.leaves(abstract)]
+    return jax.tree.unflatten(treedef, keys_from_data(leaves, impls))
 
 
 def _impl(key: jax.ShapeDtypeStruct) -> Any:

@@ -66,7 +66,7 @@ def keys_as_data(leaves: Sequence[Any]) -> tuple[list, list]:
     which a layer can take as an input (a typed key cannot cross the layer's
     ``custom_vjp``): ``(data, impls)``, ``impls[i]`` the key's implementation
     or None for a leaf that is not a typed key (kept as it is)."""
-    impls = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
+    impls = [jax.random.key_impl(x) if is_key(x) else None for x in leaves]
     return [jax.random.key_data(x) if i else x for x, i in zip(leaves, impls, strict=True)], impls
 
 
@@ -91,7 +91,8 @@ def state_from_data(data: Sequence[Any], treedef: Any, impls: Sequence[Any]) -> 
     return jax.tree.unflatten(treedef, keys_from_data(data, impls))
 
 
-def _is_key(x: Any) -> bool:
+def is_key(x: Any) -> bool:
+    """Whether ``x`` (an array or a ``ShapeDtypeStruct``) is a typed PRNG key."""
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 

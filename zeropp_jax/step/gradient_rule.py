@@ -100,23 +100,21 @@ def _optimizer_step(optimizer: optax.GradientTransformation, mesh: jax.sharding.
                     grads: dict, inner: Any, params: dict) -> tuple[dict, Any]:
     """``optimizer``'s update applied: new ``(params, inner)``, each placed as it came.
 
-    Runs with the mesh's explicit axes turned automatic
-    (``jax.sharding.auto_axes``): an optimizer that takes inner products or
-    reshapes a unit (``optax.tree.vdot`` in prodigy, D-Adaptation, L-BFGS,
-    mechanize) leaves XLA to choose where to reduce, which an explicitly
-    sharded operand would refuse. Element-wise optimizers (Adam and most
-    others) compile to the same program either way.
+    Runs with the mesh's axes (explicit: :func:`~zeropp_jax.mesh.mesh_shape`
+    refuses others) turned automatic (``jax.sharding.auto_axes``): an
+    optimizer that takes inner products or reshapes a unit
+    (``optax.tree.vdot`` in prodigy, D-Adaptation, L-BFGS, mechanize) leaves
+    XLA to choose where to reduce, which an explicitly sharded operand would
+    refuse. Element-wise optimizers (Adam and most others) compile to the
+    same program either way.
     """
     def step(grads, inner, params):
         updates, inner = optimizer.update(grads, inner, params)
         return optax.apply_updates(params, updates), inner
 
-    explicit = tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-                     if kind == jax.sharding.AxisType.Explicit)
-    if not explicit:
-        return step(grads, inner, params)
     placed = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, (params, inner))
-    return jax.sharding.auto_axes(step, axes=explicit, out_sharding=placed)(grads, inner, params)
+    return jax.sharding.auto_axes(step, axes=mesh.axis_names, out_sharding=placed)(
+        grads, inner, params)
 
 
 def _reduced_gradients(

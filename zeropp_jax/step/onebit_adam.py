@@ -311,7 +311,6 @@ def _local_update(
     return (*after, metrics)
 
 
-
 def _exchange_momenta(
     geo: StepGeometry, b1: float, bound: jax.Array, u_slices: dict, g_slices: dict,
     sender_carry: dict, receiver_carry: dict,
