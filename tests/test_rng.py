@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import flax.linen as nn
 from flax import nnx
 import jax
@@ -186,3 +189,18 @@ def test_nnx_module_with_rngs_and_dropout_trains_with_fresh_masks(tmp_path):
         assert float(metrics["loss"]) == losses[3 + step]
     nnx.update(model, trainer.gather_params(state))  # trained weights back in the module
     assert np.allclose(model.l1.kernel[...], trainer.gather_params(state)["l1"]["kernel"])
+
+
+def test_a_trainer_of_an_nnx_loss_with_streams_but_no_rng_warns():
+    """Without ``rng=`` the streams ``nnx_loss`` would reseed stay fixed: the
+    same dropout mask every step and device."""
+    criterion = lambda m, b: jnp.mean(m(b) ** 2)  # noqa: E731
+    params, loss_fn = zp.nnx_loss(NnxDropoutMLP(nnx.Rngs(0, dropout=1)), criterion)
+    with pytest.warns(UserWarning, match=r"reseeds the model's random streams \['dropout'\] from a key, "
+                                         r"but make_trainer has no rng=.*same dropout mask"):
+        zp.make_trainer(functools.partial(loss_fn), optax.sgd(0.1), params, mesh=mesh_of(2, 4))
+    params, fixed = zp.nnx_loss(NnxDropoutMLP(nnx.Rngs(0, dropout=1)), criterion, streams=())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        zp.make_trainer(fixed, optax.sgd(0.1), params, mesh=mesh_of(2, 4))
+        zp.make_trainer(loss_fn, optax.sgd(0.1), params, mesh=mesh_of(2, 4), rng=0)

@@ -363,6 +363,46 @@ def test_blocks_under_nn_scan_are_one_stacked_unit():
     assert gathers == 2 * 3 + 1
 
 
+def test_blocks_of_a_model_applied_to_part_of_the_trained_tree_are_found():
+    """The blocks' Linen scope paths are relative to what their model was
+    applied to: two models trained together (``{"enc": ..., "head": ...}``)
+    and the whole variables dict (``{"params": ...}``) find their blocks by
+    identity; a scanned block's slice cannot be, and is refused saying why."""
+    import flax.linen as nn
+
+    Block = _tanh_block()
+
+    class Enc(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = Block()(nn.Dense(8)(x))
+            return Block()(h)
+
+    enc, head = Enc(), nn.Dense(1)
+    x = np.random.default_rng(0).normal(size=(16, 5)).astype(np.float32)
+    batch = {"x": x, "y": np.sin(x.sum(axis=1))}
+    variables = enc.init(jax.random.key(0), x)
+    params = {"enc": variables["params"],
+              "head": head.init(jax.random.key(1), np.zeros((1, 8), np.float32))["params"]}
+
+    def loss(p, b):
+        h = enc.apply({"params": p["enc"]}, b["x"])
+        return jnp.mean((head.apply({"params": p["head"]}, h)[:, 0] - b["y"]) ** 2)
+
+    _wrapped_trains_like_optax((Block,), params, loss, batch,
+                               ("rest", "enc/Block_0", "enc/Block_1"))
+    _wrapped_trains_like_optax(
+        (Block,), variables, lambda v, b: jnp.mean((enc.apply(v, b["x"]).sum(1) - b["y"]) ** 2),
+        batch, ("rest", "params/Block_0", "params/Block_1"))
+
+    Scanned, scan_loss, scan_params, scan_batch = _nn_scan_model()
+    with pytest.raises(ValueError, match=r"called Block blocks with parameters \(at \['blocks'\] "
+                                         r"of the variables.*none of those parameters is in the tree"):
+        zp.make_trainer(lambda p, b: scan_loss(p["model"], b), optax.sgd(0.1),
+                        {"model": scan_params}, mesh=zp.make_mesh(2, 4),
+                        wrap=(Scanned,), example_batch=scan_batch)
+
+
 def test_nn_scan_blocks_refresh_hpz_secondary_once_per_step():
     """A stacked unit that runs through ``zp.layer`` (here ``nn.scan``'s, under
     the wrap policy) forms each layer's hpZ secondary in the forward and keeps

@@ -132,6 +132,54 @@ def test_nnx_blocks_train_like_the_whole_model_with_the_same_dropout_masks():
     assert all_gathers(wrapped, params) == 2 * 3 + 1
 
 
+class CallRngsBlock(nnx.Module):
+    """A block given the ``nnx.Rngs`` at call time (NNX's ``Dropout(rate)``
+    style): the stream it draws from is the caller's."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.drop = nnx.Dropout(0.5)
+
+    def __call__(self, h, rngs):
+        dropped = self.drop(jnp.tanh(self.lin(h)) + 2.0, rngs=rngs)  # 0 only where dropped
+        return h + dropped, dropped == 0
+
+
+class CallRngsModel(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Linear(8, WIDTH, rngs=rngs)
+        self.blocks = nnx.List([CallRngsBlock(rngs) for _ in range(2)])
+        self.rngs = nnx.Rngs(dropout=1)
+
+    def __call__(self, x):
+        h, masks = self.embed(x), []
+        for block in self.blocks:
+            h, mask = block(h, rngs=self.rngs)
+            masks.append(mask)
+        # 1.0 if the stream did not advance between the blocks (one mask)
+        return h.sum(axis=1), jnp.mean(masks[0] == masks[1])
+
+
+def test_an_rngs_passed_to_wrapped_blocks_advances_as_without_the_trainer():
+    def criterion_rngs(model, batch):
+        out, same = model(batch["x"])
+        return jnp.mean((out - batch["y"]) ** 2), {"same": same}
+
+    wrapped, params, _ = trainer_of(CallRngsModel(nnx.Rngs(0)), criterion_rngs,
+                                    wrap=(CallRngsBlock,), example_batch=BATCH)
+    assert wrapped.layout.names == ("rest", "blocks/0", "blocks/1")
+    whole, _, _ = trainer_of(CallRngsModel(nnx.Rngs(0)), criterion_rngs)
+    runs = []
+    for trainer in (wrapped, whole):
+        state, losses = trainer.init(params), []
+        for _ in range(2):
+            state, metrics = trainer.step(state, BATCH)
+            losses.append(float(metrics["loss"]))
+        runs.append(losses)
+        assert float(metrics["aux"]["same"]) < 0.95  # each block its own mask
+    np.testing.assert_allclose(runs[0], runs[1], rtol=1e-5)
+
+
 def test_discovery_finds_outermost_blocks_and_restores_the_classes():
     block_call, linear_call = Block.__call__, nnx.Linear.__call__
     _, params, loss_fn = nnx_trainer()
@@ -428,6 +476,22 @@ def test_nnx_loss_refuses_or_warns_of_state_the_trainer_would_drop():
         for model in (Net(NormBlock, rngs()), Scanned(rngs(), block=NormBlock)):
             trainer, params, _ = trainer_of(model, wrap=(NormBlock,), example_batch=BATCH)
             trace_step(trainer, params)
+
+
+def test_a_model_built_on_the_mesh_trains_like_one_built_on_the_host():
+    """A model built under ``jax.set_mesh`` (JAX's explicit sharding) holds
+    its batch statistics and stream keys on the mesh, which a loss cannot
+    close over inside the step's ``shard_map``: ``nnx_loss`` takes host copies."""
+    mesh = mesh_of(2, 4)
+    with jax.set_mesh(mesh):
+        on_mesh = Net(NormBlock, nnx.Rngs(0, dropout=1))
+    assert len(on_mesh.blocks[0].norm.mean[...].sharding.device_set) == 8
+    losses = []
+    for model in (on_mesh, Net(NormBlock, nnx.Rngs(0, dropout=1))):
+        trainer, params, _ = trainer_of(model)
+        state, metrics = trainer.step(trainer.init(params), BATCH)
+        losses.append(float(metrics["loss"]))
+    assert losses[0] == losses[1]
 
 
 class Rematted(Net):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # flax.nnx is imported where it is used, so that `import zeropp_jax` works
 # where it does not import (flax <= 0.12.9 with jax 0.11.2: google/flax#5596).
@@ -30,6 +31,24 @@ if TYPE_CHECKING:
 # into a module, which cannot hold the Unit handles per_layer=True passes
 # (zeropp_jax.step.wrap.check_per_layer).
 UNITS_BY_WRAP_ONLY = "zeropp_units_by_wrap_only"
+# A loss carrying this attribute reseeds these random streams from the key
+# the step passes it, so make_trainer warns without rng=
+# (zeropp_jax.step.accumulate.check_loss_arguments).
+RESEEDED_STREAMS = "zeropp_reseeded_streams"
+# How many functools.partial / functools.wraps layers loss_mark looks through.
+_MAX_WRAPPERS = 8
+
+
+def loss_mark(loss_fn: Callable, mark: str) -> Any:
+    """The attribute ``mark`` its maker set on ``loss_fn`` (looked for through
+    ``functools.partial`` and ``functools.wraps`` wrappers too), or ``None``."""
+    fn = loss_fn
+    for _ in range(_MAX_WRAPPERS):
+        value = getattr(fn, mark, None)
+        fn = getattr(fn, "func", None) or getattr(fn, "__wrapped__", None)
+        if value is not None or fn is None:
+            return value
+    return None
 
 
 def nnx_loss(
@@ -64,7 +83,8 @@ def nnx_loss(
       (and ``nnx.update`` takes it back), and
       ``loss_fn(params, batch, key=None)``. Without a key the streams keep
       the values they had when the model was split, so every step would draw
-      the same dropout mask: give the trainer ``rng=``. The other state
+      the same dropout mask: give the trainer ``rng=`` (``make_trainer`` warns
+      without it while the module has streams to reseed). The other state
       (batch statistics, counters) is read, never written back:
       ``nnx_loss`` raises ``ValueError`` for a ``BatchNorm`` with
       ``use_running_average=False``, the loss (when traced) for a variable
@@ -90,6 +110,7 @@ def nnx_loss(
     streams = _streams_to_reseed(model, streams)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(params)
+    rest = jax.tree.map(_off_mesh, rest)  # the loss closes over it
 
     def loss_fn(params: Any, batch: Any, key: jax.Array | None = None) -> jax.Array:
         # The rest enters as this trace's values: NNX refuses to reseed
@@ -110,6 +131,7 @@ def nnx_loss(
         return loss
 
     setattr(loss_fn, UNITS_BY_WRAP_ONLY, "nnx_loss")  # per-layer units: wrap= only
+    setattr(loss_fn, RESEEDED_STREAMS, tuple(streams))  # no rng=: a warning
     return params, loss_fn
 
 
@@ -175,6 +197,19 @@ def _batch_stat_names(module: nnx.Module) -> list[str]:
 def _path_name(path: tuple) -> str:
     """A state leaf's key path as the ``/``-joined variable path, e.g. ``bn/mean``."""
     return "/".join(str(e.key) for e in path if isinstance(e, jax.tree_util.DictKey))
+
+
+def _off_mesh(x: Any) -> Any:
+    """A ``jax.Array`` spread over several devices (a module built under
+    ``jax.set_mesh``) as a host copy, which a loss can close over inside the
+    trainer's ``shard_map`` (a copy moved to one device still cannot be);
+    any other leaf as it is."""
+    if not (isinstance(x, jax.Array) and len(x.sharding.device_set) > 1):
+        return x
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # a typed key: its data
+        return jax.random.wrap_key_data(np.asarray(jax.random.key_data(x)),
+                                        impl=jax.random.key_impl(x))
+    return np.asarray(x)
 
 
 def check_no_training_batch_norm(model: nnx.Module) -> None:

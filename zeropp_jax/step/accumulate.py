@@ -12,6 +12,7 @@ only parameter traffic across nodes.
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Callable, Iterable, NamedTuple
 
 import jax
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zeropp_jax.layout import REMAINDER, join_units
+from zeropp_jax.nnx_model import RESEEDED_STREAMS, loss_mark
 from zeropp_jax.step.gather import Unit, gather, secondary_payload, varying_axes
 from zeropp_jax.step.geometry import DATA_AXES, StepGeometry, node_level_once, sink_dtype
 from zeropp_jax.wire import collectives
@@ -28,7 +30,17 @@ def check_loss_arguments(loss_fn: Callable, takes_key: bool) -> None:
     """Raises a TypeError now, naming ``rng=``, if ``loss_fn`` cannot be called
     as the step calls it: ``loss_fn(params, batch)``, or with ``takes_key``
     (``make_trainer`` given ``rng``) ``loss_fn(params, batch, key)``. A
-    callable without a signature to read is left to the first step."""
+    callable without a signature to read is left to the first step. Warns
+    for a loss of :func:`~zeropp_jax.nnx_loss` with random streams to reseed
+    but no key (every step would draw the same dropout masks)."""
+    streams = loss_mark(loss_fn, RESEEDED_STREAMS)
+    if streams and not takes_key:
+        warnings.warn(
+            f"the loss reseeds the model's random streams {list(streams)} from a key, but "
+            "make_trainer has no rng=, so they keep the values they had when nnx_loss split "
+            "the model: every step, micro-batch and device would draw the same dropout "
+            "mask. Pass rng= (a seed or a key), or nnx_loss(..., streams=()) if the "
+            "streams are meant to stay fixed", stacklevel=3)
     try:
         signature = inspect.signature(loss_fn)
     except (TypeError, ValueError):
@@ -159,7 +171,8 @@ def accumulate(
                 "the loss closes over an array placed on the trainer's mesh (made under "
                 "jax.set_mesh, or put there with a NamedSharding), which JAX cannot close "
                 "over inside the step's shard_map: pass it in the batch, or close over a "
-                f"NumPy or single-device copy (np.asarray(x)). JAX said: {e}") from None
+                "NumPy copy (np.asarray(x); a copy moved to one device with jax.device_put "
+                f"is refused too). JAX said: {e}") from None
 
     rows = jax.tree.leaves(batch)[0].shape[0]  # this device's rows, B / D
 

@@ -35,7 +35,7 @@ hashed into it, and per-scope call counters (``flax.core.scope.LazyRng``,
 ``Scope.rng_counters``). The layer takes the block scope's root keys as
 inputs (under ``nn.scan``/``nn.remat`` they are tracers of that transform)
 and rebuilds the scope's streams, suffix and counters included, around the
-top-level module (:func:`_resume_streams`), so a wrapped block draws exactly
+top-level module (:mod:`zeropp_jax.step.linen_apply`), so a wrapped block draws exactly
 the keys (dropout masks) it draws unwrapped, and the counters it advanced are
 written back for its next call.
 
@@ -60,13 +60,14 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from zeropp_jax.nnx_model import UNITS_BY_WRAP_ONLY
+from zeropp_jax.nnx_model import UNITS_BY_WRAP_ONLY, loss_mark
 from zeropp_jax.tree_paths import REMAINDER, cut_paths
 from zeropp_jax.step import wrap_nnx
 from zeropp_jax.step.blocks import (
-    as_layer, depth, inside_block, keys_as_data, keys_from_data, subtree, trace_calls,
+    as_layer, depth, inside_block, subtree, trace_calls,
 )
 from zeropp_jax.step.gather import Unit
+from zeropp_jax.step.linen_apply import block_apply
 
 
 def _check_classes(classes: Sequence[type]) -> tuple[type, ...]:
@@ -105,21 +106,11 @@ def _is_target(context: Any, classes: tuple[type, ...]) -> bool:
     )
 
 
-# How many functools.partial / functools.wraps layers check_per_layer looks through.
-_MAX_WRAPPERS = 8
-
-
 def check_per_layer(loss_fn: Callable, per_layer: bool) -> None:
     """Raises ``ValueError`` for ``per_layer=True`` with a loss marked
     :data:`UNITS_BY_WRAP_ONLY`, naming ``wrap=`` (NNX said "Incorrect
-    number of leaves"). The mark is looked for through ``functools.partial``
-    and ``functools.wraps`` wrappers too."""
-    maker, fn = None, loss_fn
-    for _ in range(_MAX_WRAPPERS):
-        maker = getattr(fn, UNITS_BY_WRAP_ONLY, None)
-        fn = getattr(fn, "func", None) or getattr(fn, "__wrapped__", None)
-        if maker or fn is None:
-            break
+    number of leaves")."""
+    maker = loss_mark(loss_fn, UNITS_BY_WRAP_ONLY)
     if per_layer and maker:
         raise ValueError(
             f"per_layer=True hands the loss one Unit handle per top-level entry, which "
@@ -204,23 +195,67 @@ def discover(
     classes = _check_classes(classes)
     found: list[tuple[str, ...]] = []
     stacked: list[tuple[str, ...]] = []
+    where: dict[int, tuple] = {}  # id of a traced parameter -> its key path in params
 
     def record(next_fun, args, kwargs, context):
         if context.method_name == "setup" or not _is_target(context, classes):
             return next_fun(*args, **kwargs)
-        path = tuple(context.module.scope.path)
-        outer = subtree(params, path)
-        if path not in found and outer is not None:
+        inner = context.module.variables.get("params")
+        path = _located(params, tuple(context.module.scope.path), inner, where)
+        if path is None and jax.tree.leaves(inner):  # e.g. a frozen model's, closed over
+            elsewhere.append("/".join(map(str, context.module.scope.path)))
+        if path is not None and path not in found:
             found.append(path)
-            inner = context.module.variables.get("params")
+            outer = subtree(params, path)
             if np.ndim(jax.tree.leaves(outer)[0]) == np.ndim(jax.tree.leaves(inner)[0]) + 1:
                 stacked.append(path)
         with inside_block():
             return next_fun(*args, **kwargs)
 
-    trace_calls(loss_fn, params, example_batch, extra_args,
-                lambda _: nn.intercept_methods(record), classes, found)
+    def intercepting(traced):
+        where.clear()
+        where.update((id(x), _str_keys(path))
+                     for path, x in jax.tree_util.tree_flatten_with_path(traced)[0])
+        return nn.intercept_methods(record)
+
+    elsewhere: list[str] = []  # scope paths of called blocks whose parameters were not found
+    try:
+        trace_calls(loss_fn, params, example_batch, extra_args, intercepting, classes, found)
+    except ValueError as e:
+        if not elsewhere:
+            raise
+        raise ValueError(
+            f"wrap: loss_fn called {classes[0].__name__} blocks with parameters (at "
+            f"{sorted(set(elsewhere))} of the variables their model was applied to), but "
+            "none of those parameters is in the tree given to make_trainer: pass the tree "
+            "the model's apply reads them from (under nn.scan, the model's 'params' "
+            "collection itself), or use per_layer=False") from e
     return found, stacked
+
+
+def _str_keys(path: tuple) -> tuple:
+    """A ``jax.tree_util`` key path as the tuple of its keys (a dict key as
+    it is, a sequence index as its ``int``)."""
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+
+def _located(params: Any, scope_path: tuple, inner: Any, where: dict[int, tuple]) -> Any:
+    """The key path in ``params`` of a called block's parameters ``inner``
+    (``None``: it has none there).
+
+    The block's Linen scope path is relative to the variables its model was
+    applied to, which may be a part of ``params`` (``p["enc"]`` of
+    ``{"enc": ..., "head": ...}``) or hold it under ``"params"`` (the whole
+    variables dict): the block is found by its first parameter, the same
+    traced array as in ``params`` (:func:`discover` records them), and by
+    its scope path where that is not so (a layer's slice under ``nn.scan``).
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(inner)[0] if inner is not None else []
+    if leaves and id(leaves[0][1]) in where:
+        full, rel = where[id(leaves[0][1])], _str_keys(leaves[0][0])
+        if full[len(full) - len(rel):] == rel:
+            return full[:len(full) - len(rel)]
+    return scope_path if leaves and subtree(params, scope_path) is not None else None
 
 
 @jax.tree_util.register_pytree_node_class
@@ -313,79 +348,12 @@ def _inside(fn: Callable, *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
 
 
-def _resume_streams(scope: Any) -> tuple[list, Callable]:
-    """A Linen scope's random streams, to continue in another module apply.
-
-    This is the one place that uses flax internals (``flax.core.scope``): a
-    stream of ``scope`` is a ``LazyRng`` (a root key and a static suffix of
-    scope names, folded in by ``make_rng``), and ``scope.rng_counters``
-    (stream name -> calls so far, plus one nested dict per child scope) picks
-    the key of each call.
-
-    Returns:
-      ``(roots, apply)``: the streams' root keys (sorted by stream name; a
-      typed key or ``uint32`` key data each, possibly tracers of ``nn.scan``)
-      and ``apply(top, method, variables, roots, *args, **kwargs)``, which is
-      ``top.apply(variables, *args, method=method, **kwargs)`` whose module
-      scope has ``scope``'s streams (``roots`` as their root keys) and
-      counters, and which writes the advanced counters back to ``scope``.
-    """
-    from flax.core.scope import LazyRng
-
-    names = sorted(scope.rngs)
-    suffixes = [scope.rngs[n].suffix for n in names]
-    counters = _copy_counters(scope.rng_counters)
-
-    def apply(top, method, variables, roots, *args, **kwargs):
-        def run(module, *a, **kw):
-            module.scope.rng_counters.update(_copy_counters(counters))
-            out = getattr(module, method)(*a, **kw)
-            scope.rng_counters.clear()
-            scope.rng_counters.update(module.scope.rng_counters)
-            return out
-
-        rngs = {n: LazyRng(r, s) for n, r, s in zip(names, roots, suffixes, strict=True)}
-        return top.apply(variables, *args, rngs=rngs or None, method=run, **kwargs)
-
-    return [scope.rngs[n].rng for n in names], apply
-
-
-def _copy_counters(counters: dict) -> dict:
-    """A copy of nested ``rng_counters`` dicts (keys kept: flax's child token
-    is compared by identity)."""
-    return {k: _copy_counters(v) if isinstance(v, dict) else v for k, v in counters.items()}
-
-
-def _block(module: Any, method: str) -> tuple[Callable, Any]:
-    """A Linen ``module``'s ``method`` as ``(apply, state)``:
-    ``apply(params, state, *args, **kwargs)`` runs it on ``params`` (the
-    block's, gathered) as a fresh top-level module.
-
-    ``state`` holds the block's PRNG root keys (typed keys as raw ``uint32``
-    key data, :func:`_resume_streams`) and its other variable collections
-    (read only, e.g. frozen ``batch_stats``); they enter a layer as its
-    inputs, not closed over: under ``nn.scan`` or ``nn.remat`` they are
-    tracers of that transform, which the layer's backward (a
-    ``custom_vjp``) must not capture.
-    """
-    top = module.clone(parent=None, name=None)
-    roots, resume = _resume_streams(module.scope)
-    data, impls = keys_as_data(roots)
-    others = {c: v for c, v in module.variables.items() if c != "params"}
-
-    def apply(params, state, *a, **kw):
-        data, variables = state
-        roots = keys_from_data(data, impls)
-        return resume(top, method, {**variables, "params": params}, roots, *a, **kw)
-
-    return apply, (data, others)
-
-
 def _interceptor(classes: tuple[type, ...], held: type, run: Callable) -> Callable:
     """A flax method interceptor for wrapped blocks whose parameters are a
     ``held`` (``Unit`` in the step, :class:`_Sealed` in :func:`check`): it
     skips their ``setup`` and returns ``run(apply, params, args, kwargs,
-    state)`` for their other methods (``apply, state``: :func:`_block`)."""
+    state)`` for their other methods (``apply, state``:
+    :func:`~zeropp_jax.step.linen_apply.block_apply`)."""
 
     def intercept(next_fun, args, kwargs, context):
         if not _is_target(context, classes):
@@ -401,7 +369,7 @@ def _interceptor(classes: tuple[type, ...], held: type, run: Callable) -> Callab
                 f"wrap: {type(module).__name__} at {'/'.join(module.scope.path)} "
                 "is called with mutable collections; wrapped blocks must be pure"
             )
-        apply, state = _block(module, context.method_name)
+        apply, state = block_apply(module, context.method_name)
         return run(apply, params, args, kwargs, state)
 
     return intercept

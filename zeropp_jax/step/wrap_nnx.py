@@ -20,8 +20,8 @@ swapped for a dispatcher while the loss is traced (and restored after).
    like parameters, so a scanned block sees one layer's ``Unit``. A call of
    a block holding a ``Unit`` splits the block (``nnx.split``), merges it
    again inside ``layer`` with ``gather(unit)`` (one gather per layer,
-   forward and backward), and writes its random-stream counters back with
-   ``nnx.update``, which ``nnx.scan`` stacks again. (Applied by ``nnx.vmap``
+   forward and backward), and writes its random-stream counters (and an
+   ``nnx.Rngs`` argument's) back with ``nnx.update``; ``nnx.scan`` stacks them. (Applied by ``nnx.vmap``
    instead, the stack's per-layer gathers are batched into one gather of
    the whole stack.) Refused: a block holding a stacked ``Unit`` called
    whole, not by a scan; a block creating state (``nnx.sow``), which could
@@ -31,9 +31,8 @@ swapped for a dispatcher while the loss is traced (and restored after).
    nnx.Param)`` in the criterion, is not caught and sees placeholders).
 
 A subclass of a listed class with its own ``__call__`` is dispatched too.
-
-Two stacks whose parameters have the same names, shapes and dtypes cannot
-be told apart by :func:`discover` and are refused.
+Two stacks whose parameters have the same names, shapes and dtypes cannot be
+told apart by :func:`discover` and are refused.
 
 PRNG keys in the block's state (its random streams) cross ``layer`` as raw
 key data (``jax.random.key_data``), which ``layer``'s ordering arithmetic
@@ -350,6 +349,13 @@ def _unit_of(module: Any) -> Unit | None:
     return unit
 
 
+def _graph_nodes(tree: Any) -> list:
+    """The NNX objects (modules, ``nnx.Rngs``) in a pytree of call arguments."""
+    from flax import nnx
+    found = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Pytree))
+    return [x for x in found if isinstance(x, nnx.Pytree)]
+
+
 def wrap_loss(loss_fn: Callable, classes: Sequence[type], paths: Sequence[tuple]) -> Callable:
     """``loss_fn`` with every call of the NNX blocks at ``paths`` applied to
     its gathered unit.
@@ -382,23 +388,29 @@ def wrap_loss(loss_fn: Callable, classes: Sequence[type], paths: Sequence[tuple]
     def apply(call, module, unit, args, kwargs):
         graphdef, _, other = nnx.split(module, nnx.Param, ...)
         data, treedef, impls = state_as_data(other)
-        streams, streams_def, stream_impls = state_as_data(nnx.state(module, nnx.RngState))
+        # the random streams advance as without the trainer: the block's own
+        # and those of NNX objects passed to it (an nnx.Rngs given to the call)
+        holders = [module, *_graph_nodes((args, kwargs))]
+        stream_defs = [state_as_data(nnx.state(n, nnx.RngState))[1:] for n in holders]
 
         def run(params, data, *a, **kw):
             block = nnx.merge(graphdef, params, state_from_data(data, treedef, impls))
-            before = state_leaves(block)
+            copies = [block, *_graph_nodes((a, kw))]  # the layer's copies of ``holders``
+            before = [state_leaves(n) for n in copies]
             out = call(block, *a, **kw)
             name = type(module).__name__
-            check_state_writes(
-                block, before, who=f"wrap: a {name} at {unit.layout.name}",
-                drops="state cannot leave a wrapped block, gathered for its call only",
-                fix=f"Return such a value from __call__ instead (e.g. an auxiliary loss), "
-                    f"or leave {name} out of wrap=")
-            return out, state_as_data(nnx.state(block, nnx.RngState))[0]
+            for n, b in zip(copies, before):
+                check_state_writes(
+                    n, b, who=f"wrap: a {name} at {unit.layout.name}"
+                    + ("" if n is block else f" (its argument {type(n).__name__})"),
+                    drops="state cannot leave a wrapped block, gathered for its call only",
+                    fix=f"Return such a value from __call__ instead (e.g. an auxiliary loss), "
+                        f"or leave {name} out of wrap=")
+            return out, [state_as_data(nnx.state(n, nnx.RngState))[0] for n in copies]
 
         out, streams = as_layer(run, unit, args, kwargs, state=data)
-        # the random streams' counters advance as without the trainer
-        nnx.update(module, state_from_data(streams, streams_def, stream_impls))
+        for n, s, (d, i) in zip(holders, streams, stream_defs, strict=True):
+            nnx.update(n, state_from_data(s, d, i))
         return out
 
     def dispatch(call, module, args, kwargs):
