@@ -29,7 +29,7 @@ import tempfile
 
 from zeropp_jax.cli.cluster_bench import LOCAL, NODES
 from zeropp_jax.cli.cluster_report import figure_problem, rate_name, sources_of
-from zeropp_jax.cli.guards import check_output_file
+from zeropp_jax.files import output_problem
 
 BASELINE = "zero3-2level"  # of cluster_report.BASELINES: rows keep its speedup keys
 
@@ -88,7 +88,7 @@ def parse_args(argv):
         parser.error(f"drop {', '.join(taken)}: --workloads and --d-models set the batch, "
                      "sequence length and width, and --json is this script's own")
     # outputs checked before a sweep of many minutes, not after it
-    problem = ((options.json and check_output_file("--json", options.json))
+    problem = ((options.json and output_problem("--json", options.json))
                or (options.figure and figure_problem(options.figure)))
     if problem:
         parser.error(problem)

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
+import threading
 import time
 
 import numpy as np
@@ -160,7 +163,7 @@ BAD_INPUTS = {
     "empty_data": (("--data", "{empty}"), None, ["{empty}", "empty"]),
     "malformed_mesh": (("--mesh", "banana"), None, ["banana", "NODESxLOCAL"]),
     # ZeroConfig's own checks, reached through its generated flags.
-    "unknown_dtype": (("--dtype", "fp64"), None, ["fp64", "dtype"]),
+    "unknown_dtype": (("--dtype", "fp64"), None, ["--dtype must be one of", "fp64", "or auto"]),
     "dither_with_error_feedback": (
         ("--preset", "zeropp", "--qgz-code", "dither"), None, ["dither", "error feedback"]
     ),
@@ -172,7 +175,8 @@ BAD_INPUTS = {
         ("--preset", "qgz", "--qgz-target", "gradient", "--qgz-min-grad-rms", "inf"), None,
         ["--qgz-min-grad-rms", "finite number >= 0", "'inf'"],
     ),
-    "negative_seed": (("--seed", "-1"), None, ["--seed", "integer >= 0", "-1"]),
+    "negative_seed": (("--seed", "-1"), None, ["--seed", "integer from 0", "-1"]),
+    "seed_beyond_int64": (("--seed", str(2**64)), None, ["--seed", r"2\*\*63 - 1", str(2**64)]),
     "lr_warmup_outlasts_the_run": (("--lr-warmup", "3"), None, ["--lr-warmup 3", "--steps 3"]),
     "data_shorter_than_a_window": (("--data", "{short}"), None, ["--seq-len 16", "17 tokens"]),
     "metrics_out_is_the_data": (("--data", "{short}", "--metrics-out", "{short}"), None,
@@ -256,7 +260,12 @@ def test_bad_launcher_environment_is_a_usage_error(tmp_path, capsys, monkeypatch
     _assert_rejected(argv, needles, out.out, out.err, metrics)
 
 
-def test_multihost_flags_under_the_launcher_are_a_usage_error(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("flags", [
+    ("--coordinator", "127.0.0.1:29999", "--num-processes", "2", "--process-id", "0"),
+    ("--process-id", "0"),  # the message names only the flags given
+])
+def test_multihost_flags_under_the_launcher_are_a_usage_error(tmp_path, capsys, monkeypatch,
+                                                              flags):
     """A cluster command reused under zeropp-launch: its flags would give every
     process the same --process-id; refused, naming both."""
     from zeropp_jax import distributed
@@ -266,14 +275,13 @@ def test_multihost_flags_under_the_launcher_are_a_usage_error(tmp_path, capsys, 
     monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
     monkeypatch.setenv(distributed.ENV_PROCESS_ID, "1")
     metrics = tmp_path / "m.jsonl"
-    argv = ["--no-progress", "--metrics-out", str(metrics), *TINY_ARGS, "--steps", "3",
-            "--coordinator", "127.0.0.1:29999", "--num-processes", "2", "--process-id", "0"]
+    argv = ["--no-progress", "--metrics-out", str(metrics), *TINY_ARGS, "--steps", "3", *flags]
     with pytest.raises(SystemExit) as exit_info:
         train.main(argv)
     assert exit_info.value.code == 2
     out = capsys.readouterr()
-    _assert_rejected(argv, ["process 1 of 2", "--process-id 0", "leave those flags out"],
-                     out.out, out.err, metrics)
+    _assert_rejected(argv, ["process 1 of 2", f"passes {' '.join(flags)}, which",
+                            "leave those flags out"], out.out, out.err, metrics)
 
 
 @pytest.mark.slow
@@ -283,7 +291,7 @@ def test_a_cluster_environment_jax_cannot_read_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_NTASKS", "2")
     monkeypatch.setenv("SLURM_JOB_ID", "123")
     proc = run_cli(*TRAIN, "--no-progress", *TINY_ARGS, "--steps", "1")
-    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.returncode == 2, proc.stderr[-2000:]
     assert ("zeropp-train: error: the environment says this is one of several processes "
             "(SLURM_NTASKS=2)") in proc.stderr and "--process-id" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -631,3 +639,33 @@ def test_simulate_runs_zeropp_by_default_and_shows_the_baseline_once(capsys, mon
     rows = [line.split()[0] for line in lines if re.match(r"zero\S*\s+[\d.]+\s", line)]
     assert rows == ["zero3"], lines
     assert "zero3 is averaged over every step (no qgZ schedule)." in lines
+
+
+def test_output_files_are_written_through_links_and_into_streams(tmp_path):
+    """A metrics file or export given as a symlink replaces the link's target
+    (the link stays); a named pipe or a device is written as a stream, never
+    renamed over (a reader of the pipe would wait forever)."""
+    from zeropp_jax import files
+    from zeropp_jax.cli import guards
+
+    target, link = tmp_path / "real.jsonl", tmp_path / "link.jsonl"
+    target.write_text('{"step": 0}\n{"step": 1}\n')
+    link.symlink_to(target)
+    guards.rewrite_metrics(str(link), 1)  # a resume at step 1 keeps step 0's line
+    assert link.is_symlink() and target.read_text() == '{"step": 0}\n'
+    files.write_file(link, b"exported")
+    assert link.is_symlink() and target.read_bytes() == b"exported"
+
+    fifo, received = tmp_path / "fifo", []
+    os.mkfifo(fifo)
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    files.write_file(fifo, b"through the pipe")
+    reader.join(timeout=30)
+    assert received == [b"through the pipe"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    guards.rewrite_metrics(str(fifo), 3)  # nothing to keep: not opened (it would block)
+    assert files.output_problem("--metrics-out", str(fifo)) is None
+    assert files.output_problem("--metrics-out", os.devnull) is None
+    assert files.output_problem("--metrics-out", str(tmp_path)).endswith("give a file name")
+    assert "is the --data file" in files.output_problem("--dump-hlo", str(link),
+                                                        {"--data": str(target)})

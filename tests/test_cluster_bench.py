@@ -98,11 +98,18 @@ def test_without_root_or_tools_it_exits_2(monkeypatch, capsys):
     assert "need root" in capsys.readouterr().err
 
 
-def test_flags_the_bench_sets_itself_are_refused():
+def test_flags_the_bench_sets_itself_are_refused(capsys):
     with pytest.raises(SystemExit):
         cluster_bench.parse_args(["--preset", "zeropp"])
     with pytest.raises(SystemExit):
         cluster_bench.parse_args(["--presets", "zero4"])
+    # zeropp-train would read an abbreviation as the whole flag ("--pres" as
+    # --preset, "--step" as --steps): refused rather than passed on unchecked
+    for flags in (["--pres", "zero3"], ["--step", "20"], ["--mes=8x1"]):
+        with pytest.raises(SystemExit):
+            cluster_bench.parse_args(flags)
+        assert "not a flag of the bench or of zeropp-train" in capsys.readouterr().err
+    assert cluster_bench.parse_args(["--layers", "2"])[1] == ["--layers", "2"]
 
 
 def _profile(inter_bytes, per_layer=False, calls=1):

@@ -191,6 +191,15 @@ def test_resume_compares_the_command_with_the_checkpoint_it_restores(tmp_path, c
     assert "--lr 0.5 -> 0.003" in err and "n_heads" not in err, err
 
 
+def test_a_resume_without_a_checkpoint_warns_on_stderr(tmp_path, capsys):
+    """A mistyped --checkpoint-dir under --resume starts over: said as a warning."""
+    rc, out, err = _train(["--checkpoint-dir", str(tmp_path / "typo"), "--resume",
+                           "--steps", "1"], capsys)
+    assert rc == 0 and "summary:" in out, (out, err)
+    assert (f"zeropp-train: warning: --resume: no checkpoint in {tmp_path / 'typo'} (a new "
+            "directory); starting at step 0") in err
+
+
 def test_cli_flags_that_cannot_work_fail_at_parsing(tmp_path, capsys):
     for argv, expected in (
         (["--lr", "inf"], "expected a finite positive number, got 'inf'"),

@@ -152,8 +152,8 @@ def check_node_replicated(config) -> None:
     if config.hpz:
         raise ValueError(
             "node_replicated=True keeps the parameters on every node already, so hpZ's "
-            "secondary partition has nothing to add: set hpz=False (--no-hpz), or use "
-            "the zeropp-max preset"
+            "secondary partition has nothing to add: set hpz=False (--no-hpz; the "
+            "zeropp-max preset leaves hpZ off)"
         )
 
 

@@ -182,8 +182,8 @@ def load_tokens(path: str | None, *, vocab_size: int | None = None) -> tuple[np.
             raise ValueError(
                 f"Token file {path!r} holds id {top}: a vocabulary of {top + 1:,} ids (from "
                 f"{len(np.unique(arr)):,} distinct ones) is above {MAX_INFERRED_VOCAB:,}; remap the "
-                "ids to 0..n-1 (np.unique(ids, return_inverse=True)), or give the vocabulary "
-                "(load_tokens(..., vocab_size=N))")
+                "ids to 0..n-1 (np.unique(ids, return_inverse=True)), or (from Python) give "
+                "the vocabulary (load_tokens(..., vocab_size=N))")
         vocab = top + 1 if vocab_size is None else int(vocab_size)
         tokens = arr.astype(np.int32)
     else:

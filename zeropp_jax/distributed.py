@@ -187,11 +187,13 @@ def resolve(
         launched = (os.environ[ENV_COORDINATOR], _env_int(ENV_NUM_PROCESSES),
                     _env_int(ENV_PROCESS_ID))
         if (coordinator, num_processes, process_id) != launched:
+            passed = " ".join(f"{flag} {value}" for flag, value in (
+                ("--coordinator", coordinator), ("--num-processes", num_processes),
+                ("--process-id", process_id)) if value is not None)
             raise ValueError(
                 f"zeropp-launch started this process as process {launched[2]} of "
                 f"{launched[1]} (coordinator {launched[0]}), but the command passes "
-                f"--coordinator {coordinator} --num-processes {num_processes} --process-id "
-                f"{process_id}, which would override it in every process alike: leave "
+                f"{passed}, which would override it in every process alike: leave "
                 "those flags out under zeropp-launch, which sets them per process"
             )
     given = dict(zip(names, (coordinator, num_processes, process_id)))

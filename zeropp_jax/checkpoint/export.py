@@ -32,6 +32,7 @@ import numpy as np
 from zeropp_jax.checkpoint.checkpointer import Checkpointer
 from zeropp_jax.checkpoint.errors import CheckpointError
 from zeropp_jax.checkpoint.metadata import key_name, unit_from_json
+from zeropp_jax.files import write_file
 from zeropp_jax.layout import split_units, unit_leaves
 from zeropp_jax.step.trainer import Trainer
 
@@ -54,7 +55,8 @@ def export_params(
       source: a checkpoint directory (no trainer or model code needed: the
         layout comes from the checkpoint's metadata), or a
         :class:`TrainState` / its ``params`` dict together with ``trainer``.
-      out_path: the file to write (replaced atomically).
+      out_path: the file to write (replaced atomically; a symlink's target,
+        a named pipe or ``/dev/stdout`` written through: :mod:`zeropp_jax.files`).
       step: the checkpoint step (default: the newest readable one); only
         with a directory.
       trainer: the trainer of an in-memory ``source``.
@@ -88,14 +90,7 @@ def export_params(
     if not allow_nonfinite:
         _check_finite(tree, saved_step)
     data = flax.serialization.msgpack_serialize(tree)
-    tmp = f"{out_path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, out_path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    write_file(out_path, data)
     count = sum(int(np.size(x)) for x in jax.tree.leaves(tree))
     return {"path": out_path, "step": saved_step, "params": count, "bytes": len(data)}
 

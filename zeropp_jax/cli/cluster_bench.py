@@ -64,8 +64,9 @@ from typing import Sequence
 
 from zeropp_jax import provenance
 from zeropp_jax.analysis import cost_model
-from zeropp_jax.cli import cluster_model, cluster_report, common, guards, netns
+from zeropp_jax.cli import cluster_model, cluster_report, common, netns
 from zeropp_jax.cli.cluster_run import LOCAL, NODES, RunFailed, probe_link, run_once
+from zeropp_jax.files import output_problem
 
 # Ends the qgZ presets' flags: their runs compress from step 1 (the timed
 # steps are the compressed ones, not the warm-up's). own_schedule() leaves it
@@ -170,7 +171,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = build_parser()
     options, train_flags = parser.parse_known_args(argv)
     # written after the sweep: a path that cannot be is refused now
-    problem = ((options.json and guards.check_output_file("--json", options.json))
+    problem = ((options.json and output_problem("--json", options.json))
                or (options.figure and cluster_report.figure_problem(options.figure)))
     if problem:
         parser.error(problem)
@@ -185,12 +186,16 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         return options, []
     if options.warmup >= options.steps:
         parser.error(f"--warmup {options.warmup} must be less than --steps {options.steps}")
-    reserved = {"--mesh", "--steps", "--metrics-out", "--preset", "--coordinator",
-                "--num-processes", "--process-id", "--checkpoint-dir", "--resume"}
-    clash = sorted({f.split("=")[0] for f in train_flags} & reserved)
+    train_parser = train.build_parser()
+    known = {s for action in train_parser._actions for s in action.option_strings}
+    given = {f.split("=")[0] for f in train_flags if f.startswith("--")}
+    if given - known:  # zeropp-train would read "--pres" as "--preset", unchecked here
+        parser.error(f"{', '.join(sorted(given - known))}: not a flag of the bench or of "
+                     "zeropp-train (give zeropp-train's flags in full: zeropp-train --help)")
+    clash = sorted(given & {"--mesh", "--steps", "--metrics-out", "--preset", "--coordinator",
+                            "--num-processes", "--process-id", "--checkpoint-dir", "--resume"})
     if clash:
         parser.error(f"{', '.join(clash)}: set by the bench itself (use --presets / --steps)")
-    train_parser = train.build_parser()
     for name in options.presets:
         args = train_parser.parse_args(
             train_command_flags(name, train_flags, options.steps, probe_refresh=True))

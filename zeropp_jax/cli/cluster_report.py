@@ -273,12 +273,12 @@ def figure_problem(path: str) -> str | None:
     """Why :func:`draw` could not write ``path`` (one line), or ``None``."""
     from matplotlib.backend_bases import FigureCanvasBase
 
-    from zeropp_jax.cli.guards import check_output_file
+    from zeropp_jax.files import output_problem
 
     suffix = os.path.splitext(path)[1].lstrip(".").lower()
     if suffix and suffix not in FigureCanvasBase.get_supported_filetypes():  # none: png
         return f"--figure {path}: matplotlib cannot write this file type; use .png, .pdf or .svg"
-    return check_output_file("--figure", path)
+    return output_problem("--figure", path)
 
 
 def draw(records: Sequence[dict], path: str, curves: dict[str, Callable] | None = None) -> None:

@@ -25,7 +25,8 @@ import argparse
 import json
 import sys
 
-from zeropp_jax.cli import common, flags, guards
+from zeropp_jax.cli import common, flags
+from zeropp_jax.files import output_problem
 
 PROG = "zeropp-comm"  # the name in --help and in error lines
 
@@ -76,7 +77,7 @@ def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     compile, not after it."""
     flags.refuse_training_flags(parser, args)
     if args.dump_hlo is not None:
-        problem = guards.check_output_file("--dump-hlo", args.dump_hlo)
+        problem = output_problem("--dump-hlo", args.dump_hlo, {"--data": args.data})
         if problem:
             parser.error(problem)
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 # argparse value types, re-exported for the commands (common.positive_int, ...)
 from zeropp_jax.cli.flags import (  # noqa: F401
-    non_negative_float, non_negative_int, positive_float, positive_int,
+    non_negative_float, non_negative_int, positive_float, positive_int, seed_int,
 )
 from zeropp_jax.config import ZeroConfig
 from zeropp_jax.config_checks import idle_fields
@@ -45,7 +45,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                    help="global batch: sequences per optimizer step (default: %(default)s)")
     g.add_argument("--seq-len", type=positive_int, default=128,
                    help="tokens per sequence (default: %(default)s)")
-    g.add_argument("--seed", type=non_negative_int, default=0,
+    g.add_argument("--seed", type=seed_int, default=0,
                    help="initialization and data order (default: %(default)s)")
 
     g = parser.add_argument_group("multi-host (jax.distributed)")
@@ -159,7 +159,18 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     try:
         build_config(args)  # ZeroConfig's own checks (preset, dtypes, qgZ combinations)
     except ValueError as e:
-        parser.error(str(e))
+        parser.error(_named_by_flag(str(e)))
+
+
+def _named_by_flag(message: str) -> str:
+    """A ZeroConfig error that begins with a field's name (``compute_dtype
+    must be ...``), begun with the field's flag instead (``--dtype must be
+    ...``), which is what the user typed."""
+    for f, flag, _ in _config_flags():
+        if message.startswith(f.name + " "):
+            none = f.metadata["none_name"]
+            return flag + message[len(f.name):] + (f"; or {none}" if none else "")
+    return message
 
 
 def prepare_devices(args: argparse.Namespace) -> None:
@@ -251,7 +262,7 @@ def init_distributed(args: argparse.Namespace, prog: str) -> None:
             process_id=args.process_id,
         )
     except ValueError as e:  # a cluster environment JAX cannot set up from
-        sys.exit(f"{prog}: error: {e}")
+        fail(prog, str(e))
 
 
 def build_mesh(args: argparse.Namespace):

@@ -20,6 +20,7 @@ import os
 import sys
 
 from zeropp_jax.cli import common
+from zeropp_jax.files import is_stream, output_problem
 
 PROG = "zeropp-export"  # the name in --help and in error lines
 
@@ -50,12 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not os.path.isdir(args.directory):
         common.fail(PROG, f"checkpoint directory {args.directory} does not exist")
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir):
-        common.fail(PROG, f"output directory {out_dir} does not exist")
     if os.path.isdir(args.out):
         common.fail(PROG, f"{args.out} is a directory; give the output file's name, e.g. "
                           f"{os.path.join(args.out, 'params.msgpack')}")
+    problem = output_problem("output file", args.out)
+    if problem:
+        common.fail(PROG, problem)
     # Reading a checkpoint needs no accelerator: keep JAX off the GPUs.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from zeropp_jax.checkpoint import CheckpointError, export_params
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"zeropp-export: step {info['step']} of {os.path.abspath(args.directory)} -> "
         f"{info['path']} ({info['params']:,} parameters, {info['bytes']:,} bytes)",
+        file=sys.stderr if is_stream(args.out) else sys.stdout,  # not into the data
         flush=True,
     )
     return 0

@@ -45,6 +45,12 @@ non_negative_int = number_type(
     int, lambda v: v >= 0, "non_negative_int",
     unparsed="expected an integer >= 0, got {text!r}",
     rejected="expected an integer >= 0, got {value}")
+# A PRNG seed: jax.random.key takes a signed 64-bit integer.
+MAX_SEED = 2**63 - 1
+seed_int = number_type(
+    int, lambda v: 0 <= v <= MAX_SEED, "seed_int",
+    unparsed=f"expected an integer from 0 to {MAX_SEED}, got {{text!r}}",
+    rejected=f"expected an integer from 0 to {MAX_SEED} (2**63 - 1), got {{value}}")
 # Finite numbers: ``inf`` and ``nan`` are refused.
 non_negative_float = number_type(
     float, lambda v: 0 <= v < _INF, "non_negative_float",
@@ -85,4 +91,4 @@ def refuse_training_flags(parser: argparse.ArgumentParser, args: argparse.Namesp
         one = len(given) == 1
         parser.error(f"{', '.join(given)} {'sets' if one else 'set'} the training run, which "
                      f"changes no byte of a step's communication; leave {'it' if one else 'them'} "
-                     "out (zeropp-train takes them)")
+                     f"out (zeropp-train takes {'it' if one else 'them'})")

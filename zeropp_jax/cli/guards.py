@@ -10,8 +10,8 @@ rule is tested on its own:
 * :func:`start_warnings`: qgZ configured where no step of the run compresses,
   hpZ where its secondary is the whole model;
 * :func:`diverged`: the divergence rule of the summary and the exit status;
-* :func:`check_output_file` and :func:`rewrite_metrics`: the metrics file,
-  checked before any compile, and rewritten atomically on resume.
+* :func:`rewrite_metrics`: the metrics file (checked before any compile by
+  :func:`zeropp_jax.files.output_problem`), rewritten atomically on resume.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import json
 import math
 import os
 from typing import Sequence
+
+from zeropp_jax.files import is_stream, write_file
 
 # GPTConfig field -> the flag that sets it.
 _MODEL_FLAGS = {
@@ -143,25 +145,16 @@ def diverged(losses: Sequence[float]) -> bool:
     return final > losses[0] and final > DIVERGENCE_FACTOR * early
 
 
-def check_output_file(flag: str, path: str) -> str | None:
-    """Why ``path`` cannot be written as ``flag``'s file (one line), or ``None``."""
-    if os.path.isdir(path):
-        return f"{flag} {path} is a directory; give a file name"
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        return f"{flag} {path}: the directory {parent} does not exist"
-    if not os.access(parent, os.W_OK):
-        return f"{flag} {path}: the directory {parent} is not writable"
-    return None
-
-
 def rewrite_metrics(path: str, first_step: int) -> None:
     """Keeps one line per step below ``first_step`` (the newest of duplicates), atomically.
 
     A resumed run re-takes the steps from ``first_step`` on, so their lines
     (and any half-written line of a killed run) go; the file is replaced by
-    a rename, so a kill during the rewrite leaves the old file whole.
+    a rename, so a kill during the rewrite leaves the old file whole. A
+    stream (a named pipe, ``/dev/stdout``) is left alone: the run appends.
     """
+    if is_stream(path):
+        return
     kept: dict[int, str] = {}
     if first_step > 0 and os.path.exists(path):
         with open(path) as f:
@@ -172,7 +165,4 @@ def rewrite_metrics(path: str, first_step: int) -> None:
                     continue
                 if isinstance(step, int) and 0 <= step < first_step:
                     kept[step] = line if line.endswith("\n") else line + "\n"
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.writelines(kept[s] for s in sorted(kept))
-    os.replace(tmp, path)
+    write_file(path, "".join(kept[s] for s in sorted(kept)).encode())

@@ -21,6 +21,7 @@ import time
 
 from zeropp_jax import provenance
 from zeropp_jax.cli import common, guards
+from zeropp_jax.files import output_problem
 
 DEFAULT_PRESET = "zeropp"
 
@@ -86,12 +87,9 @@ def _check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Names
     elif os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         parser.error(f"--checkpoint-dir {args.checkpoint_dir} is a file")
     if args.metrics_out is not None:
-        problem = guards.check_output_file("--metrics-out", args.metrics_out)
+        problem = output_problem("--metrics-out", args.metrics_out, {"--data": args.data})
         if problem:
             parser.error(problem)
-        if args.data is not None and os.path.realpath(args.metrics_out) == os.path.realpath(args.data):
-            parser.error(f"--metrics-out {args.metrics_out} is the --data file, which it "
-                         "would overwrite; give another file")
     if args.lr_warmup is not None and args.lr_warmup >= args.steps:
         parser.error(f"--lr-warmup {args.lr_warmup} is not shorter than --steps {args.steps}: "
                      "the learning rate would never reach --lr; shorten the warm-up")
@@ -154,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     metrics_file = _open_metrics(args.metrics_out, first_step) if is_main else None
     tokens_per_step = args.batch_size * args.seq_len
     bar = tqdm(
-        total=args.steps, disable=args.no_progress or not is_main,
+        total=args.steps, initial=first_step, disable=args.no_progress or not is_main,
         unit="step", dynamic_ncols=True, file=sys.stderr,
     )
     history: list[float] = []
@@ -189,7 +187,6 @@ def run(args: argparse.Namespace) -> int:
     # The qgZ schedule (trainer.schedule, the library's) is decided on the
     # host from the step number; only a gradient-RMS gate reads the previous
     # step's RMS from the state, and only on the steps it decides.
-    bar.update(first_step)
     # The newest saved step, from what every process knows alike (not from a
     # listing of the directory, which may differ between processes).
     last_saved = first_step if restored_meta is not None else None  # resumed from it
@@ -317,14 +314,15 @@ def _open_checkpoints(args, trainer, is_main: bool, record_of_run: dict):
     from zeropp_jax.checkpoint import CheckpointError, Checkpointer, CheckpointMismatchError
     from zeropp_jax.checkpoint.errors import QgzTargetMismatchError
 
+    existed = os.path.isdir(args.checkpoint_dir)
     try:
         ckpt = Checkpointer(args.checkpoint_dir, max_to_keep=args.keep)
     except (ValueError, OSError) as e:
         common.fail(PROG, f"--checkpoint-dir {args.checkpoint_dir}: {e}")
     if not ckpt.all_steps():
-        if args.resume and is_main:
-            print(f"zeropp-train: no checkpoint in {args.checkpoint_dir} yet; starting at step 0",
-                  flush=True)
+        if args.resume:  # a mistyped directory would start over: said on stderr
+            common.warn(PROG, [f"--resume: no checkpoint in {args.checkpoint_dir} ("
+                               f"{'empty' if existed else 'a new directory'}); starting at step 0"])
         return ckpt, None, None
     if not args.resume:
         steps = ckpt.all_steps()
