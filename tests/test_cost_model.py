@@ -117,6 +117,9 @@ def profiles(compile_once):
         "zeropp-int4": cm.profile_preset("zeropp", **cm.PUBLISHED_ZEROPP),
         "zeropp-gradient": cm.profile_preset("zeropp", qgz_target="gradient"),
         "zeropp-4x2": cm.profile_preset("zeropp", mesh=mesh_of(4, 2)),
+        "zeropp-gather": cm.profile_preset("zeropp", qgz_share="gather"),
+        "zeropp-gather-4x2": cm.profile_preset("zeropp", qgz_share="gather",
+                                               mesh=mesh_of(4, 2)),
     }
 
 
@@ -168,13 +171,19 @@ def test_scaled_bytes_match_the_analytic_volumes(profiles):
     assert every == 40
     cycle = int8 + ((every - 1) * 2 * one_bit + 2 * 2) / every
     assert inter == pytest.approx(cycle * P * (N - 1) / N, rel=0.02)
+    # qgz_share="gather" on every node count: N - 1 nodes' codes into each node
+    inter, _ = profiles["zeropp-gather"].bytes_at(TARGET, WORK)
+    codes = (every - 1) * (N - 1) * one_bit / every
+    assert inter == pytest.approx(codes * P + (cycle - (every - 1) * 2 * one_bit / every)
+                                  * P * (N - 1) / N, rel=0.02)
 
 
 @pytest.mark.slow
 def test_scaling_does_not_depend_on_the_profiled_mesh(profiles):
-    a = profiles["zeropp"].bytes_at(TARGET, WORK)
-    b = profiles["zeropp-4x2"].bytes_at(TARGET, WORK)
-    np.testing.assert_allclose(a, b, rtol=0.02)
+    for two, four in (("zeropp", "zeropp-4x2"), ("zeropp-gather", "zeropp-gather-4x2")):
+        a = profiles[two].bytes_at(TARGET, WORK)
+        b = profiles[four].bytes_at(TARGET, WORK)
+        np.testing.assert_allclose(a, b, rtol=0.02)
 
 
 @pytest.mark.slow

@@ -26,6 +26,9 @@ Byte accounting (per collective, per step, :func:`link_bytes`):
   intra-node bytes ``* (P / P0) * ((L-1)/L) / ((l0-1)/l0)``. Every ZeRO
   collective moves a fixed fraction of the model, which these factors carry
   to any mesh (see ``tests/test_cost_model.py`` for the check across meshes).
+  One does not: 1-bit Adam's one-hop share (``qgz_share="gather"``) brings
+  every other node's whole codes into each node, ``* (P / P0) * (N-1) /
+  (n0-1)`` (``CollectiveCost.grows_with_nodes``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from zeropp_jax.analysis.cluster import Cluster, Workload, check_positive_int
 from zeropp_jax.analysis.collectives import link_bytes, payload_role
 from zeropp_jax.analysis.comm_report import CommReport, comm_report
 from zeropp_jax.analysis.hlo import dtype_bytes
+from zeropp_jax.wire.collectives import EVERY_NODE_SCOPE
 
 __all__ = [
     "CollectiveCost",
@@ -69,7 +73,9 @@ class CollectiveCost:
     ``element_bytes`` the compiled element width; ``per_layer``: it runs
     more than once per step (inside the layer loops: traffic that a
     prefetching runtime can overlap with the layers' compute); ``calls``:
-    how many times it runs per step (its bytes are all of them together).
+    how many times it runs per step (its bytes are all of them together);
+    ``grows_with_nodes``: each node takes every other node's whole payload,
+    so its inter-node bytes scale as ``nodes - 1`` (module doc).
     """
 
     kind: str
@@ -82,6 +88,7 @@ class CollectiveCost:
     op_name: str
     per_layer: bool = False
     calls: int = 1
+    grows_with_nodes: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,13 +138,15 @@ class CommProfile:
             raise ValueError(
                 "the profile was compiled with one device per node, so it has no intra-node "
                 "collectives to scale; compile it with local >= 2")
+        every_node_scale = size * (cluster.nodes - 1) / (n0 - 1)
         out = []
         for c in self.collectives:
             if c.role == "metric":
                 out.append((c, c.inter_bytes_per_node, c.intra_bytes_per_device))
                 continue
             width = workload.float_bytes / c.element_bytes if c.role == "float" else 1.0
-            out.append((c, c.inter_bytes_per_node * width * inter_scale,
+            scale = every_node_scale if c.grows_with_nodes else inter_scale
+            out.append((c, c.inter_bytes_per_node * width * scale,
                         c.intra_bytes_per_device * width * intra_scale))
         return out
 
@@ -152,13 +161,17 @@ class CommProfile:
         )
 
 
-def profile_report(report: CommReport, *, params: int, label: str = "") -> CommProfile:
+def profile_report(report: CommReport, *, params: int, label: str = "",
+                   gathered_share: bool = True) -> CommProfile:
     """A :class:`CommProfile` from a communication report.
 
     Args:
       report: from :func:`zeropp_jax.analysis.comm_report.comm_report` on the compiled step.
       params: the compiled model's parameter count.
       label: a name for tables.
+      gathered_share: whether the target takes 1-bit Adam's one-hop share
+        too (its gather, marked ``EVERY_NODE_SCOPE``, then grows with the
+        nodes); ``False`` scales it as the two hops that replace it there.
     """
     costs = []
     for c in report.collectives:
@@ -175,6 +188,7 @@ def profile_report(report: CommReport, *, params: int, label: str = "") -> CommP
             element_bytes=float(max(widths)) * narrow, inter_bytes_per_node=inter * narrow,
             intra_bytes_per_device=intra * narrow, op_name=c.op_name, per_layer=c.count > 1,
             calls=c.count,
+            grows_with_nodes=gathered_share and f"/{EVERY_NODE_SCOPE}/" in c.op_name,
         ))
     return CommProfile(label=label, mesh_shape=tuple(report.mesh_shape), params=int(params),
                        collectives=tuple(costs))
@@ -252,7 +266,10 @@ def profile_config(
         report = comm_report(compiled, mesh_shape=(trainer.nodes, trainer.local))
         # Scale by the padded size: the compiled collectives move the padding
         # too, which vanishes (relative to the model) at the target's size.
-        return profile_report(report, params=trainer.layout.padded_numel, label=label)
+        # qgz_share="auto" gathers on two nodes only, where its bytes equal
+        # the two hops' it takes beyond: scaled as those.
+        return profile_report(report, params=trainer.layout.padded_numel, label=label,
+                              gathered_share=config.qgz_share == "gather")
 
     share = full_precision_share(config, trainer.nodes, steps)
     if compress is not None or not trainer.qgz_active or not share:

@@ -45,6 +45,10 @@ Axes = Sequence[str]
 PACKED_SCOPE = "packed_bytes"
 # Named scope of a collective that carries a 2-byte float array as its bits.
 FLOAT_BITS_SCOPE = "float_bits"
+# Named scope of an all-gather over ``node`` in which every node takes every
+# other node's whole payload (1-bit Adam's one-hop share): its bytes per node
+# grow as ``nodes - 1``, where a ZeRO gather's stay near the model's size.
+EVERY_NODE_SCOPE = "from_every_node"
 
 
 def _as_bytes(x: jax.Array) -> jax.Array:

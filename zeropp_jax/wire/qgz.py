@@ -352,7 +352,8 @@ def cross_node_gather_mean(
     wire = dict(bits=bits, block=block, kernels=kernels, code=code)
     sent = {name: _sent_codes(x, carries.get(name), scale_dtype=scale_dtype, **wire)
             for name, x in xs.items()}
-    gathered = _gathered_codes({name: q for name, (q, _) in sent.items()})
+    with jax.named_scope(collectives.EVERY_NODE_SCOPE):  # bytes grow with the nodes
+        gathered = _gathered_codes({name: q for name, (q, _) in sent.items()})
     means, new_carries = {}, {}
     for name, x in xs.items():
         carry, residual = carries.get(name), sent[name][1]
