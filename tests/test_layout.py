@@ -129,3 +129,11 @@ def test_split_and_join_keep_the_mapping_types():
             back = join_units(split_units(tree, layout), layout)
             assert jax.tree.structure(back) == jax.tree.structure(tree), (type(tree), kw)
             assert type(back) is type(tree) and type(back["enc"]) is type(tree["enc"])
+
+
+def test_a_non_float_parameter_is_refused_naming_its_path_in_its_unit():
+    tree = {"q": {"w": np.zeros((4,), np.int8)}, "b": np.zeros((3,), np.float32)}
+    for per_layer, path, unit in ((False, r"\['q'\]\['w'\]", "params"), (True, r"\['w'\]", "q")):
+        with pytest.raises(ValueError, match=rf"parameter {path} \(of unit '{unit}'\) has "
+                                             r"dtype int8; ZeRO shards only floating-point"):
+            build_layout(tree, n_devices=2, align=8, per_layer=per_layer)

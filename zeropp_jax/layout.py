@@ -181,7 +181,7 @@ def _unit_layout(
         dtype = jnp.result_type(leaf)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(
-                f"parameter {name}{leaf_path} has dtype {dtype}; ZeRO shards only "
+                f"parameter {leaf_path} (of unit {name!r}) has dtype {dtype}; ZeRO shards only "
                 "floating-point parameters (keep integer state outside the params)"
             )
         if stacked:
