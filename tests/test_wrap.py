@@ -7,6 +7,7 @@ norm and the head form the remainder unit. Models are built from configs
 """
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -561,6 +562,42 @@ def test_wrapped_linen_blocks_read_frozen_batch_stats():
                               wrap=(Block,), example_batch=batch)
     assert trainer.layout.names == ("rest", "blocks", "last")
     _steps_match_optax(trainer, jax.jit(loss), opt, params, batch, 2)
+
+
+def test_a_linen_loss_writing_batch_stats_is_warned_about():
+    """``apply(..., mutable=["batch_stats"])`` in the loss: the running
+    averages cannot leave the step (only parameters are carried), which the
+    first step says; eval mode and ``"intermediates"`` are not warned about."""
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train):
+            h = nn.BatchNorm(use_running_average=not train)(nn.Dense(8)(x))
+            self.sow("intermediates", "h", h)
+            return nn.Dense(1)(h)[:, 0]
+
+    net, batch = Net(), _linen_batch()
+    variables = net.init(jax.random.key(0), batch["x"], False)
+
+    def loss_of(train, mutable):
+        def loss(p, b):
+            out, _ = net.apply({"params": p, "batch_stats": variables["batch_stats"]}, b["x"],
+                               train, mutable=mutable)
+            return jnp.mean((out - b["y"]) ** 2)
+        return loss
+
+    def step(loss):
+        trainer = zp.make_trainer(loss, optax.sgd(0.1), variables["params"],
+                                  mesh=zp.make_mesh(2, 4), per_layer=False)
+        trainer.step(trainer.init(variables["params"]), batch)
+
+    with pytest.warns(UserWarning, match=r"applies a Linen model with mutable collections "
+                                         r"\(Net: batch_stats\).*running averages never move"):
+        step(loss_of(True, ["batch_stats", "intermediates"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        step(loss_of(False, ["intermediates"]))
 
 
 def test_a_loss_may_return_loss_and_aux():

@@ -23,6 +23,7 @@ from zeropp_jax.layout import REMAINDER, join_units
 from zeropp_jax.nnx_model import RESEEDED_STREAMS, loss_mark
 from zeropp_jax.step.gather import Unit, gather, secondary_payload, varying_axes
 from zeropp_jax.step.geometry import DATA_AXES, StepGeometry, node_level_once, sink_dtype
+from zeropp_jax.step.linen_writes import warn_of_writes
 from zeropp_jax.wire import collectives
 
 
@@ -163,7 +164,8 @@ def accumulate(
             tree = gather(tree)
         keys = () if micro_key is None else (micro_key,)
         try:
-            return split_loss_output(loss_fn(tree, micro_batch, *keys))
+            with warn_of_writes():  # a Linen apply with mutable collections: dropped
+                return split_loss_output(loss_fn(tree, micro_batch, *keys))
         except NotImplementedError as e:  # JAX's advice names shard_map, which the user never calls
             if "Closing over inputs to shard_map" not in str(e):
                 raise
