@@ -180,6 +180,23 @@ def test_an_rngs_passed_to_wrapped_blocks_advances_as_without_the_trainer():
     np.testing.assert_allclose(runs[0], runs[1], rtol=1e-5)
 
 
+def test_nnx_state_parameters_come_back_in_their_own_structure():
+    """NNX's own idiom without ``nnx_loss``: ``nnx.split`` gives an
+    ``nnx.State`` of plain dicts, which ``gather_params`` gives back as such
+    (it gave nested ``State`` s, which ``jax.tree.map`` with the original refused)."""
+    model = Net(functools.partial(NormBlock, rate=0.0), nnx.Rngs(0))  # no stream drawn
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(p, batch):
+        return criterion(nnx.merge(graphdef, p, rest), batch)
+
+    trainer = zp.make_trainer(loss_fn, optax.sgd(0.1), params, mesh=mesh_of(2, 4),
+                              wrap=(NormBlock,), example_batch=BATCH)
+    gathered = trainer.gather_params(trainer.init(params))
+    assert jax.tree.structure(gathered) == jax.tree.structure(params)
+    jax.tree.map(np.testing.assert_array_equal, gathered, params)
+
+
 def test_discovery_finds_outermost_blocks_and_restores_the_classes():
     block_call, linear_call = Block.__call__, nnx.Linear.__call__
     _, params, loss_fn = nnx_trainer()

@@ -37,12 +37,19 @@ def _same_mapping(like: Mapping, items: dict) -> Mapping:
         ) from None
 
 
+def _children(node: Mapping) -> dict:
+    """A mapping's entries as they are stored: ``nnx.State`` wraps a nested
+    dict in a new ``State`` when it is read, so it is read through its
+    ``raw_mapping`` (the tree comes back with plain dicts where it had them)."""
+    return dict(getattr(node, "raw_mapping", node))
+
+
 def _cut(node: Any, path: tuple, depth: int) -> tuple[Mapping, Any]:
     """``(node less the sub-pytree at path[depth:], that sub-pytree)``."""
     key = path[depth]
     if not isinstance(node, Mapping) or key not in node:
         raise ValueError(f"no parameter sub-tree at {'/'.join(map(str, path[: depth + 1]))}")
-    items = dict(node)
+    items = _children(node)
     if depth + 1 == len(path):
         sub = items.pop(key)
     else:
@@ -52,7 +59,7 @@ def _cut(node: Any, path: tuple, depth: int) -> tuple[Mapping, Any]:
 
 def _paste(node: Mapping, path: tuple, sub: Any) -> Mapping:
     """``node`` with ``sub`` at key path ``path``."""
-    items = dict(node)
+    items = _children(node)
     items[path[0]] = sub if len(path) == 1 else _paste(items[path[0]], path[1:], sub)
     return _same_mapping(node, items)
 
