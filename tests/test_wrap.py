@@ -587,10 +587,10 @@ def test_a_linen_loss_writing_batch_stats_is_warned_about():
             return jnp.mean((out - b["y"]) ** 2)
         return loss
 
-    def step(loss):
-        trainer = zp.make_trainer(loss, optax.sgd(0.1), variables["params"],
-                                  mesh=zp.make_mesh(2, 4), per_layer=False)
-        trainer.step(trainer.init(variables["params"]), batch)
+    def step(loss, params=variables["params"], batch=batch):
+        trainer = zp.make_trainer(loss, optax.sgd(0.1), params, mesh=zp.make_mesh(2, 4),
+                                  per_layer=False)
+        trainer.step(trainer.init(params), batch)
 
     with pytest.warns(UserWarning, match=r"applies a Linen model with mutable collections "
                                          r"\(Net: batch_stats\).*running averages never move"):
@@ -598,6 +598,8 @@ def test_a_linen_loss_writing_batch_stats_is_warned_about():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         step(loss_of(False, ["intermediates"]))
+        _, scan_loss, scan_params, scan_batch = _nn_scan_model()  # nn.scan's body: all mutable
+        step(scan_loss, scan_params, scan_batch)
 
 
 def test_a_loss_may_return_loss_and_aux():

@@ -22,20 +22,27 @@ _TAKEN_OUT = ("intermediates",)
 
 @contextlib.contextmanager
 def warn_of_writes() -> Iterator[None]:
-    """Within the block, records each top-level Linen ``apply`` with mutable
-    collections other than ``"intermediates"``; after it, warns naming the
-    modules and collections (once per traced step)."""
+    """Within the block, records each outermost Linen module call (the model
+    an ``apply`` runs; lifted transforms such as ``nn.scan`` run their body
+    with every collection mutable, inside it) with mutable collections other
+    than ``"intermediates"``; after it, warns naming the modules and
+    collections (once per traced step)."""
     import flax.linen as nn
 
     written: dict[str, str] = {}  # module class -> the collections it may write
+    depth = [0]  # module calls in progress
 
     def watch(next_fun, args, kwargs, context):
         scope = context.module.scope
-        if scope is not None and not scope.path and context.method_name != "setup":
+        if depth[0] == 0 and scope is not None and context.method_name != "setup":
             names = _written(scope.mutable)
             if names:
                 written.setdefault(type(context.module).__name__, names)
-        return next_fun(*args, **kwargs)
+        depth[0] += 1
+        try:
+            return next_fun(*args, **kwargs)
+        finally:
+            depth[0] -= 1
 
     with nn.intercept_methods(watch):
         yield
