@@ -358,7 +358,7 @@ def test_export_keeps_the_int_keys_of_nnx_list_items(tmp_path):
     bytes), so ``nnx.update`` takes the exported tree back."""
     import flax.serialization
 
-    from zeropp_jax.checkpoint import Checkpointer, export_params
+    from zeropp_jax.checkpoint import Checkpointer, CheckpointMismatchError, export_params
 
     model = Model(2, nnx.Rngs(0, dropout=1))
     for name, kwargs in [("whole", {}), ("wrap", dict(wrap=(Block,), example_batch=BATCH))]:
@@ -374,6 +374,13 @@ def test_export_keeps_the_int_keys_of_nnx_list_items(tmp_path):
         tree = flax.serialization.msgpack_restore(data)
         assert jax.tree.structure(tree) == jax.tree.structure(params), name
         nnx.update(model, tree)
+    # the same checkpoint restored into three layers: a mismatch naming the
+    # parameter by its int-keyed path (it raised TypeError building the message)
+    three, _, _ = trainer_of(Model(3, nnx.Rngs(0, dropout=1)), wrap=(Block,),
+                             example_batch=BATCH)
+    with Checkpointer(tmp_path / "wrap") as ckpt:
+        with pytest.raises(CheckpointMismatchError, match="the parameter blocks/2/lin/bias"):
+            ckpt.restore(three)
 
 
 

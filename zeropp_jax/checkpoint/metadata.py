@@ -176,7 +176,7 @@ def check_layout(saved: dict, layout: ParamLayout, where: str) -> None:
                 "checkpoint does not; was it written for another model?")
         if old[key][0] != leaf[0]:  # the shape (stored as float32 whatever the dtype)
             raise CheckpointMismatchError(
-                f"{where}: parameter {'/'.join(key)} is {_array(old[key])} in the checkpoint "
+                f"{where}: parameter {_joined(key)} is {_array(old[key])} in the checkpoint "
                 f"but {_array(leaf)} in the trainer's model; build the model with the "
                 "checkpoint's configuration (its shapes), or start a new run")
     for key, leaf in old.items():
@@ -216,7 +216,12 @@ def _array(leaf: tuple[tuple[int, ...], str]) -> str:
 
 
 def _show(key: tuple[str, ...], leaf: tuple[tuple[int, ...], str]) -> str:
-    return f"{'/'.join(key)} {_array(leaf)}"
+    return f"{_joined(key)} {_array(leaf)}"
+
+
+def _joined(key: tuple) -> str:
+    """A model key path as ``a/b/0`` (a unit path may hold ``nnx.List`` int keys)."""
+    return "/".join(map(str, key))
 
 
 def _units(layout: Mapping) -> dict:
