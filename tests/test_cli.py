@@ -665,6 +665,17 @@ def test_output_files_are_written_through_links_and_into_streams(tmp_path):
     assert received == [b"through the pipe"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
     guards.rewrite_metrics(str(fifo), 3)  # nothing to keep: not opened (it would block)
     assert files.output_problem("--metrics-out", str(fifo)) is None
+    # /dev/stdout of a run redirected to a file names that file: written into
+    # (a rename would have left the shell's file deleted and everything lost)
+    with open(tmp_path / "run.log", "wb") as log:
+        alias, inode = f"/proc/self/fd/{log.fileno()}", os.fstat(log.fileno()).st_ino
+        assert files.is_stream(alias)
+        files.write_file(alias, b"metrics")
+    assert (tmp_path / "run.log").read_bytes() == b"metrics"
+    assert os.stat(tmp_path / "run.log").st_ino == inode
+    target.chmod(0o600)  # a replaced file keeps its permissions
+    files.write_file(link, b"again")
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o600
     assert files.output_problem("--metrics-out", os.devnull) is None
     assert files.output_problem("--metrics-out", str(tmp_path)).endswith("give a file name")
     assert "is the --data file" in files.output_problem("--dump-hlo", str(link),

@@ -396,9 +396,13 @@ def test_blocks_of_a_model_applied_to_part_of_the_trained_tree_are_found():
         (Block,), variables, lambda v, b: jnp.mean((enc.apply(v, b["x"]).sum(1) - b["y"]) ** 2),
         batch, ("rest", "params/Block_0", "params/Block_1"))
 
+    with pytest.raises(ValueError, match=r"found in nested dicts \(not tuples or lists\)"):
+        zp.make_trainer(lambda p, b: loss({"enc": p[0], "head": p[1]}, b), optax.sgd(0.1),
+                        (params["enc"], params["head"]), mesh=zp.make_mesh(2, 4),
+                        wrap=(Block,), example_batch=batch)
     Scanned, scan_loss, scan_params, scan_batch = _nn_scan_model()
     with pytest.raises(ValueError, match=r"called Block blocks with parameters \(at \['blocks'\] "
-                                         r"of the variables.*none of those parameters is in the tree"):
+                                         r"of the variables.*none was found as a sub-dict of the tree"):
         zp.make_trainer(lambda p, b: scan_loss(p["model"], b), optax.sgd(0.1),
                         {"model": scan_params}, mesh=zp.make_mesh(2, 4),
                         wrap=(Scanned,), example_batch=scan_batch)

@@ -179,6 +179,17 @@ def test_an_rngs_passed_to_wrapped_blocks_advances_as_without_the_trainer():
         assert float(metrics["aux"]["same"]) < 0.95  # each block its own mask
     np.testing.assert_allclose(runs[0], runs[1], rtol=1e-5)
 
+    # a block that also holds the Rngs it is passed: two copies in the layer,
+    # drawing the same keys, refused (it drew one mask for every block)
+    model = CallRngsModel(nnx.Rngs(0))
+    for block in model.blocks:
+        block.held = model.rngs
+    held, params, _ = trainer_of(model, criterion_rngs, wrap=(CallRngsBlock,),
+                                 example_batch=BATCH)
+    with pytest.raises(ValueError, match=r"CallRngsBlock at blocks/0 is called with an Rngs "
+                                         r"whose random streams it also reaches"):
+        held.step(held.init(params), BATCH)
+
 
 def test_nnx_state_parameters_come_back_in_their_own_structure():
     """NNX's own idiom without ``nnx_loss``: ``nnx.split`` gives an

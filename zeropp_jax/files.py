@@ -15,14 +15,23 @@ import stat
 from typing import Mapping
 
 
+# Paths that name an open file or a device rather than a file of their own:
+# /dev/stdout of a run redirected to run.log is run.log, never to be renamed over.
+_SPECIAL_DIRS = ("/dev/", "/proc/")
+
+
 def is_stream(path: str | os.PathLike) -> bool:
-    """Whether ``path`` exists and is neither a regular file nor a directory
-    (a FIFO, a character device, ``/dev/stdout``), symlinks followed."""
+    """Whether ``path`` exists and is written into rather than replaced: not
+    a regular file or a directory (a FIFO, a character device), symlinks
+    followed, or any file named under ``/dev`` or ``/proc`` (``/dev/stdout``
+    redirected to a file)."""
     try:
         mode = os.stat(path).st_mode
     except OSError:
         return False
-    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+    if stat.S_ISDIR(mode):
+        return False
+    return not stat.S_ISREG(mode) or os.path.abspath(path).startswith(_SPECIAL_DIRS)
 
 
 def output_problem(what: str, path: str | os.PathLike,
@@ -61,6 +70,8 @@ def write_file(path: str | os.PathLike, data: bytes) -> None:
     try:
         with open(tmp, "wb") as f:
             f.write(data)
+        if os.path.isfile(real):  # the replaced file's permissions are kept
+            os.chmod(tmp, stat.S_IMODE(os.stat(real).st_mode))
         os.replace(tmp, real)
     finally:
         if os.path.exists(tmp):

@@ -131,7 +131,8 @@ def nnx_loss(
         return loss
 
     setattr(loss_fn, UNITS_BY_WRAP_ONLY, "nnx_loss")  # per-layer units: wrap= only
-    setattr(loss_fn, RESEEDED_STREAMS, tuple(streams))  # no rng=: a warning
+    # make_trainer warns without rng=, unless no stream is drawn from
+    setattr(loss_fn, RESEEDED_STREAMS, tuple(streams) if _draws(model) else ())
     return params, loss_fn
 
 
@@ -162,6 +163,49 @@ def written_state(module: nnx.Module, before: dict[tuple, Any]) -> tuple[list[st
             jnp.shape(leaf), jnp.result_type(leaf))
         (replaced if same else created).add(name)
     return sorted(created), sorted(replaced)
+
+
+def _draws(model: nnx.Module) -> bool:
+    """Whether ``model`` may draw from a random stream: one held outside
+    every layer that is off (``deterministic=True``, as ``model.eval()``
+    sets it, or a dropout rate of 0: ``Dropout(0.0)``, ``MultiHeadAttention``'s
+    default)."""
+    from flax import nnx
+
+    def off(node):
+        rate = getattr(node, "rate", getattr(node, "dropout_rate", None))
+        return getattr(node, "deterministic", None) is True or rate == 0
+
+    nodes = list(nnx.iter_graph(model))
+    quiet = [p for p, n in nodes if isinstance(n, nnx.Module) and off(n)]
+    return any(isinstance(n, nnx.RngStream) and not any(p[:len(q)] == q for q in quiet)
+               for p, n in nodes)
+
+
+def graph_nodes(tree: Any) -> list:
+    """The NNX objects (modules, ``nnx.Rngs``) in a pytree of call arguments."""
+    from flax import nnx
+    found = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Pytree))
+    return [x for x in found if isinstance(x, nnx.Pytree)]
+
+
+def streams_once(holders: list, who: str) -> list:
+    """``holders`` (a wrapped block and the NNX objects passed to its call),
+    or ``ValueError`` if two of them reach the same random stream (the block
+    holds the ``nnx.Rngs`` it is also passed, or one is passed twice): the
+    layer copies each holder, so both copies would draw the same keys and
+    only one could be written back."""
+    from flax import nnx
+    seen: dict[int, int] = {}  # id of a stream variable -> the holder reaching it
+    for i, holder in enumerate(holders):
+        for _, v in nnx.iter_graph(holder):
+            if isinstance(v, nnx.RngState) and seen.setdefault(id(v), i) != i:
+                raise ValueError(
+                    f"{who} is called with an {type(holder).__name__} whose random streams "
+                    "it also reaches through another argument or its own attributes; inside "
+                    "the trainer each is a copy, so they would draw the same keys. Give the "
+                    "block its Rngs one way only (hold it, or take it as an argument)")
+    return holders
 
 
 def check_state_writes(module: nnx.Module, before: dict[tuple, Any], *, who: str, drops: str,

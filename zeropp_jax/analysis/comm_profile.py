@@ -161,8 +161,8 @@ class CommProfile:
         )
 
 
-def profile_report(report: CommReport, *, params: int, label: str = "",
-                   gathered_share: bool = True) -> CommProfile:
+def profile_report(report: CommReport, *, params: int, gathered_share: bool,
+                   label: str = "") -> CommProfile:
     """A :class:`CommProfile` from a communication report.
 
     Args:
@@ -171,7 +171,9 @@ def profile_report(report: CommReport, *, params: int, label: str = "",
       label: a name for tables.
       gathered_share: whether the target takes 1-bit Adam's one-hop share
         too (its gather, marked ``EVERY_NODE_SCOPE``, then grows with the
-        nodes); ``False`` scales it as the two hops that replace it there.
+        nodes): ``qgz_share="gather"``; ``False`` scales it as the two hops
+        that replace it there (``"auto"`` beyond two nodes). No default: a
+        profile of ``"auto"`` on two nodes gathers, and must say which.
     """
     costs = []
     for c in report.collectives:

@@ -222,14 +222,16 @@ def discover(
     try:
         trace_calls(loss_fn, params, example_batch, extra_args, intercepting, classes, found)
     except ValueError as e:
-        if not elsewhere:
+        if not elsewhere or found:  # the loss's own error, or another
             raise
         raise ValueError(
             f"wrap: loss_fn called {classes[0].__name__} blocks with parameters (at "
             f"{sorted(set(elsewhere))} of the variables their model was applied to), but "
-            "none of those parameters is in the tree given to make_trainer: pass the tree "
-            "the model's apply reads them from (under nn.scan, the model's 'params' "
-            "collection itself), or use per_layer=False") from e
+            "none was found as a sub-dict of the tree given to make_trainer: blocks are "
+            "found in nested dicts (not tuples or lists), by their parameters themselves "
+            "(not a copy or cast the loss made of them), and under a lifted transform "
+            "(nn.scan, nn.remat) only at their path from the root of the tree, so pass the "
+            "tree the model's apply reads its 'params' from, or use per_layer=False") from e
     return found, stacked
 
 
@@ -248,14 +250,17 @@ def _located(params: Any, scope_path: tuple, inner: Any, where: dict[int, tuple]
     ``{"enc": ..., "head": ...}``) or hold it under ``"params"`` (the whole
     variables dict): the block is found by its first parameter, the same
     traced array as in ``params`` (:func:`discover` records them), and by
-    its scope path where that is not so (a layer's slice under ``nn.scan``).
+    its scope path where that is not so (a lifted transform's copy: a layer's
+    slice under ``nn.scan``, ``nn.remat``'s); only a path through nested
+    mappings counts (a unit is cut out of dicts).
     """
     leaves = jax.tree_util.tree_flatten_with_path(inner)[0] if inner is not None else []
+    path = scope_path
     if leaves and id(leaves[0][1]) in where:
         full, rel = where[id(leaves[0][1])], _str_keys(leaves[0][0])
         if full[len(full) - len(rel):] == rel:
-            return full[:len(full) - len(rel)]
-    return scope_path if leaves and subtree(params, scope_path) is not None else None
+            path = full[:len(full) - len(rel)]
+    return path if leaves and subtree(params, path) is not None else None
 
 
 @jax.tree_util.register_pytree_node_class

@@ -349,13 +349,6 @@ def _unit_of(module: Any) -> Unit | None:
     return unit
 
 
-def _graph_nodes(tree: Any) -> list:
-    """The NNX objects (modules, ``nnx.Rngs``) in a pytree of call arguments."""
-    from flax import nnx
-    found = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Pytree))
-    return [x for x in found if isinstance(x, nnx.Pytree)]
-
-
 def wrap_loss(loss_fn: Callable, classes: Sequence[type], paths: Sequence[tuple]) -> Callable:
     """``loss_fn`` with every call of the NNX blocks at ``paths`` applied to
     its gathered unit.
@@ -381,7 +374,7 @@ def wrap_loss(loss_fn: Callable, classes: Sequence[type], paths: Sequence[tuple]
     """
     from flax import nnx
 
-    from zeropp_jax.nnx_model import check_state_writes, state_leaves
+    from zeropp_jax.nnx_model import check_state_writes, graph_nodes, state_leaves, streams_once
 
     classes, paths = tuple(classes), [tuple(p) for p in paths]
 
@@ -390,12 +383,13 @@ def wrap_loss(loss_fn: Callable, classes: Sequence[type], paths: Sequence[tuple]
         data, treedef, impls = state_as_data(other)
         # the random streams advance as without the trainer: the block's own
         # and those of NNX objects passed to it (an nnx.Rngs given to the call)
-        holders = [module, *_graph_nodes((args, kwargs))]
+        holders = streams_once([module, *graph_nodes((args, kwargs))],
+                               f"wrap: a {type(module).__name__} at {unit.layout.name}")
         stream_defs = [state_as_data(nnx.state(n, nnx.RngState))[1:] for n in holders]
 
         def run(params, data, *a, **kw):
             block = nnx.merge(graphdef, params, state_from_data(data, treedef, impls))
-            copies = [block, *_graph_nodes((a, kw))]  # the layer's copies of ``holders``
+            copies = [block, *graph_nodes((a, kw))]  # the layer's copies of ``holders``
             before = [state_leaves(n) for n in copies]
             out = call(block, *a, **kw)
             name = type(module).__name__
