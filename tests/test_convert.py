@@ -293,6 +293,32 @@ def test_an_older_onebit_checkpoint_is_checked_before_its_conversion_is_announce
         Checkpointer(onebit_dir).restore(trainer("zero3"))
 
 
+@pytest.mark.slow
+def test_a_stateless_step_around_adam_may_come_and_go_on_restore(saved, tmp_path):
+    """zero3's checkpoint of ``chain(clip, adam)`` restores into plain Adam
+    (its state a tuple shallower) with Adam's moments and count as saved,
+    and that into ``chain(clip, adam)`` again: the states are paired leaf by
+    leaf whatever the nesting. A checkpoint without ``state_flat`` (written
+    before stop 51) still needs the same nesting."""
+    plain = trainer("zero3", optax.adam(3e-3))
+    restored = Checkpointer(saved["zero3"]["dir"]).restore(plain)
+    ours, theirs = restored.opt_state.inner[0], adam_state(saved["zero3"]["state"])
+    assert int(ours.count) == int(theirs.count) == ADAM_STEPS
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get((ours.mu, ours.nu)),
+                 (theirs.mu, theirs.nu))
+    with Checkpointer(tmp_path / "plain", async_save=False) as ckpt:
+        ckpt.save(ADAM_STEPS, restored, plain)
+    back = Checkpointer(tmp_path / "plain").restore(trainer("zero3"))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(adam_state(back)), theirs)
+
+    path = tmp_path / "plain" / str(ADAM_STEPS) / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    del meta["optimizer"]["state_flat"]  # as written before the field
+    path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointMismatchError, match="written with another optimizer"):
+        Checkpointer(tmp_path / "plain").restore(trainer("zero3"))
+
+
 def test_another_optimizer_of_the_same_kind_is_refused_on_restore(tmp_path):
     """No conversion asked for: an optax state another chain of transformations
     wrote (AdaBelief for Adam: the same leaves; a schedule's count added) and

@@ -301,21 +301,24 @@ def optimizer_to_json(optimizer: Any, opt_state: Any = None, units: tuple[str, .
                 "eps": optimizer.eps, "clip_norm": optimizer.clip_norm}
     if opt_state is None:
         return {"name": "optax"}
-    return {"name": "optax", "state": state_structure(opt_state, units)}
+    return {"name": "optax", "state": state_structure(opt_state, units),
+            "state_flat": state_structure(opt_state, units, flat=True)}
 
 
-def state_structure(tree: Any, units: tuple[str, ...] = ()) -> str:
+def state_structure(tree: Any, units: tuple[str, ...] = (), flat: bool = False) -> str:
     """A pytree's structure as text: node type names, fields and keys, ``*``
     for a leaf, ``{units: ...}`` for a dict keyed by the names ``units`` (the
     same per unit), e.g. ``(ScaleByAdamState(count=*, mu={units: *}, nu={units: *}))``.
     Nodes that hold no array (optax's ``EmptyState`` of a stateless
     transformation, a weight-decay mask's ``MaskedState``) are left out: they
     restore under any optimizer. Independent of shapes, shardings and JAX's
-    own repr."""
-    return _node_text(jax.tree.structure(tree), sorted(units)) or "()"
+    own repr. ``flat``: a tuple inside a tuple is spliced into it, so that
+    ``optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr))``, whose
+    Adam state sits a tuple deeper than ``optax.adam(lr)``'s, reads the same."""
+    return _node_text(jax.tree.structure(tree), sorted(units), flat) or "()"
 
 
-def _node_text(treedef: Any, units: list[str]) -> str:
+def _node_text(treedef: Any, units: list[str], flat: bool = False) -> str:
     """:func:`state_structure` of one node; ``""`` for a node without leaves."""
     if treedef.num_leaves == 0:
         return ""
@@ -323,7 +326,9 @@ def _node_text(treedef: Any, units: list[str]) -> str:
     if data is None:
         return "*"
     kind, aux = data
-    kids = [_node_text(c, units) for c in treedef.children()]
+    kids = [_node_text(c, units, flat) for c in treedef.children()]
+    if flat and kind is tuple:  # only a tuple's text starts with "("
+        kids = [c[1:-1] if c.startswith("(") else c for c in kids]
     if kind is dict:
         if units and sorted(aux) == units and len(set(kids)) == 1:  # e.g. Adam's mu
             return f"{{units: {kids[0]}}}"
@@ -346,7 +351,9 @@ def check_optimizer(meta: dict, trainer: Trainer, opt_state: Any, where: str) ->
 
     For the same ``qgz_target`` (no conversion): 1-bit Adam's ``b1``, ``b2``
     and ``eps`` must be the checkpoint's; an optax optimizer's state
-    structure must be (``opt_state``: the trainer's, abstract). The learning
+    structure must be (``opt_state``: the trainer's, abstract), up to how
+    its chains nest (``state_flat``, recorded by checkpoints since stop 51:
+    a stateless step such as clipping may be put in front of Adam). The learning
     rate, its schedule's values and ``clip_norm`` may change. A checkpoint
     written before the optimizer was recorded is not checked.
     """
@@ -365,8 +372,10 @@ def check_optimizer(meta: dict, trainer: Trainer, opt_state: Any, where: str) ->
                 f"the checkpoint's. Build zeropp_jax.onebit_adam with {old} (the learning "
                 "rate and clip_norm may change)")
         return
-    recorded = stored.get("state")
+    recorded, flat = stored.get("state"), stored.get("state_flat")
     current = state_structure(opt_state, trainer.layout.names)
+    if flat is not None and flat == state_structure(opt_state, trainer.layout.names, True):
+        return  # the same states, chains nested otherwise (the restore pairs them)
     if recorded is not None and recorded != current:
         raise CheckpointMismatchError(
             f"{where} was written with another optimizer: its optax state is {recorded}, "

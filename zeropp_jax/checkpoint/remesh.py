@@ -103,8 +103,10 @@ def plan_restore(
         flat_with_keys(stored[PARAMS]), flat_with_keys(target.params), params=True
     )
     if convert_opt is None:
+        stored_opt = flat_with_keys(stored[OPT])
         opt_args, opt_fill = plan.item(
-            flat_with_keys(stored[OPT]), flat_with_keys(target.opt_state), params=False
+            stored_opt, _keyed_as_stored(flat_with_keys(target.opt_state), stored_opt),
+            params=False,
         )
     else:
         opt_args, opt_fill = convert_opt(
@@ -168,6 +170,26 @@ def place(host: np.ndarray, target: jax.ShapeDtypeStruct) -> jax.Array:
     if host.shape != target.shape:
         raise AssertionError(f"internal error: {host.shape} != {target.shape}")
     return jax.make_array_from_callback(target.shape, target.sharding, lambda idx: host[idx])
+
+
+def _keyed_as_stored(target: dict, stored: dict) -> dict:
+    """The trainer's optimizer leaves (key -> leaf, in tree order) keyed as
+    the checkpoint keys them where the two optax states nest their chains
+    otherwise (``chain(clip, adam)`` against ``adam``: ``inner/1/0/mu/...``
+    against ``inner/0/mu/...``, which :func:`check_optimizer` allowed). A
+    key less its tuple indices must name one leaf on each side; otherwise
+    the keys stay, and :meth:`_Plan.item` names the leaf it cannot find."""
+    if all(k in stored for k in target):
+        return target
+
+    def bare(key):
+        return tuple(p for p in key if not p.isdigit())
+
+    ours = {bare(k): k for k in target}
+    theirs = {bare(k): k for k in stored}
+    if len(ours) != len(target) or len(theirs) != len(stored) or set(ours) != set(theirs):
+        return target
+    return {theirs[bare(k)]: leaf for k, leaf in target.items()}
 
 
 def _abstract_state(trainer: Trainer) -> TrainState:
