@@ -24,8 +24,8 @@ from zeropp_jax.analysis.hlo import parse_module
 from zeropp_jax.models import gpt
 
 from _util import (
-    assert_trees_close, compile_step, executions, gpt_loss, gpt_step, mesh_of, stacked_mlp_loss,
-    stacked_mlp_params, tiny_gpt_run, train_and_gather,
+    TINY, assert_trees_close, compile_step, executions, gpt_loss, gpt_step, mesh_of,
+    stacked_mlp_loss, stacked_mlp_params, tiny_batches, tiny_gpt_run, train_and_gather,
 )
 
 WIDTH, LAYERS = 128, 4
@@ -322,3 +322,14 @@ def test_one_device_mesh_runs_a_plain_scan_without_layer_copies():
     assert layer_copies(mesh_of(1, 1)) == (False, [])
     prefetch, copies = layer_copies(mesh_of(2, 4))  # where it gathers: the copies it costs
     assert prefetch and copies
+
+
+def test_an_unstacked_unit_given_to_scan_layers_is_refused_naming_stacked():
+    """The example GPT scans its blocks: built with per_layer=True alone, the
+    blocks are one flat unit, which the scan would cut into scalars."""
+    params = gpt.init_params(TINY, jax.random.key(0))
+    trainer = zp.make_trainer(gpt_loss(), optax.sgd(0.1), params, mesh=mesh_of(2, 4),
+                              per_layer=True, config=zp.ZeroConfig(compute_dtype="float32"))
+    with pytest.raises(ValueError, match=r"the unit\(s\) \['blocks'\] have no layer axis: "
+                                         r"build the trainer with stacked=\('blocks',\)"):
+        trainer.step(trainer.init(params), tiny_batches(batch_size=16).batch_at(0))

@@ -104,8 +104,8 @@ def scan_layers(
       layer's carry and the stacked ``y``s (``None`` if ``fn`` returns none).
 
     Raises:
-      ValueError: if the units disagree on prefetch or the leaves of
-        ``stacked`` on ``L``.
+      ValueError: if a unit is not stacked, the units disagree on prefetch
+        or the leaves of ``stacked`` on ``L``.
 
     With units whose plan has ``prefetch`` on (``ZeroConfig.prefetch``, the
     default) it is the prefetching custom VJP described in this module, which
@@ -124,6 +124,12 @@ def scan_layers(
     """
     leaves, treedef = jax.tree.flatten(stacked, is_leaf=_is_unit)
     units = [x for x in leaves if _is_unit(x)]
+    flat = [u.layout.name for u in units if u.layout.stack is None]
+    if flat:  # it would be cut into scalars, one per "layer"
+        raise ValueError(
+            f"scan_layers scans stacked layers, but the unit(s) {flat} have no layer axis: "
+            f"build the trainer with stacked=({flat[0]!r},) (per_layer=True alone makes "
+            "each top-level entry one unit, gathered whole)")
     prefetch = {u.plan.prefetch for u in units}
     if len(prefetch) > 1:
         raise ValueError(
