@@ -16,6 +16,7 @@ import math
 import os
 import re
 import stat
+import tempfile
 import threading
 import time
 
@@ -673,6 +674,9 @@ def test_output_files_are_written_through_links_and_into_streams(tmp_path):
         files.write_file(alias, b"metrics")
     assert (tmp_path / "run.log").read_bytes() == b"metrics"
     assert os.stat(tmp_path / "run.log").st_ino == inode
+    if os.path.isdir("/dev/shm"):  # an ordinary file under /dev: replaced atomically
+        with tempfile.NamedTemporaryFile(dir="/dev/shm") as shm:
+            assert not files.is_stream(shm.name)
     target.chmod(0o600)  # a replaced file keeps its permissions
     files.write_file(link, b"again")
     assert stat.S_IMODE(os.stat(target).st_mode) == 0o600

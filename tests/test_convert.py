@@ -311,6 +311,13 @@ def test_a_stateless_step_around_adam_may_come_and_go_on_restore(saved, tmp_path
     back = Checkpointer(tmp_path / "plain").restore(trainer("zero3"))
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(adam_state(back)), theirs)
 
+    # a state that is not a tuple at the top (inject_hyperparams) under a clip too
+    inject = optax.inject_hyperparams(optax.adam)(learning_rate=3e-3)
+    inject_dir = _init_checkpoint(tmp_path / "inject", trainer("zero3", inject))
+    clipped = trainer("zero3", optax.chain(optax.clip_by_global_norm(1.0), inject))
+    assert float(Checkpointer(inject_dir).restore(clipped).opt_state.inner[1]
+                 .hyperparams["learning_rate"]) == pytest.approx(3e-3)
+
     path = tmp_path / "plain" / str(ADAM_STEPS) / "meta" / "metadata"
     meta = json.loads(path.read_text())
     del meta["optimizer"]["state_flat"]  # as written before the field

@@ -571,14 +571,15 @@ def test_wrapped_linen_blocks_read_frozen_batch_stats():
 def test_a_linen_loss_writing_batch_stats_is_warned_about():
     """``apply(..., mutable=["batch_stats"])`` in the loss: the running
     averages cannot leave the step (only parameters are carried), which the
-    first step says; eval mode and ``"intermediates"`` are not warned about."""
+    first step says; eval mode and a collection the apply creates (``sow``)
+    are not warned about."""
     import flax.linen as nn
 
     class Net(nn.Module):
         @nn.compact
         def __call__(self, x, train):
             h = nn.BatchNorm(use_running_average=not train)(nn.Dense(8)(x))
-            self.sow("intermediates", "h", h)
+            self.sow("losses", "h", h.mean())  # a collection the apply creates
             return nn.Dense(1)(h)[:, 0]
 
     net, batch = Net(), _linen_batch()
@@ -598,10 +599,10 @@ def test_a_linen_loss_writing_batch_stats_is_warned_about():
 
     with pytest.warns(UserWarning, match=r"applies a Linen model with mutable collections "
                                          r"\(Net: batch_stats\).*running averages never move"):
-        step(loss_of(True, ["batch_stats", "intermediates"]))
+        step(loss_of(True, ["batch_stats", "losses"]))
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        step(loss_of(False, ["intermediates"]))
+        step(loss_of(False, ["losses"]))
         _, scan_loss, scan_params, scan_batch = _nn_scan_model()  # nn.scan's body: all mutable
         step(scan_loss, scan_params, scan_batch)
 

@@ -11,27 +11,29 @@ renamed over (which would leave a plain file in its place).
 from __future__ import annotations
 
 import os
+import re
 import stat
 from typing import Mapping
 
 
-# Paths that name an open file or a device rather than a file of their own:
-# /dev/stdout of a run redirected to run.log is run.log, never to be renamed over.
-_SPECIAL_DIRS = ("/dev/", "/proc/")
+# Names of an open file (a process's descriptor) rather than of a file of
+# their own: /dev/stdout of a run redirected to run.log is run.log, never to
+# be renamed over. /dev/shm and the like hold ordinary files.
+_DESCRIPTOR = re.compile(r"^/dev/(stdout|stderr|fd/\d+)$|^/proc/(self|\d+)/fd/\d+$")
 
 
 def is_stream(path: str | os.PathLike) -> bool:
     """Whether ``path`` exists and is written into rather than replaced: not
     a regular file or a directory (a FIFO, a character device), symlinks
-    followed, or any file named under ``/dev`` or ``/proc`` (``/dev/stdout``
-    redirected to a file)."""
+    followed, or a name of an open descriptor (``/dev/stdout`` redirected
+    to a file, ``/dev/fd/N``, ``/proc/self/fd/N``)."""
     try:
         mode = os.stat(path).st_mode
     except OSError:
         return False
     if stat.S_ISDIR(mode):
         return False
-    return not stat.S_ISREG(mode) or os.path.abspath(path).startswith(_SPECIAL_DIRS)
+    return not stat.S_ISREG(mode) or bool(_DESCRIPTOR.match(os.path.abspath(path)))
 
 
 def output_problem(what: str, path: str | os.PathLike,

@@ -166,20 +166,19 @@ def written_state(module: nnx.Module, before: dict[tuple, Any]) -> tuple[list[st
 
 
 def _draws(model: nnx.Module) -> bool:
-    """Whether ``model`` may draw from a random stream: one held outside
-    every layer that is off (``deterministic=True``, as ``model.eval()``
-    sets it, or a dropout rate of 0: ``Dropout(0.0)``, ``MultiHeadAttention``'s
-    default)."""
+    """Whether ``model`` may draw from a random stream: one not held by a
+    layer whose dropout rate is 0 (``Dropout(0.0)``, ``MultiHeadAttention``'s
+    default). A layer made deterministic (``model.eval()``) still counts: a
+    call may override it (``deterministic=False``)."""
     from flax import nnx
 
-    def off(node):
-        rate = getattr(node, "rate", getattr(node, "dropout_rate", None))
-        return getattr(node, "deterministic", None) is True or rate == 0
+    nodes = dict(nnx.iter_graph(model))
 
-    nodes = list(nnx.iter_graph(model))
-    quiet = [p for p, n in nodes if isinstance(n, nnx.Module) and off(n)]
-    return any(isinstance(n, nnx.RngStream) and not any(p[:len(q)] == q for q in quiet)
-               for p, n in nodes)
+    def off(owner):
+        return getattr(owner, "rate", getattr(owner, "dropout_rate", None)) == 0
+
+    return any(isinstance(n, nnx.RngStream) and not off(nodes.get(p[:-1]))
+               for p, n in nodes.items())
 
 
 def graph_nodes(tree: Any) -> list:

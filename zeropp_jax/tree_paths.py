@@ -41,7 +41,8 @@ def _children(node: Mapping) -> dict:
     """A mapping's entries as they are stored: ``nnx.State`` wraps a nested
     dict in a new ``State`` when it is read, so it is read through its
     ``raw_mapping`` (the tree comes back with plain dicts where it had them)."""
-    return dict(getattr(node, "raw_mapping", node))
+    raw = getattr(node, "raw_mapping", None)
+    return dict(raw if isinstance(raw, Mapping) else node)
 
 
 def _cut(node: Any, path: tuple, depth: int) -> tuple[Mapping, Any]:

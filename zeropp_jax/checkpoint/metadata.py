@@ -312,10 +312,14 @@ def state_structure(tree: Any, units: tuple[str, ...] = (), flat: bool = False) 
     Nodes that hold no array (optax's ``EmptyState`` of a stateless
     transformation, a weight-decay mask's ``MaskedState``) are left out: they
     restore under any optimizer. Independent of shapes, shardings and JAX's
-    own repr. ``flat``: a tuple inside a tuple is spliced into it, so that
+    own repr. ``flat``: the whole state is read as a tuple, and a tuple
+    inside a tuple is spliced into it, so that
     ``optax.chain(optax.clip_by_global_norm(1.0), optax.adam(lr))``, whose
-    Adam state sits a tuple deeper than ``optax.adam(lr)``'s, reads the same."""
-    return _node_text(jax.tree.structure(tree), sorted(units), flat) or "()"
+    Adam state sits a tuple deeper than ``optax.adam(lr)``'s, reads the same
+    (and so do ``chain(clip, inject_hyperparams(adam)(lr))`` and the bare
+    ``inject_hyperparams`` state)."""
+    text = _node_text(jax.tree.structure(tree), sorted(units), flat) or "()"
+    return text if not flat or text.startswith("(") else f"({text})"
 
 
 def _node_text(treedef: Any, units: list[str], flat: bool = False) -> str:

@@ -176,20 +176,27 @@ def _keyed_as_stored(target: dict, stored: dict) -> dict:
     """The trainer's optimizer leaves (key -> leaf, in tree order) keyed as
     the checkpoint keys them where the two optax states nest their chains
     otherwise (``chain(clip, adam)`` against ``adam``: ``inner/1/0/mu/...``
-    against ``inner/0/mu/...``, which :func:`check_optimizer` allowed). A
-    key less its tuple indices must name one leaf on each side; otherwise
-    the keys stay, and :meth:`_Plan.item` names the leaf it cannot find."""
-    if all(k in stored for k in target):
+    against ``inner/0/mu/...``, which :func:`check_optimizer` allowed).
+
+    Only the optax state's keys (under ``inner``) are paired: each less the
+    all-digit parts before its last (tuple positions; a unit's name, last,
+    is kept whatever it is) must name one leaf on each side. Otherwise the
+    keys stay, and :meth:`_Plan.item` names the leaf it cannot find."""
+    def inner(keys):
+        return [k for k in keys if k[:1] == ("inner",)]
+
+    if all(k in stored for k in inner(target)):
         return target
 
     def bare(key):
-        return tuple(p for p in key if not p.isdigit())
+        return tuple(p for p in key[:-1] if not p.isdigit()) + key[-1:]
 
-    ours = {bare(k): k for k in target}
-    theirs = {bare(k): k for k in stored}
-    if len(ours) != len(target) or len(theirs) != len(stored) or set(ours) != set(theirs):
+    ours = {bare(k): k for k in inner(target)}
+    theirs = {bare(k): k for k in inner(stored)}
+    if len(ours) != len(inner(target)) or len(theirs) != len(inner(stored)) \
+            or set(ours) != set(theirs):
         return target
-    return {theirs[bare(k)]: leaf for k, leaf in target.items()}
+    return {theirs[bare(k)] if k[:1] == ("inner",) else k: leaf for k, leaf in target.items()}
 
 
 def _abstract_state(trainer: Trainer) -> TrainState:

@@ -1,31 +1,29 @@
 """Variables a Flax Linen model writes inside the loss, which the step drops.
 
 The trainer carries parameters only (and the optimizer's state): what a
-loss's ``model.apply(..., mutable=[...])`` writes (``BatchNorm``'s running
-``batch_stats``, a decoding ``cache``) is returned to the loss, which can
-return only scalars beside its loss, so it never leaves the step and the
-next step reads the variables as they were. :func:`warn_of_writes` says so
-once, when the step is traced; the NNX counterpart refuses such a module in
-:func:`zeropp_jax.nnx_model.nnx_loss`. ``"intermediates"`` (``sow``) is not
-named: the loss takes those out itself (e.g. an auxiliary loss).
+loss's ``model.apply(variables, ..., mutable=[...])`` writes into a
+collection it was given (``BatchNorm``'s running ``batch_stats``, a decoding
+``cache``) is returned to the loss, which can return only scalars beside its
+loss, so it never leaves the step and the next step reads those variables as
+they were. :func:`warn_of_writes` says so once, when the step is traced; the
+NNX counterpart refuses such a module in :func:`zeropp_jax.nnx_model.nnx_loss`.
+A collection the apply creates (values recorded with ``sow``, an auxiliary
+loss the loss takes out itself) is not named, nor is ``params``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Iterator
-
-# Collections a loss commonly takes out of a mutable apply itself.
-_TAKEN_OUT = ("intermediates",)
+from typing import Iterator
 
 
 @contextlib.contextmanager
 def warn_of_writes() -> Iterator[None]:
     """Within the block, records each outermost Linen module call (the model
     an ``apply`` runs; lifted transforms such as ``nn.scan`` run their body
-    with every collection mutable, inside it) with mutable collections other
-    than ``"intermediates"``; after it, warns naming the modules and
+    with every collection mutable, inside it) that may write a collection it
+    was given, other than ``params``; after it, warns naming the modules and
     collections (once per traced step)."""
     import flax.linen as nn
 
@@ -35,9 +33,10 @@ def warn_of_writes() -> Iterator[None]:
     def watch(next_fun, args, kwargs, context):
         scope = context.module.scope
         if depth[0] == 0 and scope is not None and context.method_name != "setup":
-            names = _written(scope.mutable)
+            given = [c for c in context.module.variables if c != "params"]
+            names = [c for c in given if scope.is_mutable_collection(c)]
             if names:
-                written.setdefault(type(context.module).__name__, names)
+                written.setdefault(type(context.module).__name__, ", ".join(names))
         depth[0] += 1
         try:
             return next_fun(*args, **kwargs)
@@ -54,16 +53,3 @@ def warn_of_writes() -> Iterator[None]:
             "next step reads those variables as they were (BatchNorm's running averages never "
             "move). Normalize with use_running_average=True (train=False), or keep such "
             "state out of the model", stacklevel=2)
-
-
-def _written(mutable: Any) -> str:
-    """The collections a scope's ``mutable`` lets it write, less those a loss
-    takes out itself (``""``: none)."""
-    if mutable is True:
-        return "every collection"
-    if not mutable:
-        return ""
-    names = [mutable] if isinstance(mutable, str) else mutable
-    if not isinstance(names, (list, tuple)):  # a filter object (flax's DenyList)
-        return str(names)
-    return ", ".join(str(n) for n in names if n not in _TAKEN_OUT)
