@@ -407,6 +407,14 @@ def test_blocks_of_a_model_applied_to_part_of_the_trained_tree_are_found():
                         {"model": scan_params}, mesh=zp.make_mesh(2, 4),
                         wrap=(Scanned,), example_batch=scan_batch)
 
+    def own_error(p, b):  # the loss's own error, after a block was called, is its own
+        loss({"enc": p[0], "head": p[1]}, b)
+        raise ValueError("the loss's own error")
+
+    with pytest.raises(ValueError, match="the loss's own error"):
+        zp.make_trainer(own_error, optax.sgd(0.1), (params["enc"], params["head"]),
+                        mesh=zp.make_mesh(2, 4), wrap=(Block,), example_batch=batch)
+
 
 def test_nn_scan_blocks_refresh_hpz_secondary_once_per_step():
     """A stacked unit that runs through ``zp.layer`` (here ``nn.scan``'s, under

@@ -119,6 +119,10 @@ def as_layer(fn: Callable, unit: Unit, args: tuple, kwargs: dict, state: Any = N
     return layer(block)(unit, *[leaves[i] for i in dynamic])
 
 
+class NeverCalled(ValueError):
+    """:func:`trace_calls` found no wrapped block called with parameters."""
+
+
 def trace_calls(
     loss_fn: Callable, params: Any, example_batch: Any, extra_args: tuple,
     intercepting: Callable[[Any], Any], classes: Sequence[type], found: list,
@@ -128,7 +132,7 @@ def trace_calls(
     which records the wrapped blocks' paths into ``found``.
 
     Raises:
-      ValueError: if ``found`` is still empty afterwards.
+      NeverCalled: (a ``ValueError``) if ``found`` is still empty afterwards.
     """
 
     def traced(p, b, rest):
@@ -138,7 +142,7 @@ def trace_calls(
     jax.eval_shape(traced, params, example_batch, tuple(extra_args))
     if not found:
         names = ", ".join(c.__name__ for c in classes)
-        raise ValueError(
+        raise NeverCalled(
             f"wrap: loss_fn never called a module of class {names} that has "
             "parameters (on the example batch); check the classes, or use "
             "per_layer=False"

@@ -64,7 +64,7 @@ from zeropp_jax.nnx_model import UNITS_BY_WRAP_ONLY, loss_mark
 from zeropp_jax.tree_paths import REMAINDER, cut_paths
 from zeropp_jax.step import wrap_nnx
 from zeropp_jax.step.blocks import (
-    as_layer, depth, inside_block, subtree, trace_calls,
+    NeverCalled, as_layer, depth, inside_block, subtree, trace_calls,
 )
 from zeropp_jax.step.gather import Unit
 from zeropp_jax.step.linen_apply import block_apply
@@ -221,8 +221,8 @@ def discover(
     elsewhere: list[str] = []  # scope paths of called blocks whose parameters were not found
     try:
         trace_calls(loss_fn, params, example_batch, extra_args, intercepting, classes, found)
-    except ValueError as e:
-        if not elsewhere or found:  # the loss's own error, or another
+    except NeverCalled as e:
+        if not elsewhere:
             raise
         raise ValueError(
             f"wrap: loss_fn called {classes[0].__name__} blocks with parameters (at "
