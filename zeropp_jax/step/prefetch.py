@@ -124,7 +124,7 @@ def scan_layers(
     """
     leaves, treedef = jax.tree.flatten(stacked, is_leaf=_is_unit)
     units = [x for x in leaves if _is_unit(x)]
-    flat = [u.layout.name for u in units if u.layout.stack is None]
+    flat = [u.layout.name for u in units if u.layout is not None and u.layout.stack is None]
     if flat:  # it would be cut into scalars, one per "layer"
         raise ValueError(
             f"scan_layers scans stacked layers, but the unit(s) {flat} have no layer axis: "
