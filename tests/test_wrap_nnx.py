@@ -25,7 +25,7 @@ import pytest
 import zeropp_jax as zp
 from zeropp_jax.analysis.comm_report import comm_report
 from zeropp_jax.step import wrap_nnx
-from zeropp_jax.step.blocks import keys_from_data
+from zeropp_jax.prng_keys import keys_from_data
 
 from _util import mesh_of
 

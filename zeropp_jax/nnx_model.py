@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zeropp_jax.prng_keys import is_key, keys_as_data, keys_from_data
+
 # flax.nnx is imported where it is used, so that `import zeropp_jax` works
 # where it does not import (flax <= 0.12.9 with jax 0.11.2: google/flax#5596).
 if TYPE_CHECKING:
@@ -249,9 +251,9 @@ def _off_mesh(x: Any) -> Any:
     any other leaf as it is."""
     if not (isinstance(x, jax.Array) and len(x.sharding.device_set) > 1):
         return x
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # a typed key: its data
-        return jax.random.wrap_key_data(np.asarray(jax.random.key_data(x)),
-                                        impl=jax.random.key_impl(x))
+    if is_key(x):  # a typed key: a host copy of its data, wrapped again
+        (data,), impls = keys_as_data([x])
+        return keys_from_data([np.asarray(data)], impls)[0]
     return np.asarray(x)
 
 

@@ -5,7 +5,7 @@ dtype ``key<fry>``), which neither Orbax nor the checksums can write. A
 checkpoint stores each such leaf as ``jax.random.key_data`` (uint32, the
 key's shape plus the implementation's, e.g. ``(2,)`` for threefry) and
 restore wraps it back with the implementation the trainer's own state has
-(:func:`zeropp_jax.step.blocks.keys_as_data` and its inverse, which a
+(:func:`zeropp_jax.prng_keys.keys_as_data` and its inverse, which a
 wrapped layer's random streams use the same way).
 Other leaves pass through unchanged. No collective: the data keeps the
 key's sharding, with the trailing axes replicated.
@@ -18,7 +18,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zeropp_jax.step.blocks import is_key, keys_from_data, state_as_data
+from zeropp_jax.prng_keys import is_key, keys_from_data, state_as_data
 
 
 def to_data(tree: Any) -> Any:

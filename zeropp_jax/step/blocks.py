@@ -57,43 +57,22 @@ def subtree(params: Any, path: tuple) -> Any:
     return node
 
 
+def plain_keys(path: tuple) -> tuple:
+    """A ``jax.tree_util`` key path as the tuple of its keys (a dict key as
+    it is, a sequence index as its ``int``)."""
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+
+def leaf_paths(tree: Any, keys: Callable[[tuple], tuple] = plain_keys) -> tuple[dict, dict]:
+    """``(inputs, where)``: each leaf of ``tree`` by its key path (``keys`` of
+    its ``jax.tree_util`` path), and each leaf's path by its ``id``, which
+    finds a block's parameters among a loss's traced inputs by identity."""
+    flat = [(keys(path), x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return dict(flat), {id(x): path for path, x in flat}
+
+
 def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def keys_as_data(leaves: Sequence[Any]) -> tuple[list, list]:
-    """Typed PRNG keys among ``leaves`` as their raw ``uint32`` key data,
-    which a layer can take as an input (a typed key cannot cross the layer's
-    ``custom_vjp``): ``(data, impls)``, ``impls[i]`` the key's implementation
-    or None for a leaf that is not a typed key (kept as it is)."""
-    impls = [jax.random.key_impl(x) if is_key(x) else None for x in leaves]
-    return [jax.random.key_data(x) if i else x for x, i in zip(leaves, impls, strict=True)], impls
-
-
-def keys_from_data(data: Sequence[Any], impls: Sequence[Any]) -> list:
-    """:func:`keys_as_data` undone: the typed keys again (``data`` and
-    ``impls`` of one length)."""
-    return [
-        jax.random.wrap_key_data(x, impl=i) if i else x for x, i in zip(data, impls, strict=True)
-    ]
-
-
-def state_as_data(state: Any) -> tuple[list, Any, list]:
-    """``(data, treedef, impls)``: the leaves of a pytree ``state`` as
-    :func:`keys_as_data` gives them, and what :func:`state_from_data` needs."""
-    leaves, treedef = jax.tree.flatten(state)
-    data, impls = keys_as_data(leaves)
-    return data, treedef, impls
-
-
-def state_from_data(data: Sequence[Any], treedef: Any, impls: Sequence[Any]) -> Any:
-    """:func:`state_as_data` undone: the pytree, its typed keys again."""
-    return jax.tree.unflatten(treedef, keys_from_data(data, impls))
-
-
-def is_key(x: Any) -> bool:
-    """Whether ``x`` (an array or a ``ShapeDtypeStruct``) is a typed PRNG key."""
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def as_layer(fn: Callable, unit: Unit, args: tuple, kwargs: dict, state: Any = None) -> Any:

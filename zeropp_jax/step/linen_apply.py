@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from zeropp_jax.step.blocks import keys_as_data, keys_from_data
+from zeropp_jax.prng_keys import keys_as_data, keys_from_data
 
 
 def resume_streams(scope: Any) -> tuple[list, Callable]:

@@ -64,7 +64,7 @@ from zeropp_jax.nnx_model import UNITS_BY_WRAP_ONLY, loss_mark
 from zeropp_jax.tree_paths import REMAINDER, cut_paths
 from zeropp_jax.step import wrap_nnx
 from zeropp_jax.step.blocks import (
-    NeverCalled, as_layer, depth, inside_block, subtree, trace_calls,
+    NeverCalled, as_layer, depth, inside_block, leaf_paths, plain_keys, subtree, trace_calls,
 )
 from zeropp_jax.step.gather import Unit
 from zeropp_jax.step.linen_apply import block_apply
@@ -214,8 +214,7 @@ def discover(
 
     def intercepting(traced):
         where.clear()
-        where.update((id(x), _str_keys(path))
-                     for path, x in jax.tree_util.tree_flatten_with_path(traced)[0])
+        where.update(leaf_paths(traced)[1])
         return nn.intercept_methods(record)
 
     elsewhere: list[str] = []  # scope paths of called blocks whose parameters were not found
@@ -235,12 +234,6 @@ def discover(
     return found, stacked
 
 
-def _str_keys(path: tuple) -> tuple:
-    """A ``jax.tree_util`` key path as the tuple of its keys (a dict key as
-    it is, a sequence index as its ``int``)."""
-    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
-
-
 def _located(params: Any, scope_path: tuple, inner: Any, where: dict[int, tuple]) -> Any:
     """The key path in ``params`` of a called block's parameters ``inner``
     (``None``: it has none there).
@@ -257,7 +250,7 @@ def _located(params: Any, scope_path: tuple, inner: Any, where: dict[int, tuple]
     leaves = jax.tree_util.tree_flatten_with_path(inner)[0] if inner is not None else []
     path = scope_path
     if leaves and id(leaves[0][1]) in where:
-        full, rel = where[id(leaves[0][1])], _str_keys(leaves[0][0])
+        full, rel = where[id(leaves[0][1])], plain_keys(leaves[0][0])
         if full[len(full) - len(rel):] == rel:
             path = full[:len(full) - len(rel)]
     return path if leaves and subtree(params, path) is not None else None

@@ -49,9 +49,8 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from zeropp_jax.step.blocks import (
-    as_layer, depth, inside_block, state_as_data, state_from_data, trace_calls,
-)
+from zeropp_jax.prng_keys import state_as_data, state_from_data
+from zeropp_jax.step.blocks import as_layer, depth, inside_block, leaf_paths, trace_calls
 from zeropp_jax.step.gather import Unit
 from zeropp_jax.tree_paths import cut_paths, paste_paths
 
@@ -278,8 +277,7 @@ def discover(
     stacked: list[tuple] = []
 
     def intercepting(p):
-        inputs = {_keys(path): x for path, x in jax.tree_util.tree_flatten_with_path(p)[0]}
-        where = {id(x): path for path, x in inputs.items()}
+        inputs, where = leaf_paths(p, _keys)
 
         def record(call, module, args, kwargs):
             if depth():
