@@ -154,6 +154,10 @@ BAD_INPUTS = {
     "batch_not_divisible": (
         ("--mesh", "2x4", "--batch-size", "12"), None, [r"\b12\b", r"\b8\b", "batch"]
     ),
+    "batch_not_divisible_by_micro_batches": (
+        ("--mesh", "2x4", "--batch-size", "8", "--grad-accum", "2"), None,
+        [r"--batch-size 8", r"8 x 2 = 16"]
+    ),
     "unknown_preset": (("--preset", "zero4"), None, ["zero4", "preset"]),
     "zero_steps": (("--steps", "0"), None, ["--steps", r"\b0\b"]),
     "negative_layers": (("--layers", "-1"), None, ["--layers", "-1"]),
@@ -177,7 +181,7 @@ BAD_INPUTS = {
         ["--qgz-min-grad-rms", "finite number >= 0", "'inf'"],
     ),
     "negative_seed": (("--seed", "-1"), None, ["--seed", "integer from 0", "-1"]),
-    "seed_beyond_int64": (("--seed", str(2**64)), None, ["--seed", r"2\*\*63 - 1", str(2**64)]),
+    "seed_beyond_uint32": (("--seed", str(2**32)), None, ["--seed", r"2\*\*32 - 1", str(2**32)]),
     "lr_warmup_outlasts_the_run": (("--lr-warmup", "3"), None, ["--lr-warmup 3", "--steps 3"]),
     "data_shorter_than_a_window": (("--data", "{short}"), None, ["--seq-len 16", "17 tokens"]),
     "metrics_out_is_the_data": (("--data", "{short}", "--metrics-out", "{short}"), None,

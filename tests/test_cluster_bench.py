@@ -110,6 +110,11 @@ def test_flags_the_bench_sets_itself_are_refused(capsys):
             cluster_bench.parse_args(flags)
         assert "not a flag of the bench or of zeropp-train" in capsys.readouterr().err
     assert cluster_bench.parse_args(["--layers", "2"])[1] == ["--layers", "2"]
+    # a batch that does not split over 2x4 devices x micro-batches: refused
+    # before any namespace is built, not in the first run
+    with pytest.raises(SystemExit):
+        cluster_bench.parse_args(["--batch-size", "8", "--grad-accum", "2"])
+    assert "8 x 2 = 16" in capsys.readouterr().err
 
 
 def _profile(inter_bytes, per_layer=False, calls=1):

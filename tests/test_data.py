@@ -71,11 +71,11 @@ def test_default_corpus_errors(tmp_path):
 
 def test_load_tokens_text_file(tmp_path):
     path = tmp_path / "corpus.txt"
-    path.write_bytes(b"hello\xff\x00")
+    path.write_bytes(b"hello\xff\x01")
     tokens, vocab = data.load_tokens(str(path))
     assert vocab == data.VOCAB_SIZE_BYTES == 256
     assert tokens.dtype == np.int32
-    np.testing.assert_array_equal(tokens, [104, 101, 108, 108, 111, 255, 0])
+    np.testing.assert_array_equal(tokens, [104, 101, 108, 108, 111, 255, 1])
 
 
 def test_load_tokens_npy(tmp_path):
@@ -243,3 +243,68 @@ def test_batches_constructor_errors():
     batches = data.TokenBatches(_stream(), batch_size=2, seq_len=4, seed=0)
     with pytest.raises(ValueError, match="step"):
         batches.batch_at(-1)
+
+
+# --- what is not text, big seeds, compact storage, fingerprints ---------------
+
+
+@pytest.mark.parametrize("content,needle", [
+    (np.arange(300, dtype=np.uint16).tobytes(), "NUL byte at offset 0"),  # nanoGPT's train.bin
+    (b"PK\x03\x04" + b"x" * 40, "zip archive"),  # an .npz renamed
+    (__import__("gzip").compress(b"some text " * 20), "gzip-compressed"),
+    (b"text at first" + b"\0" * 4, "NUL byte at offset 13"),
+])
+def test_a_byte_file_that_is_not_text_is_refused_saying_how_to_save_ids(tmp_path, content, needle):
+    path = tmp_path / "train.bin"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=needle) as info:
+        data.load_tokens(str(path))
+    assert str(path) in str(info.value) and "np.save" in str(info.value)
+
+
+def test_unreadable_npy_files_are_named(tmp_path):
+    np.save(tmp_path / "objects.npy", np.array([1, "a"], dtype=object), allow_pickle=True)
+    np.save(tmp_path / "cut.npy", np.arange(100, dtype=np.int32))
+    (tmp_path / "cut.npy").write_bytes((tmp_path / "cut.npy").read_bytes()[:200])
+    for name in ("objects.npy", "cut.npy"):
+        with pytest.raises(ValueError, match=f"{name}.*cannot be read as a .npy array"):
+            data.load_tokens(str(tmp_path / name))
+
+
+def test_seeds_and_steps_from_2_to_the_32_are_refused_since_they_would_alias():
+    tokens = _stream()
+    with pytest.raises(ValueError, match=r"seed must be an integer from 0 to 4294967295"):
+        data.TokenBatches(tokens, batch_size=2, seq_len=4, seed=4 + 2**32)
+    batches = data.TokenBatches(tokens, batch_size=2, seq_len=4, seed=data.MAX_SEED)
+    with pytest.raises(ValueError, match="step"):
+        batches.batch_at(2**32)
+    # numpy would have drawn seed 4's step 7 for this seed's step 0:
+    assert np.array_equal(np.random.default_rng([4 + 7 * 2**32, 0]).integers(0, 99, 5),
+                          np.random.default_rng([4, 7]).integers(0, 99, 5))
+
+
+@pytest.mark.parametrize("top,dtype", [(255, np.uint8), (256, np.uint16), (65535, np.uint16),
+                                       (65536, np.int32)])
+def test_batches_hold_the_stream_compactly_and_give_int32(top, dtype):
+    tokens = np.arange(1000, dtype=np.int64) % 17
+    tokens[5] = top
+    batches = data.TokenBatches(tokens, batch_size=4, seq_len=8, seed=1)
+    assert batches.tokens.dtype == dtype and not batches.tokens.flags.writeable
+    np.testing.assert_array_equal(batches.tokens, tokens)
+    out = batches.batch_at(3)
+    assert out.dtype == np.int32
+    np.testing.assert_array_equal(
+        out, data.TokenBatches(tokens.astype(np.int32), batch_size=4, seq_len=8, seed=1).batch_at(3))
+    with pytest.raises(ValueError, match="outside int32"):
+        data.TokenBatches(np.array([0, 2**31] * 20), batch_size=1, seq_len=4, seed=0)
+
+
+def test_fingerprint_tells_streams_apart_whatever_their_dtype():
+    tokens = np.arange(3000, dtype=np.int64) % 250
+    fp = data.fingerprint(tokens)
+    assert fp == data.fingerprint(tokens.astype(np.uint8)) == data.fingerprint(tokens.astype(">i4"))
+    assert fp.tokens == 3000 and len(fp.blake2b) == 16 and str(fp).startswith("3,000 tokens")
+    grown = np.append(tokens, 1)
+    changed = tokens.copy()
+    changed[-1] += 1
+    assert len({fp, data.fingerprint(grown), data.fingerprint(changed)}) == 3

@@ -9,7 +9,8 @@ import pytest
 
 import zeropp_jax as zp
 from zeropp_jax.wire import quantization
-from zeropp_jax.layout import build_layout, flatten_unit, padding_mask, unflatten_unit
+from zeropp_jax.layout import build_layout, flatten_unit, unflatten_unit
+from zeropp_jax.step.geometry import padding_mask
 
 
 def _tree(seed=0):
@@ -137,3 +138,20 @@ def test_a_non_float_parameter_is_refused_naming_its_path_in_its_unit():
         with pytest.raises(ValueError, match=rf"parameter {path} \(of unit '{unit}'\) has "
                                              r"dtype int8; ZeRO shards only floating-point"):
             build_layout(tree, n_devices=2, align=8, per_layer=per_layer)
+
+
+def test_the_padding_mask_holds_past_2_to_the_31_elements():
+    """A unit of 2**31 elements or more (one unit of a 2.2B-parameter model,
+    per_layer=False) overflowed the mask's int32 flat index at the first
+    step; shards are compared by (quotient, remainder) now."""
+    from types import SimpleNamespace
+
+    shard = 16
+    unit = SimpleNamespace(ranges=((2**31 - 3, 2**31 + 20), (2**32 + 1, 2**32 + 2)))
+    for i in (2**27 - 1, 2**27, 2**27 + 1, 2**27 + 2, 2**28):
+        got = np.asarray(jax.jit(lambda k: padding_mask(unit, k, shard))(jnp.int32(i)))
+        index = np.arange(shard, dtype=np.int64) + i * shard
+        want = np.zeros(shard, bool)
+        for start, end in unit.ranges:
+            want |= (index >= start) & (index < end)
+        np.testing.assert_array_equal(got, want, err_msg=f"shard {i}")

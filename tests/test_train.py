@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -603,3 +605,37 @@ def test_the_optimizer_check_waits_for_a_move_and_says_when_none_comes(optimizer
     else:
         with pytest.raises(ValueError, match=match):
             check_leaf_uniform(optimizer, params)
+
+
+@pytest.mark.parametrize("optimizer, match", [
+    (optax.adamw(1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
+     r"moves the model's leaves alike.*flat units.*x.ndim >= 2"),
+    (optax.multi_transform({"mat": optax.sgd(1.0), "vec": optax.adam(1e-2)},
+                           lambda p: jax.tree.map(lambda x: "mat" if x.ndim >= 2 else "vec", p)),
+     r"moves the model's leaves alike"),
+    (optax.contrib.muon(1e-2), r"moves the model's leaves alike.*muon"),
+    (optax.adamw(1e-2, mask={"a": {"w": True}, "b": {"w": True}}),
+     r"(?s)fails on the trainer.s units.*pytree of the parameters"),
+    (optax.adamw(1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(lambda x: True, p)), None),
+], ids=["adamw-mask-by-rank", "labels-by-rank", "muon", "pytree-mask", "uniform-callable-mask"])
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_a_choice_by_rank_alike_for_every_leaf_is_refused_where_the_units_differ(
+        optimizer, match, per_layer):
+    """On a model of matrices only, a rule by rank gives every leaf the same
+    answer, but the trainer's flat units another (they are rank 1): such an
+    optimizer trained silently as another (weight decay off, muon's Adam
+    fallback); a mask given as a pytree of the parameters failed only at
+    init, inside optax. Both are refused at make_trainer now."""
+    params = {"a": {"w": jnp.ones((4, 4))}, "b": {"w": jnp.ones((4, 8))}}
+
+    def loss(p, batch):
+        p = {k: zp.gather(v) for k, v in p.items()} if per_layer else p
+        return jnp.sum((batch @ p["a"]["w"] @ p["b"]["w"]) ** 2)
+
+    build = functools.partial(zp.make_trainer, loss, optimizer, params,
+                              mesh=mesh_of(2, 4), per_layer=per_layer)
+    if match is None:
+        build().init(params)
+    else:
+        with pytest.raises(ValueError, match=match):
+            build()

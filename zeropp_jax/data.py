@@ -13,8 +13,10 @@ talking to each other.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sysconfig
+from typing import NamedTuple
 
 import numpy as np
 
@@ -25,6 +27,23 @@ NPZ_MAGIC = b"PK\x03\x04"  # a zip archive (np.savez)
 # The largest vocabulary inferred as ``max id + 1`` (2**20 ids; the largest
 # tokenizers have about 2**18): above it one stray id would size the embedding.
 MAX_INFERRED_VOCAB = 2**20
+# Leading bytes of compressed or archive files, which are never text.
+_NOT_TEXT_MAGIC = {
+    b"PK\x03\x04": "a zip archive", b"\x1f\x8b": "gzip-compressed",
+    b"BZh": "bzip2-compressed", b"\xfd7zXZ\x00": "xz-compressed",
+    b"\x28\xb5\x2f\xfd": "zstd-compressed",
+}
+# How many leading bytes of a byte-token file are searched for a NUL byte:
+# text holds none, while raw integer ids (nanoGPT's uint16 ``train.bin``) do
+# wherever an id is below 256.
+TEXT_PROBE_BYTES = 1 << 16
+# numpy splits a larger seed into 32-bit words, so a seed of 2**32 or more
+# would alias a smaller seed at another step (``default_rng([seed, step])``),
+# and ``jax.random.key`` keeps only its low 32 bits without x64.
+MAX_SEED = 2**32 - 1
+# Token ids are hashed this many at a time (as little-endian int32) by
+# :func:`fingerprint`.
+_HASH_CHUNK = 1 << 22
 
 # Directory names never descended into when collecting the default corpus:
 # installed third-party packages, the standard library's own test suites
@@ -102,8 +121,8 @@ def _check_vocab(tokens: np.ndarray, vocab: int, source: str) -> None:
     if top >= vocab:
         raise ValueError(
             f"{source}: token id {top} is out of range for vocab_size={vocab}; "
-            f"pass vocab_size >= {top + 1} (or omit it to use max id + 1)."
-        )
+            f"pass vocab_size >= {top + 1} (zeropp-train: --vocab-size), or omit it to use "
+            "max id + 1.")
 
 
 def load_tokens(path: str | None, *, vocab_size: int | None = None) -> tuple[np.ndarray, int]:
@@ -112,8 +131,15 @@ def load_tokens(path: str | None, *, vocab_size: int | None = None) -> tuple[np.
     * ``None``: the default corpus (:func:`default_corpus`) as byte tokens.
     * a ``.npy`` file (recognised by its header, whatever its name): an
       integer array of token ids (flattened).
-    * any other file: its raw bytes as tokens (a ``.npz`` archive, or a file
-      named ``.npy`` that is not one, is refused).
+    * any other file: its raw bytes as tokens, if it is text: a file named
+      ``.npy`` that is not one, a zip (``.npz``), gzip, bzip2, xz or zstd
+      file, or one with a NUL byte in its first :data:`TEXT_PROBE_BYTES`
+      (raw binary ids such as nanoGPT's ``train.bin``, which would train on
+      the bytes of the ids) is refused, saying how to save the ids as
+      ``.npy``.
+
+    A ``.npy`` file is memory-mapped while it is checked, so the int32
+    result is the only copy held.
 
     Args:
       path: file to read, or ``None`` for the default corpus.
@@ -127,8 +153,9 @@ def load_tokens(path: str | None, *, vocab_size: int | None = None) -> tuple[np.
 
     Raises:
       FileNotFoundError: if ``path`` does not exist.
-      ValueError: if the file is empty, not a regular file, holds non-integer
-        or negative ids, or ids ``>= vocab_size``.
+      ValueError: if the file is empty, not a regular file, not text (above),
+        holds non-integer or negative ids, or ids ``>= vocab_size``; each
+        message names the file.
 
     Example:
       >>> tokens, vocab = load_tokens(None)
@@ -162,7 +189,10 @@ def load_tokens(path: str | None, *, vocab_size: int | None = None) -> tuple[np.
                          "the .npy header); save the ids with np.save, or give text without the "
                          ".npy suffix to train on its bytes")
     if head == NPY_MAGIC:  # an .npy file whatever its name
-        arr = np.load(path, allow_pickle=False)
+        try:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:  # truncated, pickled objects, ...
+            raise ValueError(f"Token file {path!r} cannot be read as a .npy array: {e}") from None
         if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
             raise ValueError(
                 f"Token file {path!r} holds dtype {arr.dtype}; token ids must be an integer array "
@@ -182,8 +212,8 @@ def load_tokens(path: str | None, *, vocab_size: int | None = None) -> tuple[np.
             raise ValueError(
                 f"Token file {path!r} holds id {top}: a vocabulary of {top + 1:,} ids (from "
                 f"{len(np.unique(arr)):,} distinct ones) is above {MAX_INFERRED_VOCAB:,}; remap the "
-                "ids to 0..n-1 (np.unique(ids, return_inverse=True)), or (from Python) give "
-                "the vocabulary (load_tokens(..., vocab_size=N))")
+                "ids to 0..n-1 (np.unique(ids, return_inverse=True)), or give the vocabulary "
+                "(zeropp-train --vocab-size N; load_tokens(..., vocab_size=N))")
         vocab = top + 1 if vocab_size is None else int(vocab_size)
         tokens = arr.astype(np.int32)
     else:
@@ -191,10 +221,63 @@ def load_tokens(path: str | None, *, vocab_size: int | None = None) -> tuple[np.
             data = f.read()
         if not data:
             raise ValueError(f"Token file {path!r} is empty; it needs at least one byte.")
+        _check_text(data, path)
         tokens = np.frombuffer(data, dtype=np.uint8).astype(np.int32)
         vocab = VOCAB_SIZE_BYTES if vocab_size is None else int(vocab_size)
     _check_vocab(tokens, vocab, f"Token file {path!r}")
     return tokens, vocab
+
+
+def _check_text(data: bytes, path: str) -> None:
+    """Raises ``ValueError`` if ``data`` (a file's bytes, to be trained on
+    as byte tokens) is evidently not text."""
+    for magic, kind in _NOT_TEXT_MAGIC.items():
+        if data.startswith(magic):
+            raise ValueError(
+                f"Token file {path!r} is {kind}, not text: its bytes are no tokens; decompress "
+                "it, or save the token ids with np.save (a .npy file)")
+    at = data.find(b"\0", 0, TEXT_PROBE_BYTES)
+    if at >= 0:
+        raise ValueError(
+            f"Token file {path!r} is not text (a NUL byte at offset {at:,}): a file read as "
+            "byte tokens must be text; save raw token ids as .npy with their dtype and pass "
+            "that: np.save('train.npy', np.fromfile(path, np.uint16)) for nanoGPT's uint16 "
+            "train.bin, np.uint8 to train on a binary file's bytes themselves")
+
+
+class Fingerprint(NamedTuple):
+    """A token stream's length and a hash of its ids (:func:`fingerprint`)."""
+
+    tokens: int
+    blake2b: str  # 16 hex digits
+
+    def __str__(self) -> str:
+        return f"{self.tokens:,} tokens, blake2b {self.blake2b}"
+
+
+def fingerprint(tokens: np.ndarray) -> Fingerprint:
+    """The length and an 8-byte BLAKE2b hash of a token stream (its ids as
+    little-endian int32, whatever its dtype), which tells whether a resumed
+    or multi-host run reads the same data as the run it continues or its
+    peers."""
+    tokens = np.asarray(tokens).reshape(-1)
+    digest = hashlib.blake2b(digest_size=8)
+    for lo in range(0, len(tokens), _HASH_CHUNK):
+        digest.update(np.ascontiguousarray(tokens[lo:lo + _HASH_CHUNK], dtype="<i4").tobytes())
+    return Fingerprint(len(tokens), digest.hexdigest())
+
+
+def _compact(arr: np.ndarray) -> np.ndarray:
+    """Integer ids ``arr`` as a new array of the smallest of uint8, uint16 and
+    int32 that holds them (``ValueError`` for ids outside int32)."""
+    lo, hi = int(arr.min()), int(arr.max())
+    info = np.iinfo(np.int32)
+    if lo < info.min or hi > info.max:
+        raise ValueError(f"tokens hold id {lo if lo < info.min else hi}, outside int32.")
+    for dtype in (np.uint8, np.uint16):
+        if lo >= 0 and hi <= np.iinfo(dtype).max:
+            return arr.astype(dtype)
+    return arr.astype(np.int32)
 
 
 def _check_positive_int(name: str, value) -> int:
@@ -221,12 +304,13 @@ class TokenBatches:
         """Validates and stores the stream.
 
         Args:
-          tokens: integer array-like of shape ``(n,)``; copied to a read-only
-            int32 array.
+          tokens: integer array-like of shape ``(n,)`` (ids within int32);
+            copied, read-only, to the smallest of uint8, uint16 and int32
+            that holds its ids (batches are int32).
           batch_size: rows per global batch, positive.
           seq_len: model sequence length, positive; windows hold
             ``seq_len + 1`` tokens (inputs plus shifted targets).
-          seed: non-negative integer seed.
+          seed: integer seed in ``[0, MAX_SEED]`` (``2**32 - 1``).
 
         Raises:
           ValueError: on non-positive sizes, a negative seed, a non-integer or
@@ -234,8 +318,12 @@ class TokenBatches:
         """
         self._batch_size = _check_positive_int("batch_size", batch_size)
         self._seq_len = _check_positive_int("seq_len", seq_len)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}.")
+        if (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+                or not 0 <= seed <= MAX_SEED):
+            raise ValueError(
+                f"seed must be an integer from 0 to {MAX_SEED} (2**32 - 1), got {seed!r}: "
+                "numpy splits a larger seed into 32-bit words, so it would draw another "
+                "seed's batches.")
         self._seed = int(seed)
         arr = np.asarray(tokens)
         if arr.ndim != 1:
@@ -247,13 +335,14 @@ class TokenBatches:
                 f"Need at least seq_len + 1 = {self._seq_len + 1} tokens for one window, but the "
                 f"stream has only {len(arr)}; use a shorter seq_len or more data."
             )
-        arr = arr.astype(np.int32)  # Always a copy: later edits to `tokens` cannot leak in.
+        arr = _compact(arr)  # Always a copy: later edits to `tokens` cannot leak in.
         arr.setflags(write=False)
         self._tokens = arr
 
     @property
     def tokens(self) -> np.ndarray:
-        """Read-only int32 token stream, shape ``(n,)``."""
+        """Read-only token stream, shape ``(n,)``, in the smallest of uint8,
+        uint16 and int32 that holds its ids."""
         return self._tokens
 
     @property
@@ -269,8 +358,9 @@ class TokenBatches:
         return self._seed
 
     def _starts(self, step: int) -> np.ndarray:
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"step must be a non-negative integer, got {step!r}.")
+        if (isinstance(step, bool) or not isinstance(step, (int, np.integer))
+                or not 0 <= step <= MAX_SEED):
+            raise ValueError(f"step must be an integer from 0 to {MAX_SEED}, got {step!r}.")
         rng = np.random.default_rng([self._seed, int(step)])
         # Exclusive upper bound: the last window ends exactly at len(tokens).
         high = len(self._tokens) - self._seq_len
@@ -278,7 +368,7 @@ class TokenBatches:
 
     def _windows(self, starts: np.ndarray) -> np.ndarray:
         offsets = np.arange(self._seq_len + 1)
-        return self._tokens[starts[:, None] + offsets[None, :]]
+        return self._tokens[starts[:, None] + offsets[None, :]].astype(np.int32)
 
     def batch_at(self, step: int) -> np.ndarray:
         """Returns global batch number ``step``.

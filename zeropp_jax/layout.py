@@ -413,18 +413,3 @@ def params_shapes(layout: ParamLayout) -> Any:
         return join_units(trees, layout)
 
     return jax.eval_shape(unflatten_all)
-
-
-def padding_mask(unit: UnitLayout, shard_index: jax.Array, shard_size: int) -> jax.Array:
-    """Boolean ``(shard_size,)``: which elements of a shard hold real values.
-
-    Args:
-      unit: the unit.
-      shard_index: index of the shard along the flat vector (traced scalar).
-      shard_size: elements per shard.
-    """
-    index = jnp.arange(shard_size) + shard_index * shard_size
-    mask = jnp.zeros((shard_size,), bool)
-    for start, end in unit.ranges:  # one range unless leaves are aligned
-        mask = mask | ((index >= start) & (index < end))
-    return mask

@@ -255,14 +255,12 @@ def _profile(flags: Sequence[str]):
     import jax.numpy as jnp
 
     import zeropp_jax as zp
-    from zeropp_jax import data
     from zeropp_jax.analysis import cost_model as cm
-    from zeropp_jax.cli import common, train
+    from zeropp_jax.cli import common, data_flags, train
 
     args = train.build_parser().parse_args(list(flags))
     config = common.build_config(args)
-    _, vocab = data.load_tokens(args.data)
-    model = common.build_model(args, vocab)
+    model = common.build_model(args, data_flags.data_vocab(args))
     mesh = zp.make_mesh(2, 4, devices=jax.devices()[:8])
     # The median step of a qgZ run is a compressed one (the bench starts
     # compressing at step 1; a refresh step every N is an outlier of the median).

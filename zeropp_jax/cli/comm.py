@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 
-from zeropp_jax.cli import common, flags
+from zeropp_jax.cli import common, data_flags, flags
 from zeropp_jax.files import output_problem
 
 PROG = "zeropp-comm"  # the name in --help and in error lines
@@ -91,7 +91,7 @@ def report(args: argparse.Namespace) -> tuple[dict, str]:
     from zeropp_jax.models import gpt
 
     mesh = common.build_mesh(args)
-    model_cfg = common.build_model(args, common.data_vocab(args))
+    model_cfg = common.build_model(args, data_flags.data_vocab(args))
     shapes = jax.eval_shape(lambda k: gpt.init_params(model_cfg, k), jax.random.key(args.seed))
     trainer = common.build_trainer(args, mesh, model_cfg, shapes)
     batch = jax.ShapeDtypeStruct((args.batch_size, args.seq_len + 1), jax.numpy.int32)

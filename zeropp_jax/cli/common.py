@@ -61,6 +61,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--layers", type=positive_int, default=4, help="(default: %(default)s)")
     g.add_argument("--d-model", type=positive_int, default=128, help="(default: %(default)s)")
     g.add_argument("--heads", type=positive_int, default=4, help="(default: %(default)s)")
+    g.add_argument("--vocab-size", type=positive_int, default=None,
+                   help="embedding rows (default: the largest id of --data + 1; 256 for "
+                   "text and the bundled data); give the tokenizer's to resume or fine-tune "
+                   "on another shard")
     g.add_argument("--lr", type=positive_float, default=3e-3,
                    help="peak learning rate (default: %(default)s)")
     g.add_argument(
@@ -142,13 +146,22 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     The ZeRO flags are checked by building their :class:`ZeroConfig`, whose
     ``ValueError`` becomes the usage error.
     """
+    try:
+        config = build_config(args)  # ZeroConfig's own checks (preset, dtypes, qgZ combinations)
+    except ValueError as e:
+        parser.error(_named_by_flag(str(e)))
     if args.mesh is not None:
         from zeropp_jax.mesh import parse_mesh_shape
+        from zeropp_jax.step.batch import global_batch_size_check
 
         try:
-            parse_mesh_shape(args.mesh)
+            nodes, local = parse_mesh_shape(args.mesh)
         except ValueError as e:
             parser.error(str(e))
+        try:
+            global_batch_size_check(args.batch_size, nodes * local, config.grad_accum)
+        except ValueError as e:
+            parser.error(f"--mesh {args.mesh}, --batch-size {args.batch_size}: {e}")
     if args.d_model % args.heads:
         parser.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
     if args.data is not None:
@@ -156,10 +169,6 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             parser.error(f"--data {args.data}: no such file")
         if os.path.isfile(args.data) and os.path.getsize(args.data) == 0:
             parser.error(f"--data {args.data}: the file is empty")
-    try:
-        build_config(args)  # ZeroConfig's own checks (preset, dtypes, qgZ combinations)
-    except ValueError as e:
-        parser.error(_named_by_flag(str(e)))
 
 
 def _named_by_flag(message: str) -> str:
@@ -290,19 +299,6 @@ def build_config(args: argparse.Namespace) -> ZeroConfig:
     preset = overrides.pop("preset")
     # --seed seeds the data, the model and the dithered code's noise alike.
     return ZeroConfig.from_preset(preset, qgz_seed=args.seed, **overrides)
-
-
-def data_vocab(args: argparse.Namespace) -> int:
-    """The vocabulary of ``--data`` (its largest id + 1), or the byte
-    vocabulary of the bundled data; raises ``ValueError`` naming the flag."""
-    from zeropp_jax import data
-
-    if args.data is None:
-        return data.VOCAB_SIZE_BYTES
-    try:
-        return data.load_tokens(args.data)[1]
-    except ValueError as e:
-        raise ValueError(f"--data {args.data}: {e}") from None
 
 
 def build_model(args: argparse.Namespace, vocab_size: int):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
+from zeropp_jax.data import MAX_SEED
+
 _INF = float("inf")
 
 
@@ -45,12 +47,12 @@ non_negative_int = number_type(
     int, lambda v: v >= 0, "non_negative_int",
     unparsed="expected an integer >= 0, got {text!r}",
     rejected="expected an integer >= 0, got {value}")
-# A PRNG seed: jax.random.key takes a signed 64-bit integer.
-MAX_SEED = 2**63 - 1
+# A seed of the data order and the model (zeropp_jax.data.MAX_SEED: larger
+# ones would alias smaller ones).
 seed_int = number_type(
     int, lambda v: 0 <= v <= MAX_SEED, "seed_int",
     unparsed=f"expected an integer from 0 to {MAX_SEED}, got {{text!r}}",
-    rejected=f"expected an integer from 0 to {MAX_SEED} (2**63 - 1), got {{value}}")
+    rejected=f"expected an integer from 0 to {MAX_SEED} (2**32 - 1), got {{value}}")
 # Finite numbers: ``inf`` and ``nan`` are refused.
 non_negative_float = number_type(
     float, lambda v: 0 <= v < _INF, "non_negative_float",

@@ -22,6 +22,7 @@ import math
 import os
 from typing import Sequence
 
+from zeropp_jax.cli.data_flags import data_change
 from zeropp_jax.files import is_stream, write_file
 
 # GPTConfig field -> the flag that sets it.
@@ -30,7 +31,7 @@ _MODEL_FLAGS = {
     "d_model": "--d-model",
     "n_heads": "--heads",
     "seq_len": "--seq-len",
-    "vocab_size": "the vocabulary of --data",
+    "vocab_size": "--vocab-size",
 }
 # Recorded flags whose change alters the run but which the state can follow.
 _RUN_FLAGS = ("lr", "lr_warmup", "steps", "seed", "batch_size", "data", "preset")
@@ -40,12 +41,14 @@ DIVERGENCE_FACTOR = 2.0
 EARLY_FRACTION = 0.1
 
 
-def run_record(args: argparse.Namespace, model: dict) -> dict:
-    """What a checkpoint records of the command (its metadata's ``"extra"``)."""
+def run_record(args: argparse.Namespace, model: dict, data_fingerprint=None) -> dict:
+    """What a checkpoint records of the command (its metadata's ``"extra"``),
+    with the :class:`~zeropp_jax.data.Fingerprint` of the data it reads."""
     return {
         "model": model,
         **{name: getattr(args, name) for name in _RUN_FLAGS},
         "lr_schedule": args.lr_schedule,
+        **({"data_fingerprint": list(data_fingerprint)} if data_fingerprint else {}),
     }
 
 
@@ -54,7 +57,8 @@ def _flag(name: str) -> str:
 
 
 def resume_changes(
-    record: dict, args: argparse.Namespace, model: dict, config: dict, saved_config: dict
+    record: dict, args: argparse.Namespace, model: dict, config: dict, saved_config: dict,
+    data_fingerprint=None,
 ) -> tuple[list[str], list[str]]:
     """How the command differs from the run that wrote a checkpoint.
 
@@ -65,6 +69,8 @@ def resume_changes(
       model: the command's model config (``dataclasses.asdict``).
       config: the command's ``ZeroConfig.describe()``.
       saved_config: the checkpoint's ``config``.
+      data_fingerprint: the command's data's
+        :class:`~zeropp_jax.data.Fingerprint` (``None``: paths compared).
 
     Returns:
       ``(errors, warnings)``: one line each. Errors: the model (its
@@ -74,7 +80,9 @@ def resume_changes(
       (``qgz_target``), whose state the restore converts or refuses
       (:mod:`zeropp_jax.checkpoint.convert`), and every other
       recorded flag that differs (``--steps`` only under the cosine
-      schedule, whose shape it sets), naming old and new values.
+      schedule, whose shape it sets; ``--data`` by its tokens,
+      :func:`~zeropp_jax.cli.data_flags.data_change`), naming old and new
+      values.
     """
     errors, warnings = [], []
     old_model = record.get("model") or {}
@@ -82,7 +90,8 @@ def resume_changes(
         if field in old_model and field in model and old_model[field] != model[field]:
             errors.append(
                 f"the checkpoint's model has {field}={old_model[field]}, the command's "
-                f"{model[field]} ({flag}); resume with the model it was trained with"
+                f"{model[field]} ({flag}); pass {flag} {old_model[field]} to resume the "
+                "model it was trained with"
             )
     old_schedule = record.get("lr_schedule")
     if old_schedule is not None and old_schedule != args.lr_schedule:
@@ -100,8 +109,11 @@ def resume_changes(
             f"{saved_config.get('preset')}) -> {config.get('qgz_target')} (preset "
             f"{config.get('preset')})"
         )
+    data = data_change(record, args, data_fingerprint)
+    if data:
+        warnings.append(data)
     for name in _RUN_FLAGS:
-        if name == "steps" and args.lr_schedule != "cosine":
+        if name == "data" or (name == "steps" and args.lr_schedule != "cosine"):
             continue
         if name in record and record[name] != getattr(args, name):
             warnings.append(f"{_flag(name)} {record[name]} -> {getattr(args, name)}")

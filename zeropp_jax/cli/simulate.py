@@ -19,7 +19,7 @@ import json
 import re
 import sys
 
-from zeropp_jax.cli import common, flags
+from zeropp_jax.cli import common, data_flags, flags
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -191,7 +191,7 @@ def simulate(args: argparse.Namespace) -> dict:
     target_config = common.build_config(args)
     mesh = common.build_mesh(args)
     global_batch_size_check(args.batch_size, mesh.size, args.grad_accum)
-    model = common.build_model(args, common.data_vocab(args))  # --data's vocabulary
+    model = common.build_model(args, data_flags.data_vocab(args))  # --data's vocabulary
     step = {"mesh": mesh, "model": model, "batch_size": args.batch_size}
 
     def profile(config, label: str, steps: int | None = None):

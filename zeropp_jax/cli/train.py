@@ -20,7 +20,7 @@ import sys
 import time
 
 from zeropp_jax import provenance
-from zeropp_jax.cli import common, guards
+from zeropp_jax.cli import common, data_flags, guards
 from zeropp_jax.files import output_problem
 
 DEFAULT_PRESET = "zeropp"
@@ -100,20 +100,11 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     from tqdm import tqdm
 
-    from zeropp_jax import data, distributed
+    from zeropp_jax import distributed
     from zeropp_jax.models import gpt
 
     try:
-        try:
-            tokens, vocab = data.load_tokens(args.data)
-        except ValueError as e:
-            raise ValueError(f"--data {args.data}: {e}") from None
-        try:
-            batches = data.TokenBatches(
-                tokens, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed)
-        except ValueError as e:  # too few tokens for one window
-            raise ValueError(f"--data {args.data or '(default)'} with --seq-len "
-                             f"{args.seq_len}: {e}") from None
+        batches, vocab, data_print = data_flags.load_batches(args)
         mesh = common.build_mesh(args)
         model_cfg = common.build_model(args, vocab)
         params_shapes = jax.eval_shape(
@@ -129,11 +120,11 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"zeropp-train: preset={args.preset} mesh={trainer.nodes}x{trainer.local} "
             f"({jax.devices()[0].platform}) params={info['params']:,} "
-            f"dtype={info['compute_dtype']} tokens={len(tokens):,} vocab={vocab}",
+            f"dtype={info['compute_dtype']} tokens={data_print.tokens:,} vocab={vocab}",
             flush=True,
         )
     common.warn(PROG, guards.start_warnings(trainer, args.steps))
-    record_of_run = guards.run_record(args, dataclasses.asdict(model_cfg))
+    record_of_run = guards.run_record(args, dataclasses.asdict(model_cfg), data_print)
     ckpt, state, restored_meta = _open_checkpoints(args, trainer, is_main, record_of_run)
     if state is None:
         params = gpt.init_params(model_cfg, jax.random.key(args.seed))
@@ -388,6 +379,7 @@ def _refuse_changes(ckpt, meta: dict, args, trainer, record_of_run: dict) -> lis
     errors, changed = guards.resume_changes(
         meta.get("extra", {}), args, record_of_run["model"],
         trainer.config.describe(), meta["config"],
+        record_of_run.get("data_fingerprint"),
     )
     if errors:
         raise CheckpointMismatchError(

@@ -290,7 +290,7 @@ def step_metrics(geo: StepGeometry, outputs: LossOutputs, sq_norm: jax.Array,
     out = {
         "loss": mean(outputs.losses),
         "grad_norm": jnp.sqrt(sq_norm),
-        "grad_rms": jnp.sqrt(sq_norm / geo.layout.numel),
+        "grad_rms": jnp.sqrt(sq_norm / float(geo.layout.numel)),  # numel may pass int32
         "compressed": jnp.asarray(int(compress and geo.qgz_active), jnp.int32),
     }
     if jax.tree.leaves(outputs.aux):

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.config import ZeroConfig
-from zeropp_jax.layout import ParamLayout, UnitLayout, padding_mask
+from zeropp_jax.layout import ParamLayout, UnitLayout
 from zeropp_jax.mesh import LOCAL, NODE, SHARD_AXES, mesh_shape
 from zeropp_jax.step.plan import GatherPlan
 from zeropp_jax.wire import collectives, quantization
@@ -278,6 +278,27 @@ class StepGeometry:
     def shard_mask(self, unit: UnitLayout, width: int) -> jax.Array:
         """bool ``(width,)``: real entries of this device's ``U / D`` shard."""
         return padding_mask(unit, collectives.axes_index(SHARD_AXES), width)
+
+
+def padding_mask(unit: UnitLayout, shard_index: jax.Array, shard_size: int) -> jax.Array:
+    """Boolean ``(shard_size,)``: which elements of a shard hold real values.
+
+    Args:
+      unit: the unit.
+      shard_index: index of the shard along the flat vector (traced scalar).
+      shard_size: elements per shard.
+    """
+    # Element j of shard i is at i * shard_size + j, compared with each range
+    # through (quotient, remainder) by shard_size: no flat offset is formed,
+    # so units of 2**31 elements or more stay within int32.
+    j = jnp.arange(shard_size)
+    mask = jnp.zeros((shard_size,), bool)
+    for start, end in unit.ranges:  # one range unless leaves are aligned
+        (q0, r0), (q1, r1) = divmod(start, shard_size), divmod(end, shard_size)
+        after_start = (shard_index > q0) | ((shard_index == q0) & (j >= r0))
+        before_end = (shard_index < q1) | ((shard_index == q1) & (j < r1))
+        mask = mask | (after_start & before_end)
+    return mask
 
 
 def node_level_once(geo: StepGeometry, unit: UnitLayout) -> bool:

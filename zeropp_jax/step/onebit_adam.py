@@ -79,13 +79,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zeropp_jax.layout import padding_mask
 from zeropp_jax.mesh import LOCAL, NODE
 from zeropp_jax.step.accumulate import accumulate, over_devices, square_sum_or_nan, step_metrics
 from zeropp_jax.step.adam import (
     OneBitAdam, adam_step, next_momentum, next_second_moment, preconditioner,
 )
-from zeropp_jax.step.geometry import StepGeometry
+from zeropp_jax.step.geometry import StepGeometry, padding_mask
 from zeropp_jax.step.state import TrainState, ZeroOptState, initial_qgz_state
 from zeropp_jax.wire import collectives
 from zeropp_jax.wire.qgz import (

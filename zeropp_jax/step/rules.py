@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from zeropp_jax.config import ZeroConfig
+from zeropp_jax.layout import ParamLayout
 from zeropp_jax.step.geometry import StepGeometry
 from zeropp_jax.step.gradient_rule import GradientRule
 from zeropp_jax.step.adam import OneBitAdam
@@ -32,6 +33,9 @@ from zeropp_jax.step.state import TrainState, ZeroOptState
 # warning that it was not checked.
 _PROBE_EAGER_STEPS = 8
 _PROBE_STEPS = 1024
+# How near the units' stand-in moves must be to the leaves' (the same
+# elements and global norm, summed in another order).
+_SAME_MOVE_RTOL = 1e-5
 
 
 class UpdateRule(Protocol):
@@ -73,7 +77,9 @@ def rule_for(optimizer: Any, config: ZeroConfig) -> UpdateRule:
     return OneBitAdamRule(optimizer) if is_onebit else GradientRule(optimizer)
 
 
-def check_leaf_uniform(optimizer: optax.GradientTransformation, params: Any) -> None:
+def check_leaf_uniform(
+    optimizer: optax.GradientTransformation, params: Any, layout: ParamLayout | None = None,
+) -> None:
     """Refuses an optax optimizer that treats the model's leaves differently.
 
     The trainer runs the optimizer on flat float32 units, not on the model's
@@ -86,22 +92,31 @@ def check_leaf_uniform(optimizer: optax.GradientTransformation, params: Any) -> 
     first; one that moves nothing in ``_PROBE_STEPS`` is passed with a
     warning that nothing was checked); an optimizer that treats every
     element alike moves every leaf by exactly the same amount there. A rule
-    by rank (``optax.contrib.muon`` for matrices) differs there too. Choices the stand-in cannot show pass
-    unseen: masks by a leaf's size or shape, and per-leaf norms
-    (``optax.lamb``), which act per unit in the trainer.
+    by rank (``optax.contrib.muon`` for matrices) differs there too. With
+    ``layout``, the optimizer also runs on a stand-in of what the trainer
+    gives it (a dict of the units, each ``(k,)``, ``(1, k)`` when stacked, for
+    a unit of ``k`` leaves: the same elements, so the same global norm), and
+    must move every element as it moves the model's leaves: a choice by rank that
+    is the same for every leaf (``x.ndim >= 2`` on a model of matrices)
+    would hold for none of the flat units, and a mask or labels given as a
+    pytree of the parameters do not fit the units' dict. Choices the
+    stand-in cannot show pass unseen: masks by a leaf's size or shape, and
+    per-leaf norms (``optax.lamb``), which act per unit in the trainer.
 
     Args:
       optimizer: an optax ``GradientTransformation``.
       params: the full parameters (arrays or ``jax.ShapeDtypeStruct``).
+      layout: the trainer's units (``None``: the model's leaves only).
 
     Raises:
-      ValueError: naming two leaves the optimizer moves differently, or
-        why the stand-in step failed (e.g. an optimizer whose ``update`` needs more than
-        gradients, state and parameters).
+      ValueError: naming two leaves (or a leaf and the units) the optimizer
+        moves differently, or why the stand-in step failed (e.g. an
+        optimizer whose ``update`` needs more than gradients, state and
+        parameters).
     """
     ones = jax.tree.map(lambda x: jnp.ones((1,) * len(jnp.shape(x)), jnp.float32), params)
     paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(ones)[0]]
-    if len(paths) < 2:
+    if len(paths) < 2 and layout is None:
         return
     try:
         moves = _stand_in_moves(optimizer, ones)
@@ -135,19 +150,50 @@ def check_leaf_uniform(optimizer: optax.GradientTransformation, params: Any) -> 
             "mask), or train without the trainer. An optimizer that draws noise per leaf "
             "(optax.add_noise) differs there too: pass check_optimizer=False for it"
         )
+    if layout is not None:
+        _check_on_units(optimizer, layout, jax.tree_util.keystr(paths[0]), float(moves[0]))
+
+
+def _check_on_units(optimizer: optax.GradientTransformation, layout: ParamLayout,
+                    leaf: str, move: float) -> None:
+    """Refuses an optimizer that moves the trainer's units (a stand-in: a
+    dict by unit name, each ``(k,)`` or ``(1, k)`` when stacked, ``k`` the
+    unit's leaves) otherwise than the model's leaf ``leaf``, which it moved
+    by ``move``."""
+    units = {u.name: jnp.ones((len(u.leaves),) if u.stack is None else (1, len(u.leaves)),
+                              jnp.float32) for u in layout.units}
+    try:
+        moves = _stand_in_moves(optimizer, units)
+    except Exception as e:  # re-raised with what was being checked
+        raise ValueError(
+            "the optimizer fails on the trainer's units: the trainer runs it on a dict of "
+            f"flat float32 units ({sorted(units)}), not on the model's tree, and a stand-in "
+            f"step there raised {type(e).__name__}: {e}. A mask or labels given as a pytree "
+            "of the parameters cannot apply to the units: give one setting for every leaf "
+            "(e.g. optax.adamw without mask), or train without the trainer") from e
+    if moves is None or not np.allclose(moves, move, rtol=_SAME_MOVE_RTOL, atol=0):
+        got = "nothing" if moves is None else f"by {sorted(set(moves.tolist()))[:4]}"
+        raise ValueError(
+            f"the optimizer moves the model's leaves alike ({leaf} by {move:.6g} on a "
+            f"stand-in step) but the trainer's flat units ({sorted(units)}, rank 1, or 2 "
+            f"when stacked) {got}: a choice by a leaf's rank that holds for every leaf of "
+            "this model (a mask like x.ndim >= 2, optax.contrib.muon on a model of "
+            "matrices) would silently not hold on the units; use one setting for every "
+            "leaf (e.g. optax.adamw without mask), or train without the trainer")
 
 
 def _stand_in_moves(optimizer: optax.GradientTransformation, ones: Any) -> np.ndarray | None:
     """How far the first stand-in step that moves anything moves each leaf.
 
-    ``ones``: the stand-in parameters (each leaf float32 ones of shape
-    ``(1,) * rank``), also the gradients. Returns one float per leaf (its
-    update's element), or ``None`` if no step of ``_PROBE_STEPS`` moved any.
+    ``ones``: the stand-in parameters (float32 ones: one element per leaf of
+    the model's tree, or per leaf of a unit), also the gradients. Returns
+    the update's elements, leaf after leaf, or ``None`` if no step of
+    ``_PROBE_STEPS`` moved any.
     """
-    def probe(state):  # every leaf's move in one array: one transfer a step
+    def probe(state):  # every element's move in one array: one transfer a step
         updates, state = optimizer.update(ones, state, ones)
         leaves = jax.tree.leaves(updates)
-        return jnp.stack([u.reshape(-1)[0].astype(jnp.float32) for u in leaves]), state
+        return jnp.concatenate([u.reshape(-1).astype(jnp.float32) for u in leaves]), state
 
     state = optimizer.init(ones)
     for _ in range(_PROBE_EAGER_STEPS):  # most optimizers move at once: nothing compiled

@@ -392,8 +392,6 @@ def make_trainer(
     config = config or ZeroConfig()
     check_loss_arguments(loss_fn, takes_key=rng is not None)
     rule = rule_for(optimizer, config)
-    if check_optimizer and not isinstance(optimizer, OneBitAdam):
-        check_leaf_uniform(optimizer, params)
     nodes, local = mesh_shape(mesh)
     unit_paths = ()
     if not wrap:  # with wrap=, prepare refuses per_layer=
@@ -412,6 +410,8 @@ def make_trainer(
         leaf_align=config.leaf_alignment(),
         units=unit_paths,
     )
+    if check_optimizer and not isinstance(optimizer, OneBitAdam):
+        check_leaf_uniform(optimizer, params, layout)
     geometry = StepGeometry(mesh, config, layout)
     check_kernel_blocks(geometry)
     if rng is not None and not isinstance(rng, jax.Array):
