@@ -285,7 +285,7 @@ def test_multihost_flags_under_the_launcher_are_a_usage_error(tmp_path, capsys, 
         train.main(argv)
     assert exit_info.value.code == 2
     out = capsys.readouterr()
-    _assert_rejected(argv, ["process 1 of 2", f"passes {' '.join(flags)}, which",
+    _assert_rejected(argv, ["process 1 of 2", f"passes {' '.join(flags)}, one value",
                             "leave those flags out"], out.out, out.err, metrics)
 
 

@@ -262,6 +262,16 @@ def test_a_byte_file_that_is_not_text_is_refused_saying_how_to_save_ids(tmp_path
     assert str(path) in str(info.value) and "np.save" in str(info.value)
 
 
+def test_text_that_begins_like_a_bzip2_file_is_text(tmp_path):
+    import bz2
+
+    (tmp_path / "tag.txt").write_bytes(b"BZh is a tag, and this is text.\n")
+    assert data.load_tokens(str(tmp_path / "tag.txt"))[0].size == 32
+    (tmp_path / "c.bz2").write_bytes(bz2.compress(b"some text " * 20))
+    with pytest.raises(ValueError, match="bzip2-compressed"):
+        data.load_tokens(str(tmp_path / "c.bz2"))
+
+
 def test_unreadable_npy_files_are_named(tmp_path):
     np.save(tmp_path / "objects.npy", np.array([1, "a"], dtype=object), allow_pickle=True)
     np.save(tmp_path / "cut.npy", np.arange(100, dtype=np.int32))

@@ -61,12 +61,27 @@ def test_another_vocabulary_on_resume_names_the_flag_and_value_to_pass():
                       "trained with"]
 
 
-def test_processes_that_read_other_tokens_are_named():
-    same = data.fingerprint(np.arange(100) % 5)
-    other = data.fingerprint(np.arange(101) % 5)
-    rows = np.stack([data_flags._words(f) for f in (same, same, other)])
-    assert data_flags.differing(rows[:2], "--data x") is None
-    message = data_flags.differing(rows, "--data x")
-    assert "process 2: 101 tokens" in message and f"process 0: 100 tokens, blake2b {same.blake2b}" in message
-    big = data.Fingerprint(2**33 + 5, "ffffffff00000001")
-    assert data_flags._from_words(data_flags._words(big)) == big
+def test_processes_that_differ_are_named_key_by_key():
+    """distributed.differing's comparison of the gathered hashes (two uint32
+    per key, one row per process), as the flags and the data's fingerprint
+    use it."""
+    from zeropp_jax import distributed
+
+    rows = np.array([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 5], [9, 2, 3, 4]], np.uint32)
+    assert distributed.differing_rows(rows, ["data", "lr"]) == {"data": [3], "lr": [2]}
+    assert distributed.differing_rows(rows[:2], ["data", "lr"]) == {}
+    assert distributed.differing({"lr": "0.1"}) == {}  # one process: no collective
+
+
+def test_a_coordinator_port_in_use_is_refused_before_jax_crashes_on_it():
+    import socket
+
+    from zeropp_jax import distributed
+
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ValueError, match=f"port {port} .*in use.*--coordinator"):
+            distributed.initialize(f"127.0.0.1:{port}", 2, 0)
+    distributed._check_port_free(f"127.0.0.1:{port}")  # free again

@@ -31,6 +31,18 @@ i = os.environ['ZEROPP_PROCESS_ID']
 """
 
 
+def test_a_mesh_of_another_number_of_nodes_than_processes_is_refused_before_starting(capsys):
+    """A node is one process: --mesh 2x4 under -n 3 started three processes
+    of one device each, which failed with C++ aborts; -n 1 takes all 8."""
+    from zeropp_jax.cli import launch
+
+    assert launch.main(["-n", "3", "--", "zeropp-train", "--mesh", "2x4"]) == 2
+    assert "--mesh 2x4 has 2 nodes but -n 3" in capsys.readouterr().err
+    assert launch.devices_for_mesh(["x", "--mesh=2x4"], 1) == 8
+    assert launch.devices_for_mesh(["x", "--mesh", "2x4"], 2) == 4
+    assert launch.devices_for_mesh(["x", "--mesh", "two"], 2) is None
+
+
 def _launch(code: str, n: int = 2, **options) -> tuple[int, str, float]:
     """Runs ``python -c code`` as ``n`` processes in this process's launcher;
     returns (exit status, the launcher's stderr, seconds)."""

@@ -603,3 +603,23 @@ def test_sigterm_checkpoints_and_stops_every_process(tmp_path):
     assert os.listdir(ckpt) == [str(stop)]
     assert (f"[0] zeropp-train: stopped at step {stop} of 100000 on a preemption notice "
             f"(SIGTERM); checkpoint {ckpt}/{stop} holds it") in stderr
+
+
+def test_processes_started_with_different_flags_are_refused_naming_the_flag(tmp_path):
+    """Hand-started processes (the README's "the same command on every host")
+    with another --lr trained half the shards at each rate and exited 0;
+    now every process compares its flags right after joining."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen(
+        [sys.executable, *TRAIN, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+         "--process-id", str(i), "--mesh", "2x1", *TINY_ARGS, "--steps", "2", "--no-progress",
+         "--lr", lr], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(1))
+        for i, lr in enumerate(("0.003", "0.03"))]
+    outs = [p.communicate(timeout=RUN_TIMEOUT_S) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outs
+    assert "different flags: --lr (this process: 0.003; processes [1] differ" in outs[0][1]
+    assert "summary:" not in outs[0][0]

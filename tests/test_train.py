@@ -288,7 +288,7 @@ def test_bad_input_errors(monkeypatch):
     monkeypatch.undo()
     # On several processes: the count of processes (one a node), or of devices in each.
     from zeropp_jax.mesh import _processes_hint
-    assert "pass -n 4 for mesh 4x2, or use --mesh 2x2" in _processes_hint(4, 2, 2, 4)
+    assert "pass -n 4 for mesh 4x2, or use mesh 2x2: --mesh, make_mesh(2, 2)" in _processes_hint(4, 2, 2, 4)
     assert _processes_hint(2, 4, 2, 4).endswith("pass --devices-per-process 4)")
     with pytest.raises(ValueError, match="unknown preset 'zero4'"):
         zp.ZeroConfig.from_preset("zero4")
@@ -616,8 +616,14 @@ def test_the_optimizer_check_waits_for_a_move_and_says_when_none_comes(optimizer
     (optax.contrib.muon(1e-2), r"moves the model's leaves alike.*muon"),
     (optax.adamw(1e-2, mask={"a": {"w": True}, "b": {"w": True}}),
      r"(?s)fails on the trainer.s units.*pytree of the parameters"),
+    # per-leaf norms: per unit the same where each unit is one leaf (per_layer here)
+    (optax.novograd(1e-2), {False: r"moves the model's leaves alike.*per-leaf norms",
+                            True: None}),
+    # centralize moves no (1, 1) stand-in leaf, but the flat units (rank 1) it leaves alone
+    (optax.chain(optax.centralize(), optax.sgd(0.1)), r"alike \(none of them.*centralize"),
     (optax.adamw(1e-2, weight_decay=0.5, mask=lambda p: jax.tree.map(lambda x: True, p)), None),
-], ids=["adamw-mask-by-rank", "labels-by-rank", "muon", "pytree-mask", "uniform-callable-mask"])
+], ids=["adamw-mask-by-rank", "labels-by-rank", "muon", "pytree-mask", "novograd", "centralize",
+        "uniform-callable-mask"])
 @pytest.mark.parametrize("per_layer", [False, True])
 def test_a_choice_by_rank_alike_for_every_leaf_is_refused_where_the_units_differ(
         optimizer, match, per_layer):
@@ -627,6 +633,7 @@ def test_a_choice_by_rank_alike_for_every_leaf_is_refused_where_the_units_differ
     fallback); a mask given as a pytree of the parameters failed only at
     init, inside optax. Both are refused at make_trainer now."""
     params = {"a": {"w": jnp.ones((4, 4))}, "b": {"w": jnp.ones((4, 8))}}
+    match = match[per_layer] if isinstance(match, dict) else match
 
     def loss(p, batch):
         p = {k: zp.gather(v) for k, v in p.items()} if per_layer else p

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sysconfig
 from typing import NamedTuple
 
@@ -30,7 +31,7 @@ MAX_INFERRED_VOCAB = 2**20
 # Leading bytes of compressed or archive files, which are never text.
 _NOT_TEXT_MAGIC = {
     b"PK\x03\x04": "a zip archive", b"\x1f\x8b": "gzip-compressed",
-    b"BZh": "bzip2-compressed", b"\xfd7zXZ\x00": "xz-compressed",
+    b"\xfd7zXZ\x00": "xz-compressed",
     b"\x28\xb5\x2f\xfd": "zstd-compressed",
 }
 # How many leading bytes of a byte-token file are searched for a NUL byte:
@@ -121,7 +122,7 @@ def _check_vocab(tokens: np.ndarray, vocab: int, source: str) -> None:
     if top >= vocab:
         raise ValueError(
             f"{source}: token id {top} is out of range for vocab_size={vocab}; "
-            f"pass vocab_size >= {top + 1} (zeropp-train: --vocab-size), or omit it to use "
+            f"pass vocab_size >= {top + 1} (the tools' --vocab-size), or omit it to use "
             "max id + 1.")
 
 
@@ -213,15 +214,16 @@ def load_tokens(path: str | None, *, vocab_size: int | None = None) -> tuple[np.
                 f"Token file {path!r} holds id {top}: a vocabulary of {top + 1:,} ids (from "
                 f"{len(np.unique(arr)):,} distinct ones) is above {MAX_INFERRED_VOCAB:,}; remap the "
                 "ids to 0..n-1 (np.unique(ids, return_inverse=True)), or give the vocabulary "
-                "(zeropp-train --vocab-size N; load_tokens(..., vocab_size=N))")
+                "(the tools' --vocab-size N; load_tokens(..., vocab_size=N))")
         vocab = top + 1 if vocab_size is None else int(vocab_size)
-        tokens = arr.astype(np.int32)
+        tokens = np.asarray(arr.astype(np.int32))  # a plain array, not a np.memmap
     else:
         with open(path, "rb") as f:
-            data = f.read()
-        if not data:
-            raise ValueError(f"Token file {path!r} is empty; it needs at least one byte.")
-        _check_text(data, path)
+            data = f.read(TEXT_PROBE_BYTES)  # checked before a large binary file is read
+            if not data:
+                raise ValueError(f"Token file {path!r} is empty; it needs at least one byte.")
+            _check_text(data, path)
+            data += f.read()
         tokens = np.frombuffer(data, dtype=np.uint8).astype(np.int32)
         vocab = VOCAB_SIZE_BYTES if vocab_size is None else int(vocab_size)
     _check_vocab(tokens, vocab, f"Token file {path!r}")
@@ -229,9 +231,12 @@ def load_tokens(path: str | None, *, vocab_size: int | None = None) -> tuple[np.
 
 
 def _check_text(data: bytes, path: str) -> None:
-    """Raises ``ValueError`` if ``data`` (a file's bytes, to be trained on
-    as byte tokens) is evidently not text."""
-    for magic, kind in _NOT_TEXT_MAGIC.items():
+    """Raises ``ValueError`` if ``data`` (the first bytes of a file, to be
+    trained on as byte tokens) is evidently not text."""
+    kinds = dict(_NOT_TEXT_MAGIC)
+    if re.match(rb"BZh[1-9]1AY&SY", data):  # bzip2: "BZh" alone begins text too
+        kinds[data[:4]] = "bzip2-compressed"
+    for magic, kind in kinds.items():
         if data.startswith(magic):
             raise ValueError(
                 f"Token file {path!r} is {kind}, not text: its bytes are no tokens; decompress "

@@ -37,10 +37,13 @@ stalls or never gets here, and the process ends if the launcher dies.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
+import socket
 import sys
 import threading
+from typing import Mapping
 
 ENV_COORDINATOR = "ZEROPP_COORDINATOR"
 ENV_NUM_PROCESSES = "ZEROPP_NUM_PROCESSES"
@@ -115,7 +118,9 @@ def initialize(
 
     Raises:
       ValueError: if only some of the three explicit values are given, or
-        they are inconsistent (see :func:`resolve`).
+        they are inconsistent (see :func:`resolve`), or (process 0) the
+        coordinator's port is in use on this host, where JAX's coordinator
+        would crash and leave the others waiting.
     """
     import jax
 
@@ -136,6 +141,8 @@ def initialize(
     else:
         return False
 
+    if where and where["process_id"] == 0:
+        _check_port_free(where["coordinator_address"])
     _use_gloo_on_cpu(jax)
     try:
         jax.distributed.initialize(
@@ -155,6 +162,59 @@ def initialize(
     if exit_on_uncaught_exception and not _interactive():
         _install_excepthook()
     return True
+
+
+def _check_port_free(coordinator: str) -> None:
+    """Raises ``ValueError`` if process 0 cannot listen on the coordinator's
+    port (something else holds it), which JAX's coordinator service would
+    answer with a crash of process 0 and a wait of every other process."""
+    port = int(coordinator.rsplit(":", 1)[1])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no user
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            raise ValueError(
+                f"the coordinator's port {port} ({coordinator}) is in use on this host, the "
+                f"one of process 0, which runs the coordinator service ({e.strerror}): give "
+                "--coordinator another port, or stop what holds it") from None
+
+
+def differing(values: Mapping[str, str]) -> dict[str, list[int]]:
+    """The processes whose value differs from process 0's, key by key.
+
+    One all-gather of an 8-byte hash per key; every process must call it,
+    with the same keys (e.g. a command's flags, the data's fingerprint).
+    A single-process run differs from nobody (``{}``, no collective).
+
+    Returns:
+      ``{key: [process, ...]}`` for the keys on which some process differs.
+    """
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return {}
+    from jax.experimental import multihost_utils
+
+    keys = sorted(values)
+    words = np.frombuffer(b"".join(
+        hashlib.blake2b(str(values[k]).encode(), digest_size=8).digest() for k in keys),
+        dtype=np.uint32)
+    rows = np.asarray(multihost_utils.process_allgather(words))
+    return differing_rows(rows.reshape(jax.process_count(), -1), keys)
+
+
+def differing_rows(rows, keys: list[str]) -> dict[str, list[int]]:
+    """:func:`differing` of gathered hashes ``rows`` (one row per process,
+    two ``uint32`` per key, keys in ``keys``' order)."""
+    out = {}
+    for i, key in enumerate(keys):
+        other = [p for p in range(1, len(rows))
+                 if tuple(rows[p][2 * i:2 * i + 2]) != tuple(rows[0][2 * i:2 * i + 2])]
+        if other:
+            out[key] = other
+    return out
 
 
 def resolve(
@@ -193,8 +253,8 @@ def resolve(
             raise ValueError(
                 f"zeropp-launch started this process as process {launched[2]} of "
                 f"{launched[1]} (coordinator {launched[0]}), but the command passes "
-                f"{passed}, which would override it in every process alike: leave "
-                "those flags out under zeropp-launch, which sets them per process"
+                f"{passed}, one value for every process alike: leave those flags out "
+                "under zeropp-launch, which sets them per process"
             )
     given = dict(zip(names, (coordinator, num_processes, process_id)))
     missing = [name for name, value in given.items() if value is None]

@@ -48,7 +48,8 @@ def _processes_hint(nodes: int, local: int, n_proc: int, n_dev: int) -> str:
     have = f" ({n_proc} processes x {n_dev // n_proc} devices"
     if nodes != n_proc:
         return (f"{have}; a node is one process: with zeropp-launch pass -n {nodes} for "
-                f"mesh {nodes}x{local}, or use --mesh {n_proc}x{n_dev // n_proc})")
+                f"mesh {nodes}x{local}, or use mesh {n_proc}x{n_dev // n_proc}: --mesh, "
+                f"make_mesh({n_proc}, {n_dev // n_proc}))")
     return f"{have}; with zeropp-launch pass --devices-per-process {local})"
 
 
@@ -119,7 +120,8 @@ def make_mesh(
             raise ValueError(
                 f"on a multi-process run the node axis is the process boundary: "
                 f"mesh {nodes}x{local} has {nodes} nodes but {n_proc} processes "
-                f"are running; use --mesh {n_proc}x{n_dev // n_proc}"
+                f"are running; use mesh {n_proc}x{n_dev // n_proc} (--mesh, or "
+                f"make_mesh({n_proc}, {n_dev // n_proc}))"
             )
         grid = mesh_utils.create_hybrid_device_mesh(
             (1, local), (nodes, 1), devices=devices, process_is_granule=True

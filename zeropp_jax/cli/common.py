@@ -260,8 +260,17 @@ def check_processes(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error(str(e))
 
 
+# Flags that may differ between the processes of one run: who each is, what
+# only process 0 writes or shows, and --data (each host's path to it; its
+# tokens are compared, zeropp_jax.cli.data_flags).
+_PER_PROCESS_FLAGS = frozenset({"process_id", "coordinator", "num_processes", "metrics_out",
+                                "no_progress", "data"})
+
+
 def init_distributed(args: argparse.Namespace, prog: str) -> None:
-    """Joins a multi-process run if the flags or the environment describe one."""
+    """Joins a multi-process run if the flags or the environment describe
+    one, and refuses processes started with different flags (but those of
+    ``_PER_PROCESS_FLAGS``), naming them."""
     from zeropp_jax import distributed
 
     try:
@@ -272,6 +281,13 @@ def init_distributed(args: argparse.Namespace, prog: str) -> None:
         )
     except ValueError as e:  # a cluster environment JAX cannot set up from
         fail(prog, str(e))
+    differ = distributed.differing({k: repr(v) for k, v in vars(args).items()
+                                    if k not in _PER_PROCESS_FLAGS})
+    if differ:
+        fail(prog, "the processes were started with different flags: " + ", ".join(
+            f"--{k.replace('_', '-')} (this process: {getattr(args, k)!r}; processes {p} differ "
+            "from process 0)" for k, p in differ.items())
+            + "; start every process with the same command (zeropp-launch does)")
 
 
 def build_mesh(args: argparse.Namespace):

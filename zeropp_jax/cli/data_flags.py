@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 
-import numpy as np
-
 from zeropp_jax import data
 
 
@@ -40,10 +38,10 @@ def load_batches(args: argparse.Namespace) -> tuple[data.TokenBatches, int, data
 
     The int32 stream :func:`~zeropp_jax.data.load_tokens` returns is let go
     once the batches hold their compact copy. On a multi-process run every
-    process compares its fingerprint with the others' (one all-gather of
-    four ``uint32`` per process): processes that read different tokens (another
-    file, another Python's standard library as the bundled data) would each
-    sample windows from their own stream.
+    process compares its fingerprint with the others'
+    (:func:`zeropp_jax.distributed.differing`): processes that read different
+    tokens (another file, another Python's standard library as the bundled
+    data) would each sample windows from their own stream.
     """
     try:
         tokens, vocab = data.load_tokens(args.data, vocab_size=args.vocab_size)
@@ -56,47 +54,21 @@ def load_batches(args: argparse.Namespace) -> tuple[data.TokenBatches, int, data
     except ValueError as e:  # too few tokens for one window
         raise ValueError(f"{_source(args)} with --seq-len {args.seq_len}: {e}") from None
     del tokens
-    _check_same_on_every_process(fingerprint, _source(args))
+    _check_same_on_every_process(fingerprint, args)
     return batches, vocab, fingerprint
 
 
-def _words(fingerprint: data.Fingerprint) -> np.ndarray:
-    """A fingerprint as four ``uint32``: the token count's low and high
-    words, then the hash's."""
-    digest = int(fingerprint.blake2b, 16)
-    return np.array([fingerprint.tokens & 0xFFFFFFFF, fingerprint.tokens >> 32,
-                     digest & 0xFFFFFFFF, digest >> 32], dtype=np.uint32)
+def _check_same_on_every_process(fingerprint: data.Fingerprint, args: argparse.Namespace) -> None:
+    from zeropp_jax import distributed
 
-
-def _from_words(words: np.ndarray) -> data.Fingerprint:
-    lo, hi, d_lo, d_hi = (int(w) for w in words)
-    return data.Fingerprint(lo | hi << 32, f"{d_lo | d_hi << 32:016x}")
-
-
-def differing(rows: np.ndarray, source: str) -> str | None:
-    """The error line for processes whose fingerprints (rows of
-    :func:`_words`, one per process) differ from process 0's, or ``None``."""
-    others = [i for i in range(1, len(rows)) if not np.array_equal(rows[i], rows[0])]
-    if not others:
-        return None
-    shown = ", ".join(f"process {i}: {_from_words(rows[i])}" for i in others[:3])
-    return (f"{source}: the processes read different tokens (process 0: "
-            f"{_from_words(rows[0])}; {shown}); give every process the same file (the "
-            "bundled data is the standard library of each host's Python, which differs "
-            "between Python releases: pass --data)")
-
-
-def _check_same_on_every_process(fingerprint: data.Fingerprint, source: str) -> None:
-    import jax
-
-    if jax.process_count() == 1:
-        return
-    from jax.experimental import multihost_utils
-
-    rows = np.asarray(multihost_utils.process_allgather(_words(fingerprint)))
-    problem = differing(rows.reshape(jax.process_count(), -1), source)
-    if problem:
-        raise ValueError(problem)
+    other = distributed.differing({"data": str(fingerprint)}).get("data")
+    if other:
+        advice = ("file" if args.data is not None else "file with --data (the bundled data is "
+                  "the standard library of each host's Python, which differs between Python "
+                  "releases)")
+        raise ValueError(
+            f"{_source(args)}: processes {other} read other tokens than process 0 (this "
+            f"process: {fingerprint}); give every process the same {advice}")
 
 
 def data_change(record: dict, args: argparse.Namespace, fingerprint=None) -> str | None:

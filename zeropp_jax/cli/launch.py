@@ -147,8 +147,29 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return options, command
 
 
-def mesh_local_size(command: Sequence[str], num_processes: int) -> int | None:
-    """``LOCAL`` of a ``--mesh NODESxLOCAL`` in ``command`` whose NODES is ``num_processes``."""
+def devices_for_mesh(command: Sequence[str], num_processes: int) -> int | None:
+    """The devices each process needs for a ``--mesh NODESxLOCAL`` in
+    ``command``: ``LOCAL`` where NODES is ``num_processes`` (a node is a
+    process), all ``NODES x LOCAL`` for one process; ``None`` without a
+    readable ``--mesh``. Raises ``ValueError`` for NODES of another number of
+    processes, which the command would refuse only once every process had
+    started."""
+    mesh = _mesh_in(command)
+    if mesh is None:
+        return None
+    nodes, local = mesh
+    if num_processes == 1:
+        return nodes * local
+    if nodes != num_processes:
+        raise ValueError(
+            f"the command's --mesh {nodes}x{local} has {nodes} nodes but -n {num_processes} "
+            f"starts {num_processes} processes, and a node is one process: pass -n {nodes}, "
+            f"or --mesh {num_processes}xLOCAL")
+    return local
+
+
+def _mesh_in(command: Sequence[str]) -> tuple[int, int] | None:
+    """``(NODES, LOCAL)`` of the ``--mesh`` in ``command``, if it parses."""
     for i, arg in enumerate(command):
         if arg == "--mesh" and i + 1 < len(command):
             text = command[i + 1]
@@ -157,17 +178,17 @@ def mesh_local_size(command: Sequence[str], num_processes: int) -> int | None:
         else:
             continue
         try:
-            nodes, local = parse_mesh_shape(text)
+            return parse_mesh_shape(text)
         except ValueError:
-            return None
-        return local if nodes == num_processes else None
+            return None  # the command's own error names it
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
     options, command = parse_args(sys.argv[1:] if argv is None else argv)
-    devices = options.devices_per_process or mesh_local_size(command, options.n) or 1
     try:
+        devices = devices_for_mesh(command, options.n)
+        devices = options.devices_per_process or devices or 1
         return launch(
             command, options.n,
             devices_per_process=devices,

@@ -129,6 +129,8 @@ def check_leaf_uniform(
             "check_optimizer=False"
         ) from e
     if moves is None:
+        if layout is not None:  # the units may move where the leaves do not
+            _check_on_units(optimizer, layout, jax.tree_util.keystr(paths[0]), None)
         warnings.warn(
             "make_trainer could not check that the optimizer treats every parameter leaf "
             f"alike: it moved no leaf in {_PROBE_STEPS} stand-in steps (gradients 1.0): a "
@@ -155,11 +157,11 @@ def check_leaf_uniform(
 
 
 def _check_on_units(optimizer: optax.GradientTransformation, layout: ParamLayout,
-                    leaf: str, move: float) -> None:
+                    leaf: str, move: float | None) -> None:
     """Refuses an optimizer that moves the trainer's units (a stand-in: a
     dict by unit name, each ``(k,)`` or ``(1, k)`` when stacked, ``k`` the
     unit's leaves) otherwise than the model's leaf ``leaf``, which it moved
-    by ``move``."""
+    by ``move`` (``None``: no leaf moved in the stand-in's steps)."""
     units = {u.name: jnp.ones((len(u.leaves),) if u.stack is None else (1, len(u.leaves)),
                               jnp.float32) for u in layout.units}
     try:
@@ -171,15 +173,22 @@ def _check_on_units(optimizer: optax.GradientTransformation, layout: ParamLayout
             f"step there raised {type(e).__name__}: {e}. A mask or labels given as a pytree "
             "of the parameters cannot apply to the units: give one setting for every leaf "
             "(e.g. optax.adamw without mask), or train without the trainer") from e
-    if moves is None or not np.allclose(moves, move, rtol=_SAME_MOVE_RTOL, atol=0):
-        got = "nothing" if moves is None else f"by {sorted(set(moves.tolist()))[:4]}"
+    if moves is None and move is None:
+        return
+    if moves is None or move is None or not np.allclose(moves, move, rtol=_SAME_MOVE_RTOL,
+                                                        atol=0):
+        got = "not at all" if moves is None else f"by {sorted(set(moves.tolist()))[:4]}"
         raise ValueError(
-            f"the optimizer moves the model's leaves alike ({leaf} by {move:.6g} on a "
-            f"stand-in step) but the trainer's flat units ({sorted(units)}, rank 1, or 2 "
-            f"when stacked) {got}: a choice by a leaf's rank that holds for every leaf of "
-            "this model (a mask like x.ndim >= 2, optax.contrib.muon on a model of "
-            "matrices) would silently not hold on the units; use one setting for every "
-            "leaf (e.g. optax.adamw without mask), or train without the trainer")
+            "the optimizer moves the model's leaves alike ("
+            + (f"{leaf} by {move:.6g}" if move is not None else "none of them")
+            + f" on a stand-in step) but the trainer's flat units ({sorted(units)}, rank 1, "
+            f"or 2 when stacked) {got}: it depends on a leaf's rank, size or norm (a mask "
+            "like x.ndim >= 2 on a model of matrices, optax.contrib.muon there, "
+            "optax.centralize, the per-leaf norms of optax.novograd or "
+            "scale_by_param_block_norm), which the trainer would apply to whole flat units "
+            "instead, silently; use one setting for every leaf (e.g. optax.adamw without "
+            "mask), check_optimizer=False to train it per unit knowingly, or train without "
+            "the trainer")
 
 
 def _stand_in_moves(optimizer: optax.GradientTransformation, ones: Any) -> np.ndarray | None:

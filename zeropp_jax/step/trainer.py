@@ -258,13 +258,12 @@ class Trainer:
 
     # ---------------------------------------------------------- export
     def gather_params(self, state_or_params: Any) -> Any:
-        """The full, unpadded parameters as a host (numpy) pytree.
+        """The full, unpadded parameters as a host (numpy) pytree, in their
+        original structure and leaf dtypes, on every process (a collective:
+        on several processes, every one calls it).
 
         Args:
           state_or_params: a :class:`TrainState` or its ``params`` dict.
-
-        Returns:
-          The parameter pytree in its original structure and leaf dtypes.
         """
         flat = getattr(state_or_params, "params", state_or_params)
         with jax.set_mesh(self.mesh):
