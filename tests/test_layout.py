@@ -147,7 +147,8 @@ def test_the_padding_mask_holds_past_2_to_the_31_elements():
     from types import SimpleNamespace
 
     shard = 16
-    unit = SimpleNamespace(ranges=((2**31 - 3, 2**31 + 20), (2**32 + 1, 2**32 + 2)))
+    unit = SimpleNamespace(ranges=((2**31 - 3, 2**31 + 20), (2**32 + 1, 2**32 + 2)),
+                           padded=2**32 + 16)
     for i in (2**27 - 1, 2**27, 2**27 + 1, 2**27 + 2, 2**28):
         got = np.asarray(jax.jit(lambda k: padding_mask(unit, k, shard))(jnp.int32(i)))
         index = np.arange(shard, dtype=np.int64) + i * shard

@@ -280,6 +280,11 @@ class StepGeometry:
         return padding_mask(unit, collectives.axes_index(SHARD_AXES), width)
 
 
+# Flat offsets from this many elements on do not fit int32 (units of 2.1B+
+# parameters, e.g. a whole model under per_layer=False).
+_INT32_LIMIT = 2**31
+
+
 def padding_mask(unit: UnitLayout, shard_index: jax.Array, shard_size: int) -> jax.Array:
     """Boolean ``(shard_size,)``: which elements of a shard hold real values.
 
@@ -288,11 +293,17 @@ def padding_mask(unit: UnitLayout, shard_index: jax.Array, shard_size: int) -> j
       shard_index: index of the shard along the flat vector (traced scalar).
       shard_size: elements per shard.
     """
-    # Element j of shard i is at i * shard_size + j, compared with each range
-    # through (quotient, remainder) by shard_size: no flat offset is formed,
-    # so units of 2**31 elements or more stay within int32.
     j = jnp.arange(shard_size)
     mask = jnp.zeros((shard_size,), bool)
+    if unit.padded < _INT32_LIMIT:  # flat offsets fit int32
+        index = j + shard_index * shard_size
+        for start, end in unit.ranges:  # one range unless leaves are aligned
+            mask = mask | ((index >= start) & (index < end))
+        return mask
+    # Element j of shard i is at i * shard_size + j, compared with each range
+    # through (quotient, remainder) by shard_size: no flat offset is formed.
+    # (Only here: the same mask built this way for every unit compiles into
+    # other fusions, and the recorded losses would move in their last bits.)
     for start, end in unit.ranges:  # one range unless leaves are aligned
         (q0, r0), (q1, r1) = divmod(start, shard_size), divmod(end, shard_size)
         after_start = (shard_index > q0) | ((shard_index == q0) & (j >= r0))
