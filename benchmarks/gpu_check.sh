@@ -37,7 +37,10 @@
 # pytest.log, bench.log, probe.log, gpu_kernels.json, gpu_train_probe.json,
 # hlo.tgz, profile.tgz. Each stage has its own time limit (the sum about 8
 # minutes plus start-up), so a hanging stage costs its limit, not the session:
-# give the device tool's run a timeout_s of about 560.
+# give the device tool's run a timeout_s of about 560. A 15-minute session
+# (machine start included) has room for a rerun only after a typical run (3-5
+# min): make it QUICK=1 on the warm machine. No GPU visible to JAX stops the
+# script right after the environment line (exit 3), before any stage waits.
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 2
@@ -80,6 +83,12 @@ import jax
 print("python", sys.version.split()[0], "| jax", jax.__version__, "| backend", jax.default_backend(),
       "|", [d.device_kind for d in jax.devices()])
 EOF
+if [[ "${CPU_SMOKE:-0}" != "1" ]] && \
+   [[ "$("$PY" -c 'import jax; print(jax.default_backend())' 2>/dev/null)" != "gpu" ]]; then
+  echo "no GPU: JAX's backend is not gpu, so every stage would only wait out its limit;"
+  echo "stopping here (CPU_SMOKE=1 runs the stages on the CPU)"
+  exit 3
+fi
 
 echo "== imports"
 if ! "$PY" -c "import zeropp_jax, pallas_kernels" 2>"$WORK_DIR/import.err"; then

@@ -55,7 +55,7 @@ import json
 import statistics
 import sys
 import time
-from zeropp_jax.cli.flags import positive_int  # noqa: E402
+from zeropp_jax.cli.flags import json_file, positive_int  # noqa: E402
 
 # The library's default blocks (zeropp_jax.config): qwZ 256, qgZ int4/int8
 # 256, qgZ 1-bit 32. Kept literal so --help works without importing jax.
@@ -323,13 +323,12 @@ def main(argv=None) -> int:
     parser.add_argument("--json-out", default=None, help="also write the results here")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="exercise this script on CPU in interpret mode (numbers meaningless)")
-    parser.add_argument("--table-from", default=None, metavar="JSON",
+    parser.add_argument("--table-from", type=json_file, default=None, metavar="JSON",
                         help="print the table of an earlier run's --json-out file and exit "
                              "(what gpu_check.sh shows when a time limit cut a run short)")
     args = parser.parse_args(argv)
     if args.table_from:
-        with open(args.table_from) as f:
-            print(table(json.load(f)))
+        print(table(args.table_from))
         return 0
 
     import jax

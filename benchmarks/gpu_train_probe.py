@@ -56,7 +56,7 @@ import sys
 import tempfile
 import time
 from typing import Callable, NamedTuple
-from zeropp_jax.cli.flags import non_negative_int, positive_int  # noqa: E402
+from zeropp_jax.cli.flags import json_file, non_negative_int, positive_int  # noqa: E402
 
 VARIANTS = ("plain", "plain_remat", "zero3", "qwz", "qwz_pallas", "qwz_xla")
 H200_BF16_PEAK_TFLOPS = 790.0  # dense bf16 matmul, measured (benchmarks/RESULTS.md)
@@ -254,6 +254,12 @@ def add_model_args(parser, **defaults) -> None:
     parser.add_argument("--batch", type=positive_int, default=shape["batch"], help="sequences per step")
 
 
+def check_shape(parser, args) -> None:
+    """A parser error if ``--heads`` does not divide ``--d-model``."""
+    if args.d_model % args.heads:
+        parser.error(f"--heads {args.heads} must divide --d-model {args.d_model}")
+
+
 def parse_variants(parser, text: str) -> list[str]:
     """The comma-separated variants, or a parser error naming the unknown ones."""
     variants = [v for v in text.split(",") if v]
@@ -330,16 +336,16 @@ def main(argv=None) -> int:
                         help="the variants --profile-dir traces (each costs a trace and its "
                              "parsing)")
     parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU (tiny shapes)")
-    parser.add_argument("--table-from", default=None, metavar="JSON",
+    parser.add_argument("--table-from", type=json_file, default=None, metavar="JSON",
                         help="print the table of an earlier run's --json-out file and exit "
                              "(what gpu_check.sh shows when a time limit cut a run short)")
     args = parser.parse_args(argv)
     if args.table_from:
-        with open(args.table_from) as f:
-            print(table(json.load(f)))
+        print(table(args.table_from))
         return 0
     variants = parse_variants(parser, args.variants)
     parse_variants(parser, args.profile_variants)
+    check_shape(parser, args)
 
     import jax
     import jax.numpy as jnp

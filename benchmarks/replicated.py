@@ -74,6 +74,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error(f"--steps {args.steps}: give at least 2 (the resume starts halfway)")
+    if args.warmup >= args.steps:
+        parser.error(f"--warmup {args.warmup} is not shorter than --steps {args.steps}: no step "
+                     "would compress, and the replicas' equality would check nothing")
     if args.refresh_every == 1 or args.d_model % 2:
         parser.error("--refresh-every 1 compresses no step, and --d-model must be even (2 heads)")
 

@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json-out", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     variants = probe.parse_variants(parser, args.variants)
+    probe.check_shape(parser, args)
 
     import jax
 

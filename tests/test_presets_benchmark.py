@@ -53,10 +53,32 @@ def test_targets_use_the_mean_over_seeds(presets):
     json.dumps(conv)
 
 
+def test_loss_targets_of_a_run_that_never_compressed_are_skipped_not_passed(presets):
+    """`presets.py --steps 100` is within the 1-bit presets' 100-step warm-up:
+    their loss equals zero3's at full precision, which passed the targets."""
+    per_seed = {0: {"zero3": _row(2.0, 2.0), "qwz": _row(2.001, 2.0),
+                    "zeropp": dict(_row(2.0, 2.0), compressed_steps=0),
+                    "qgz": dict(_row(2.0, 2.0), compressed_steps=0), "qgz-noef": _row(2.1, 2.0)}}
+    per_seed[0]["qwz"]["compressed_steps"] = 0  # qwz never compresses: still judged
+    targets, skipped = presets.check_targets(None, presets.summarize_seeds(per_seed), None)
+    assert "zeropp compressed no step" in skipped["zeropp_loss_rel_diff"]
+    assert "qgz compressed no step" in skipped["qgz_noef_minus_qgz_loss"]
+    assert targets["qwz_loss_rel_diff"]["pass"]
+    report = presets.format_report({
+        "params": 1, "provenance": {"zeropp_jax": "x", "git": None}, "steps": 100, "seeds": [0],
+        "convergence": presets.summarize_seeds(per_seed), "targets": targets,
+        "skipped_targets": skipped})
+    assert "SKIP  zeropp last-10% loss within 1% of zero3 (mean over the seeds) (zeropp " in report
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--seeds", "0,x"], "comma-separated integers"),
     (["--variants", "zero3,zero4"], "unknown variant"),
     (["--steps", "5"], "at least 10"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--warmup", "-1"], "--warmup must be at least 0"),
+    (["--seeds", "0,-1"], ">= 0"),
+    (["--json-out", "/no/such/dir/out.json"], "--json-out"),
 ])
 def test_bad_flags(presets, argv, message, capsys):
     with pytest.raises(SystemExit):

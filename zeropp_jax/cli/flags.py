@@ -8,7 +8,8 @@ argparse value types that say what they expected (:func:`positive_int`,
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+import json
+from typing import Any, Callable
 
 from zeropp_jax.data import MAX_SEED
 
@@ -94,3 +95,13 @@ def refuse_training_flags(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error(f"{', '.join(given)} {'sets' if one else 'set'} the training run, which "
                      f"changes no byte of a step's communication; leave {'it' if one else 'them'} "
                      f"out (zeropp-train takes {'it' if one else 'them'})")
+
+
+def json_file(path: str) -> Any:
+    """A flag's JSON file, read (an argparse type: a file that cannot be read,
+    or is not JSON, is a usage error naming it)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path} as JSON: {e}") from None
