@@ -20,8 +20,8 @@ name               flags
                    (int4 gradients, as the ZeRO++ paper)
 ``zeropp-dither``  ``--preset zeropp --qgz-target gradient --qgz-code
                    dither --no-qgz-error-feedback`` (the unbiased 1-bit
-                   code on gradients, block 16, float32 scales: 3 bits per
-                   value)
+                   code on gradients, block 16, the preset's bfloat16
+                   scales: 2 bits per value)
 ``zeropp-int4``    ``--preset zeropp --qgz int4 --qgz-target gradient
                    --scale-dtype float32 --qgz-warmup 0``: ZeRO++ as
                    DeepSpeed runs it (``cost_model.PUBLISHED_ZEROPP``: int4

@@ -109,8 +109,8 @@ DEFAULT_QGZ_BLOCK = 256
 # scale adds one bit per value and the loss gap shrinks (benchmarks/RESULTS.md).
 DEFAULT_QGZ_BLOCK_1BIT = 32
 # The dithered code's noise is uniform on +-max|x| of its block, so smaller
-# blocks cut it; 16 costs 3 bits per value with float32 scales
-# (benchmarks/RESULTS.md).
+# blocks cut it; 16 costs 3 bits per value with float32 scales, 2 with
+# bfloat16 ones (benchmarks/RESULTS.md).
 DEFAULT_QGZ_BLOCK_DITHER = 16
 
 def _field(
