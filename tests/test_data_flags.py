@@ -62,15 +62,15 @@ def test_another_vocabulary_on_resume_names_the_flag_and_value_to_pass():
 
 
 def test_processes_that_differ_are_named_key_by_key():
-    """distributed.differing's comparison of the gathered hashes (two uint32
+    """agreement.differing's comparison of the gathered hashes (two uint32
     per key, one row per process), as the flags and the data's fingerprint
     use it."""
-    from zeropp_jax import distributed
+    from zeropp_jax import agreement
 
     rows = np.array([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 5], [9, 2, 3, 4]], np.uint32)
-    assert distributed.differing_rows(rows, ["data", "lr"]) == {"data": [3], "lr": [2]}
-    assert distributed.differing_rows(rows[:2], ["data", "lr"]) == {}
-    assert distributed.differing({"lr": "0.1"}) == {}  # one process: no collective
+    assert agreement.differing_rows(rows, ["data", "lr"]) == {"data": [3], "lr": [2]}
+    assert agreement.differing_rows(rows[:2], ["data", "lr"]) == {}
+    assert agreement.differing({"lr": "0.1"}) == {}  # one process: no collective
 
 
 def test_a_coordinator_port_in_use_is_refused_before_jax_crashes_on_it():

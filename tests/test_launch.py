@@ -41,6 +41,9 @@ def test_a_mesh_of_another_number_of_nodes_than_processes_is_refused_before_star
     assert launch.devices_for_mesh(["x", "--mesh=2x4"], 1) == 8
     assert launch.devices_for_mesh(["x", "--mesh", "2x4"], 2) == 4
     assert launch.devices_for_mesh(["x", "--mesh", "two"], 2) is None
+    # --devices-per-process given: a --mesh of the command's own meaning is its business
+    assert launch.main(["-n", "1", "--devices-per-process", "1", "--", sys.executable, "-c",
+                        "pass", "--mesh", "4x2"]) == 0
 
 
 def _launch(code: str, n: int = 2, **options) -> tuple[int, str, float]:

@@ -605,21 +605,28 @@ def test_sigterm_checkpoints_and_stops_every_process(tmp_path):
             f"(SIGTERM); checkpoint {ckpt}/{stop} holds it") in stderr
 
 
-def test_processes_started_with_different_flags_are_refused_naming_the_flag(tmp_path):
+@pytest.mark.parametrize("commands, message", [
+    ((TRAIN + ("--lr", "0.003"), TRAIN + ("--lr", "0.03")),
+     "different flags: --lr (this process: 0.003; processes [1] differ"),
+    ((TRAIN, COMM), "other flags: processes [1] compare other things"),
+], ids=["lr", "another-tool"])
+def test_processes_started_with_different_flags_are_refused_naming_the_flag(commands, message):
     """Hand-started processes (the README's "the same command on every host")
     with another --lr trained half the shards at each rate and exited 0;
-    now every process compares its flags right after joining."""
+    now every process compares its flags right after joining (another tool,
+    with other flags, fails alike instead of aborting in gloo)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [subprocess.Popen(
-        [sys.executable, *TRAIN, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-         "--process-id", str(i), "--mesh", "2x1", *TINY_ARGS, "--steps", "2", "--no-progress",
-         "--lr", lr], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(1))
-        for i, lr in enumerate(("0.003", "0.03"))]
+        [sys.executable, *command, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+         "--process-id", str(i), "--mesh", "2x1", *TINY_ARGS,
+         *(("--steps", "2", "--no-progress") if command[:2] == TRAIN else ())],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(1))
+        for i, command in enumerate(commands)]
     outs = [p.communicate(timeout=RUN_TIMEOUT_S) for p in procs]
     assert [p.returncode for p in procs] == [2, 2], outs
-    assert "different flags: --lr (this process: 0.003; processes [1] differ" in outs[0][1]
+    assert message in outs[0][1], outs[0][1]
     assert "summary:" not in outs[0][0]

@@ -37,13 +37,11 @@ stalls or never gets here, and the process ends if the launcher dies.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import socket
 import sys
 import threading
-from typing import Mapping
 
 ENV_COORDINATOR = "ZEROPP_COORDINATOR"
 ENV_NUM_PROCESSES = "ZEROPP_NUM_PROCESSES"
@@ -166,8 +164,9 @@ def initialize(
 
 def _check_port_free(coordinator: str) -> None:
     """Raises ``ValueError`` if process 0 cannot listen on the coordinator's
-    port (something else holds it), which JAX's coordinator service would
-    answer with a crash of process 0 and a wait of every other process."""
+    port (something else holds it), where JAX's coordinator service would
+    crash process 0 without a word (the others still wait out the start-up
+    timeout)."""
     port = int(coordinator.rsplit(":", 1)[1])
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no user
@@ -178,43 +177,6 @@ def _check_port_free(coordinator: str) -> None:
                 f"the coordinator's port {port} ({coordinator}) is in use on this host, the "
                 f"one of process 0, which runs the coordinator service ({e.strerror}): give "
                 "--coordinator another port, or stop what holds it") from None
-
-
-def differing(values: Mapping[str, str]) -> dict[str, list[int]]:
-    """The processes whose value differs from process 0's, key by key.
-
-    One all-gather of an 8-byte hash per key; every process must call it,
-    with the same keys (e.g. a command's flags, the data's fingerprint).
-    A single-process run differs from nobody (``{}``, no collective).
-
-    Returns:
-      ``{key: [process, ...]}`` for the keys on which some process differs.
-    """
-    import jax
-    import numpy as np
-
-    if jax.process_count() == 1:
-        return {}
-    from jax.experimental import multihost_utils
-
-    keys = sorted(values)
-    words = np.frombuffer(b"".join(
-        hashlib.blake2b(str(values[k]).encode(), digest_size=8).digest() for k in keys),
-        dtype=np.uint32)
-    rows = np.asarray(multihost_utils.process_allgather(words))
-    return differing_rows(rows.reshape(jax.process_count(), -1), keys)
-
-
-def differing_rows(rows, keys: list[str]) -> dict[str, list[int]]:
-    """:func:`differing` of gathered hashes ``rows`` (one row per process,
-    two ``uint32`` per key, keys in ``keys``' order)."""
-    out = {}
-    for i, key in enumerate(keys):
-        other = [p for p in range(1, len(rows))
-                 if tuple(rows[p][2 * i:2 * i + 2]) != tuple(rows[0][2 * i:2 * i + 2])]
-        if other:
-            out[key] = other
-    return out
 
 
 def resolve(

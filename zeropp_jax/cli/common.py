@@ -264,14 +264,14 @@ def check_processes(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 # only process 0 writes or shows, and --data (each host's path to it; its
 # tokens are compared, zeropp_jax.cli.data_flags).
 _PER_PROCESS_FLAGS = frozenset({"process_id", "coordinator", "num_processes", "metrics_out",
-                                "no_progress", "data"})
+                                "no_progress", "json", "dump_hlo", "data"})
 
 
 def init_distributed(args: argparse.Namespace, prog: str) -> None:
     """Joins a multi-process run if the flags or the environment describe
     one, and refuses processes started with different flags (but those of
     ``_PER_PROCESS_FLAGS``), naming them."""
-    from zeropp_jax import distributed
+    from zeropp_jax import agreement, distributed
 
     try:
         distributed.initialize(
@@ -281,8 +281,11 @@ def init_distributed(args: argparse.Namespace, prog: str) -> None:
         )
     except ValueError as e:  # a cluster environment JAX cannot set up from
         fail(prog, str(e))
-    differ = distributed.differing({k: repr(v) for k, v in vars(args).items()
-                                    if k not in _PER_PROCESS_FLAGS})
+    try:
+        differ = agreement.differing({k: repr(v) for k, v in vars(args).items()
+                                        if k not in _PER_PROCESS_FLAGS})
+    except ValueError as e:  # another tool or version: other flags
+        fail(prog, f"the processes were started with other flags: {e}")
     if differ:
         fail(prog, "the processes were started with different flags: " + ", ".join(
             f"--{k.replace('_', '-')} (this process: {getattr(args, k)!r}; processes {p} differ "

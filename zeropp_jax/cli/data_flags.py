@@ -39,7 +39,7 @@ def load_batches(args: argparse.Namespace) -> tuple[data.TokenBatches, int, data
     The int32 stream :func:`~zeropp_jax.data.load_tokens` returns is let go
     once the batches hold their compact copy. On a multi-process run every
     process compares its fingerprint with the others'
-    (:func:`zeropp_jax.distributed.differing`): processes that read different
+    (:func:`zeropp_jax.agreement.differing`): processes that read different
     tokens (another file, another Python's standard library as the bundled
     data) would each sample windows from their own stream.
     """
@@ -59,9 +59,9 @@ def load_batches(args: argparse.Namespace) -> tuple[data.TokenBatches, int, data
 
 
 def _check_same_on_every_process(fingerprint: data.Fingerprint, args: argparse.Namespace) -> None:
-    from zeropp_jax import distributed
+    from zeropp_jax import agreement
 
-    other = distributed.differing({"data": str(fingerprint)}).get("data")
+    other = agreement.differing({"data": str(fingerprint)}).get("data")
     if other:
         advice = ("file" if args.data is not None else "file with --data (the bundled data is "
                   "the standard library of each host's Python, which differs between Python "

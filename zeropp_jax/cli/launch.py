@@ -164,7 +164,8 @@ def devices_for_mesh(command: Sequence[str], num_processes: int) -> int | None:
         raise ValueError(
             f"the command's --mesh {nodes}x{local} has {nodes} nodes but -n {num_processes} "
             f"starts {num_processes} processes, and a node is one process: pass -n {nodes}, "
-            f"or --mesh {num_processes}xLOCAL")
+            f"or --mesh {num_processes}xLOCAL (--devices-per-process D runs the command as "
+            "it is)")
     return local
 
 
@@ -186,9 +187,8 @@ def _mesh_in(command: Sequence[str]) -> tuple[int, int] | None:
 
 def main(argv: list[str] | None = None) -> int:
     options, command = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        devices = devices_for_mesh(command, options.n)
-        devices = options.devices_per_process or devices or 1
+    try:  # --devices-per-process given: the command's --mesh is its own business
+        devices = options.devices_per_process or devices_for_mesh(command, options.n) or 1
         return launch(
             command, options.n,
             devices_per_process=devices,

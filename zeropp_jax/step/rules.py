@@ -179,8 +179,9 @@ def _check_on_units(optimizer: optax.GradientTransformation, layout: ParamLayout
                                                         atol=0):
         got = "not at all" if moves is None else f"by {sorted(set(moves.tolist()))[:4]}"
         raise ValueError(
-            "the optimizer moves the model's leaves alike ("
-            + (f"{leaf} by {move:.6g}" if move is not None else "none of them")
+            "the optimizer moves "
+            + (f"the model's leaves alike ({leaf} by {move:.6g}" if move is not None
+               else "none of the model's leaves (")
             + f" on a stand-in step) but the trainer's flat units ({sorted(units)}, rank 1, "
             f"or 2 when stacked) {got}: it depends on a leaf's rank, size or norm (a mask "
             "like x.ndim >= 2 on a model of matrices, optax.contrib.muon there, "
