@@ -40,7 +40,8 @@
 # give the device tool's run a timeout_s of about 560. A 15-minute session
 # (machine start included) has room for a rerun only after a typical run (3-5
 # min): make it QUICK=1 on the warm machine. No GPU visible to JAX stops the
-# script right after the environment line (exit 3), before any stage waits.
+# script right after the environment line (exit 3): its stages would measure
+# nothing and end 0.
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 2
@@ -85,8 +86,8 @@ print("python", sys.version.split()[0], "| jax", jax.__version__, "| backend", j
 EOF
 if [[ "${CPU_SMOKE:-0}" != "1" ]] && \
    [[ "$("$PY" -c 'import jax; print(jax.default_backend())' 2>/dev/null)" != "gpu" ]]; then
-  echo "no GPU: JAX's backend is not gpu, so every stage would only wait out its limit;"
-  echo "stopping here (CPU_SMOKE=1 runs the stages on the CPU)"
+  echo "no GPU: JAX's backend is not gpu, so no stage would measure anything (the"
+  echo "benchmarks say 'No GPU' and exit 0); stopping here (CPU_SMOKE=1 runs them on the CPU)"
   exit 3
 fi
 

@@ -327,7 +327,7 @@ def main(argv=None) -> int:
                         help="print the table of an earlier run's --json-out file and exit "
                              "(what gpu_check.sh shows when a time limit cut a run short)")
     args = parser.parse_args(argv)
-    if args.table_from:
+    if args.table_from is not None:
         print(table(args.table_from))
         return 0
 
