@@ -30,10 +30,12 @@ NPZ_MAGIC = b"PK\x03\x04"  # a zip archive (np.savez)
 MAX_INFERRED_VOCAB = 2**20
 # Leading bytes of compressed or archive files, which are never text.
 _NOT_TEXT_MAGIC = {
-    b"PK\x03\x04": "a zip archive", b"\x1f\x8b": "gzip-compressed",
-    b"\xfd7zXZ\x00": "xz-compressed",
-    b"\x28\xb5\x2f\xfd": "zstd-compressed",
+    NPZ_MAGIC: "a zip archive", b"\x1f\x8b": "gzip-compressed",
+    b"\xfd7zXZ\x00": "xz-compressed", b"\x28\xb5\x2f\xfd": "zstd-compressed",
 }
+# bzip2's header: "BZh" alone begins text too, so its block size digit and
+# first block's magic (pi's digits 0x314159265359) are matched with it.
+_BZIP2_HEADER = re.compile(rb"BZh[1-9]1AY&SY")
 # How many leading bytes of a byte-token file are searched for a NUL byte:
 # text holds none, while raw integer ids (nanoGPT's uint16 ``train.bin``) do
 # wherever an id is below 256.
@@ -233,14 +235,13 @@ def load_tokens(path: str | None, *, vocab_size: int | None = None) -> tuple[np.
 def _check_text(data: bytes, path: str) -> None:
     """Raises ``ValueError`` if ``data`` (the first bytes of a file, to be
     trained on as byte tokens) is evidently not text."""
-    kinds = dict(_NOT_TEXT_MAGIC)
-    if re.match(rb"BZh[1-9]1AY&SY", data):  # bzip2: "BZh" alone begins text too
-        kinds[data[:4]] = "bzip2-compressed"
-    for magic, kind in kinds.items():
-        if data.startswith(magic):
-            raise ValueError(
-                f"Token file {path!r} is {kind}, not text: its bytes are no tokens; decompress "
-                "it, or save the token ids with np.save (a .npy file)")
+    kind = next((k for magic, k in _NOT_TEXT_MAGIC.items() if data.startswith(magic)), None)
+    if kind is None and _BZIP2_HEADER.match(data):
+        kind = "bzip2-compressed"
+    if kind is not None:
+        raise ValueError(
+            f"Token file {path!r} is {kind}, not text: its bytes are no tokens; decompress "
+            "it, or save the token ids with np.save (a .npy file)")
     at = data.find(b"\0", 0, TEXT_PROBE_BYTES)
     if at >= 0:
         raise ValueError(
@@ -285,8 +286,14 @@ def _compact(arr: np.ndarray) -> np.ndarray:
     return arr.astype(np.int32)
 
 
+def _is_int_in(value, lo: int, hi: int) -> bool:
+    """Whether ``value`` is an integer (not a bool) in ``[lo, hi]``."""
+    return (not isinstance(value, bool) and isinstance(value, (int, np.integer))
+            and lo <= value <= hi)
+
+
 def _check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+    if not _is_int_in(value, 1, float("inf")):
         raise ValueError(f"{name} must be a positive integer, got {value!r}.")
     return int(value)
 
@@ -323,8 +330,7 @@ class TokenBatches:
         """
         self._batch_size = _check_positive_int("batch_size", batch_size)
         self._seq_len = _check_positive_int("seq_len", seq_len)
-        if (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
-                or not 0 <= seed <= MAX_SEED):
+        if not _is_int_in(seed, 0, MAX_SEED):
             raise ValueError(
                 f"seed must be an integer from 0 to {MAX_SEED} (2**32 - 1), got {seed!r}: "
                 "numpy splits a larger seed into 32-bit words, so it would draw another "
@@ -363,8 +369,7 @@ class TokenBatches:
         return self._seed
 
     def _starts(self, step: int) -> np.ndarray:
-        if (isinstance(step, bool) or not isinstance(step, (int, np.integer))
-                or not 0 <= step <= MAX_SEED):
+        if not _is_int_in(step, 0, MAX_SEED):
             raise ValueError(f"step must be an integer from 0 to {MAX_SEED}, got {step!r}.")
         rng = np.random.default_rng([self._seed, int(step)])
         # Exclusive upper bound: the last window ends exactly at len(tokens).
@@ -405,11 +410,7 @@ class TokenBatches:
             by ``process_count``.
         """
         process_count = _check_positive_int("process_count", process_count)
-        if (
-            isinstance(process_index, bool)
-            or not isinstance(process_index, (int, np.integer))
-            or not 0 <= process_index < process_count
-        ):
+        if not _is_int_in(process_index, 0, process_count - 1):
             raise ValueError(
                 f"process_index must be an integer in [0, {process_count}), got {process_index!r}."
             )

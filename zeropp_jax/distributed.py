@@ -168,15 +168,26 @@ def _check_port_free(coordinator: str) -> None:
     crash process 0 without a word (the others still wait out the start-up
     timeout)."""
     port = int(coordinator.rsplit(":", 1)[1])
+    error = bind_error("", port, reuse_address=True)  # TIME_WAIT is no user
+    if error is not None:
+        raise ValueError(
+            f"the coordinator's port {port} ({coordinator}) is in use on this host, the "
+            f"one of process 0, which runs the coordinator service ({error.strerror}): give "
+            "--coordinator another port, or stop what holds it")
+
+
+def bind_error(host: str, port: int, *, reuse_address: bool = False) -> OSError | None:
+    """The error binding a TCP socket to ``host:port`` raises (something
+    holds the port), or ``None``; with ``reuse_address``, a port left in
+    TIME_WAIT counts as free (``SO_REUSEADDR``)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no user
+        if reuse_address:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("", port))
+            s.bind((host, port))
         except OSError as e:
-            raise ValueError(
-                f"the coordinator's port {port} ({coordinator}) is in use on this host, the "
-                f"one of process 0, which runs the coordinator service ({e.strerror}): give "
-                "--coordinator another port, or stop what holds it") from None
+            return e
+    return None
 
 
 def resolve(

@@ -72,7 +72,7 @@ def free_port(host: str = HOST) -> int:
     low, high = _ephemeral_range()
     candidates = [p for p in range(20000, 32768) if not low <= p <= high]
     for port in random.sample(candidates, min(len(candidates), 50)):
-        if _bindable(host, port):
+        if distributed.bind_error(host, port) is None:
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -86,15 +86,6 @@ def _ephemeral_range() -> tuple[int, int]:
         return low, high
     except (OSError, ValueError):
         return 32768, 60999
-
-
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def process_env(
@@ -222,7 +213,7 @@ def launch(
             stderr.write(f"zeropp-launch: {message}\n".encode())
             stderr.flush()
 
-    if port is not None and not _bindable(HOST, port):
+    if port is not None and distributed.bind_error(HOST, port) is not None:
         raise ValueError(
             f"coordinator port {port} on {HOST} is in use; pick another --port, or leave "
             "it out for a free one"

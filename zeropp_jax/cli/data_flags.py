@@ -26,7 +26,7 @@ def data_vocab(args: argparse.Namespace) -> int:
     """``--vocab-size``, else ``--data``'s largest id + 1, else the byte
     vocabulary of the bundled data; ``ValueError`` naming the flag."""
     if args.data is None and (args.vocab_size or data.VOCAB_SIZE_BYTES) >= data.VOCAB_SIZE_BYTES:
-        return args.vocab_size or data.VOCAB_SIZE_BYTES  # byte tokens: no need to read them
+        return args.vocab_size or data.VOCAB_SIZE_BYTES  # holds every byte: nothing to read
     try:
         return data.load_tokens(args.data, vocab_size=args.vocab_size)[1]
     except ValueError as e:

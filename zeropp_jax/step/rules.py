@@ -98,10 +98,12 @@ def check_leaf_uniform(
     a unit of ``k`` leaves: the same elements, so the same global norm), and
     must move every element as it moves the model's leaves: a choice by rank that
     is the same for every leaf (``x.ndim >= 2`` on a model of matrices)
-    would hold for none of the flat units, and a mask or labels given as a
-    pytree of the parameters do not fit the units' dict. Choices the
-    stand-in cannot show pass unseen: masks by a leaf's size or shape, and
-    per-leaf norms (``optax.lamb``), which act per unit in the trainer.
+    would hold for none of the flat units, per-leaf norms that do not cancel
+    there (``optax.novograd``) would be taken per unit, and a mask or labels
+    given as a pytree of the parameters do not fit the units' dict. Choices
+    the stand-in cannot show pass unseen: masks by a leaf's shape, and
+    per-leaf norms whose ratio cancels on it (``optax.lamb``), which act per
+    unit in the trainer.
 
     Args:
       optimizer: an optax ``GradientTransformation``.
@@ -128,9 +130,10 @@ def check_leaf_uniform(
             "(gradients, state, parameters) cannot run in the trainer; otherwise pass "
             "check_optimizer=False"
         ) from e
+    first = jax.tree_util.keystr(paths[0])
     if moves is None:
         if layout is not None:  # the units may move where the leaves do not
-            _check_on_units(optimizer, layout, jax.tree_util.keystr(paths[0]), None)
+            _check_on_units(optimizer, layout, first, None)
         warnings.warn(
             "make_trainer could not check that the optimizer treats every parameter leaf "
             f"alike: it moved no leaf in {_PROBE_STEPS} stand-in steps (gradients 1.0): a "
@@ -145,7 +148,7 @@ def check_leaf_uniform(
         raise ValueError(
             "the optimizer treats parameter leaves differently (a per-leaf mask or label, "
             "or a rule by a leaf's rank, like optax.contrib.muon's for matrices): "
-            f"on a stand-in step it moves {jax.tree_util.keystr(paths[0])} by {moves[0]:.6g} "
+            f"on a stand-in step it moves {first} by {moves[0]:.6g} "
             f"and {jax.tree_util.keystr(paths[other])} by {moves[other]:.6g}. The trainer "
             "runs the optimizer on flat units, where such a choice would silently hold for "
             "all leaves or none: use one setting for every leaf (e.g. optax.adamw without "
@@ -153,7 +156,7 @@ def check_leaf_uniform(
             "(optax.add_noise) differs there too: pass check_optimizer=False for it"
         )
     if layout is not None:
-        _check_on_units(optimizer, layout, jax.tree_util.keystr(paths[0]), float(moves[0]))
+        _check_on_units(optimizer, layout, first, float(moves[0]))
 
 
 def _check_on_units(optimizer: optax.GradientTransformation, layout: ParamLayout,
