@@ -19,7 +19,9 @@ overflow), rounded to ``scale_dtype`` by
 arithmetic that no compiler elides: the carry uses the scale as stored); bit ``j`` of byte ``i`` is
 ``x[8i + j] >= 0`` (so ``-0.0`` counts as positive); a block holding inf or
 NaN gets scale NaN, so its new carry is NaN too (the reference's behaviour:
-a non-finite gradient poisons its block until the caller resets the carry).
+a non-finite gradient poisons its block until the caller resets the carry;
+so does a finite one whose ``x + carry`` passes float32's largest value,
+about 3.4e38: the carry stays finite only while that sum does).
 
 Summation order of the scale: ``block`` is a power of two, so ``|x| /
 block`` is the exactly rounded ``|x| * 2**-k`` on every backend, but the

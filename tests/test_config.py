@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zeropp_jax.config import ZeroConfig
+from zeropp_jax.config import PRESETS, ZeroConfig
 
 
 def test_replace_derives_a_defaulted_qgz_block_again():
@@ -73,3 +73,13 @@ def test_every_preset_still_builds_and_replaces():
         config = ZeroConfig.from_preset(preset)
         assert config.replace() == config
         assert config.replace(grad_accum=2).grad_accum == 2
+
+
+def test_a_config_named_after_a_preset_it_has_nothing_of_is_refused():
+    with pytest.raises(ValueError, match=r"from_preset\('zeropp'"):
+        ZeroConfig(preset="zeropp")
+    with pytest.raises(ValueError, match="qwz_bits=8"):
+        ZeroConfig(preset="qwz")
+    assert ZeroConfig(preset="qwz", qwz_bits=4).qwz_bits == 4  # something of it: a variant
+    for name in PRESETS:
+        assert ZeroConfig.from_preset(name).preset == name

@@ -269,6 +269,20 @@ def test_special_blocks(mode, bits, scale_dtype):
     assert (s[3:5] == 0).all()
 
 
+def test_a_finite_block_past_bfloat16s_range_keeps_a_finite_scale(mode):
+    """A 1-bit block whose mean |x| rounds past bfloat16's largest value gets
+    that value as its scale (not inf, which decoded to inf and left a NaN carry)."""
+    x = jnp.asarray(np.stack([np.full(16, 3.3963e38, np.float32),
+                              np.linspace(-3.4e38, 3.4e38, 16, dtype=np.float32)]))
+    carry = jnp.zeros(x.shape, jnp.float32)
+    q, c = pk.compress_1bit_ef(x, carry, block=16, scale_dtype=jnp.bfloat16,
+                               interpret=_interp(mode))
+    r = pk.compress_1bit_ef_reference(x, carry, block=16, scale_dtype=jnp.bfloat16)
+    assert_onebit_close(x, q, c, r, 16, jnp.bfloat16)
+    assert f32(q.scales)[0, 0] == float(jnp.finfo(jnp.bfloat16).max)
+    assert np.isfinite(f32(q.scales)).all() and np.isfinite(f32(c)).all()
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_empty_input(bits):
     x = jnp.zeros((0, 64), jnp.float32)
@@ -528,8 +542,9 @@ def test_stored_scale_rounds_to_nearest_even_on_the_bfloat16_grid():
 def test_scale_is_a_multiply_by_the_float32_reciprocal():
     """``absmax * float32(1 / qmax)``: 49 -> 7.000000476837158 at 4 bits on every backend.
 
-    A division by the constant 7 gives 7.0 where it is IEEE (CPU, a GPU
-    kernel) and 7.000000476837158 where XLA rewrites it as a multiply (GPU);
+    A division by the constant 7 gives 7.0 where it is IEEE (numpy, a GPU
+    kernel) and 7.000000476837158 where XLA rewrites it as a multiply (under
+    jit on GPU, and on CPU in recent versions);
     the library defines the multiply, which every backend rounds the same.
     """
     x = jnp.zeros((1, 8), jnp.float32).at[0, 3].set(49.0)

@@ -615,6 +615,52 @@ def test_a_linen_loss_writing_batch_stats_is_warned_about():
         step(scan_loss, scan_params, scan_batch)
 
 
+def test_a_pure_block_under_an_apply_with_mutable_collections_is_wrapped():
+    """The loss's apply asks for mutable collections (here ``intermediates``,
+    or a BatchNorm outside the blocks): a block that writes none trains as
+    unwrapped; one that writes (BatchNorm in training mode) is refused."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        train_norm: bool = False
+
+        @nn.compact
+        def __call__(self, h):
+            if self.train_norm:
+                h = nn.BatchNorm(use_running_average=False)(h)
+            return h + nn.Dense(8)(jnp.tanh(h))
+
+    class Net(nn.Module):
+        train_norm: bool = False
+
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(2):
+                x = Block(self.train_norm)(x)
+            return nn.Dense(1)(x)[:, 0]
+
+    batch = _linen_batch()
+    for train_norm in (False, True):
+        net = Net(train_norm)
+        variables = net.init(jax.random.key(0), batch["x"])
+
+        def loss(p, b, net=net, variables=variables):
+            out, _ = net.apply({**variables, "params": p}, b["x"],
+                               mutable=["intermediates", "batch_stats"])
+            return jnp.mean((out - b["y"]) ** 2)
+
+        def make():
+            return zp.make_trainer(loss, optax.adam(0.01), variables["params"],
+                                   mesh=zp.make_mesh(2, 4), wrap=(Block,), example_batch=batch)
+        if train_norm:
+            with pytest.raises(ValueError, match="writes a variable.*must be pure"):
+                make()
+        else:  # nothing is written: no warning either
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", UserWarning)
+                _steps_match_optax(make(), loss, optax.adam(0.01), variables["params"], batch, 2)
+
+
 def test_a_loss_may_return_loss_and_aux():
     """``(loss, aux)``, as jax.value_and_grad(has_aux=True) takes: the step
     trains exactly as with the loss alone, and ``metrics["aux"]`` holds each

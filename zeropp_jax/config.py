@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from zeropp_jax.config_checks import (  # noqa: F401
     HPZ_SECONDARIES, QGZ_CODES, QGZ_SHARES, QGZ_TARGETS, QWZ_BITS, SCALE_DTYPES,
     check_hpz_secondary, check_node_replicated, check_onebit_adam, check_qgz_code,
-    check_qgz_schedule, check_values, parse_dtype,
+    check_preset_label, check_qgz_schedule, check_values, parse_dtype,
 )
 
 # 1-bit Adam estimates Adam's second moment in the warm-up and freezes it
@@ -177,8 +177,8 @@ def _preset_fields(preset: str, given: dict) -> dict:
 class ZeroConfig:
     """How parameters and gradients are partitioned and communicated.
 
-    Each field's ``help`` below says what it means; it is also the
-    ``--help`` text of the field's flag in ``zeropp-train`` and
+    Each field's ``help`` (listed under Attributes, below) says what it
+    means; it is also the ``--help`` text of the field's flag in ``zeropp-train`` and
     ``zeropp-comm``. Master weights and optimizer state are always float32
     shards, whatever the dtypes here.
     """
@@ -308,9 +308,8 @@ class ZeroConfig:
 
     def __post_init__(self):
         if self.preset not in PRESETS:
-            raise ValueError(
-                f"unknown preset {self.preset!r}; choose one of {list(PRESETS)}"
-            )
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {list(PRESETS)}")
+        check_preset_label(self, PRESETS)
         if self.qgz not in QGZ_MODES:
             raise ValueError(f"qgz must be one of {QGZ_MODES}, got {self.qgz!r}")
         if self.qgz_block is None:
@@ -424,3 +423,7 @@ class ZeroConfig:
                 value = jnp.dtype(value).name
             out[f.name] = value
         return out
+
+
+ZeroConfig.__doc__ += "\n    Attributes:\n" + "".join(  # each field's help, for help(ZeroConfig)
+    f"      {f.name}: {f.metadata['help']}\n" for f in dataclasses.fields(ZeroConfig))

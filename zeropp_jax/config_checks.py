@@ -232,3 +232,17 @@ def idle_fields(config) -> dict[str, str]:
         if not config.qwz_bits:
             out["scale_dtype"] = "nothing is quantized (qwZ and qgZ are off)"
     return out
+
+
+def check_preset_label(cfg: Any, presets: dict) -> None:
+    """Refuses a config named after a preset it has nothing of:
+    ``ZeroConfig(preset="zeropp")`` only labels a plain zero3 config (the
+    preset's fields come from ``from_preset``)."""
+    plain = {f.name: f.default for f in dataclasses.fields(cfg)} | presets["zero3"]
+    own = {k: v for k, v in presets[cfg.preset].items() if plain[k] != v}
+    if own and all(getattr(cfg, k) == plain[k] for k in own):
+        raise ValueError(
+            f"ZeroConfig(preset={cfg.preset!r}) has none of that preset's settings "
+            f"({', '.join(f'{k}={v!r}' for k, v in own.items())}): the preset field only "
+            f"names where the fields started. Build it with "
+            f"ZeroConfig.from_preset({cfg.preset!r}, ...), or name the preset it is")

@@ -120,7 +120,11 @@ def check_unit_trees(params: Any, layout: Any) -> None:
     """Raises ``ValueError`` unless ``params`` fits ``layout``'s units
     (:class:`~zeropp_jax.layout.ParamLayout`): each unit's leaves at the same
     key paths (those missing or extra are named) with the same shapes."""
-    trees = split_units(params, layout)
+    try:
+        trees = split_units(params, layout)
+    except (KeyError, IndexError, TypeError) as e:  # a unit's sub-tree is not there
+        raise ValueError(f"the parameters lack what make_trainer was given: no {e} in "
+                         f"them (units {', '.join(u.name for u in layout.units)})") from None
     for u in layout.units:
         structure = jax.tree_util.tree_structure(trees[u.name])
         if structure != u.treedef:  # per layer and stacked alike

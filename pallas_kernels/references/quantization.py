@@ -33,9 +33,10 @@ One scale on every backend: the scale is ``max|x|`` times the float32
 constant :data:`INV_QMAX` (``float32(1 / qmax)``), one correctly rounded
 multiply, and a bfloat16 scale is rounded to nearest-even by integer
 arithmetic on the float32 bits (:func:`stored_scale`). A division by the
-constant ``qmax`` is not portable: XLA on GPU rewrites ``x / 7.0`` into
-``x * (1 / 7.0)`` (49 / 7 gives 7.000000476837158 there, 7.0 on CPU and in
-a GPU kernel's IEEE division), and XLA on GPU may drop a float32 -> bfloat16
+constant ``qmax`` is not portable: XLA under ``jit`` rewrites ``x / 7.0`` into
+``x * (1 / 7.0)`` (49 / 7 gives 7.000000476837158 there, on GPU and, in
+recent versions, on CPU; 7.0 in numpy and in a GPU kernel's IEEE division),
+and XLA on GPU may drop a float32 -> bfloat16
 -> float32 round trip as "excess precision". Neither can change a multiply
 or integer bit arithmetic, so the reference run by any backend and every
 kernel agree bit for bit. Likewise codes multiply by the per-block
@@ -56,12 +57,15 @@ Special values:
 
 * A block of zeros gets scale 0 and dequantizes to exact zeros; the division
   is guarded, so no NaN appears.
-* A block holding a non-finite value (inf or NaN) gets scale NaN and codes 0,
-  so the whole dequantized block is NaN. A non-finite parameter or gradient is
+* A block holding a non-finite value (inf or NaN) gets scale NaN and codes 0
+  (at 1 bit the other elements keep their sign bits), so the whole
+  dequantized block is NaN. A non-finite parameter or gradient is
   therefore reported downstream (e.g. by a loss-scaler's finiteness check)
   instead of being turned silently into finite garbage. Other blocks are
   unaffected.
-* Scales are float32 or bfloat16 (both have float32's exponent range).
+* Scales are float32 or bfloat16 (both have float32's exponent range; a
+  bfloat16 scale saturates at bfloat16's largest value, 3.39e38, rather than
+  round to inf: :func:`stored_scale`).
   float16 scales are refused: they overflow for ``max|x| > 65504 * qmax``.
   A block whose scale underflows to zero, or is too small to have a finite
   reciprocal (``max|x|`` below about ``qmax * 2.9e-39``), dequantizes to
@@ -103,6 +107,8 @@ _QMAX = {8: 127, 4: 7}
 INV_QMAX = {bits: np.float32(1.0 / qmax) for bits, qmax in _QMAX.items()}
 """``float32(1 / qmax)`` per bit width: ``scale = max|x| * INV_QMAX[bits]``."""
 _VALID_SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_F32_INF_BITS = np.uint32(0x7F800000)  # float32 +inf's bits
+_BF16_MAX_BITS = np.uint32(0x7F7F0000)  # bfloat16's largest finite value, as float32 bits
 
 
 class Quantized(NamedTuple):
@@ -176,17 +182,21 @@ def stored_scale(scale: jax.Array, scale_dtype) -> jax.Array:
     (add ``0x7FFF`` plus the lowest kept bit, clear the low 16 bits), which no
     compiler can elide or reassociate, unlike a ``float32 -> bfloat16 ->
     float32`` round trip; the result converts to ``scale_dtype`` exactly.
-    Values that round past bfloat16's largest finite value become inf, as
-    the conversion would. Meant for finite ``scale >= 0``: callers replace
-    non-finite blocks' scales afterwards (plain ``jnp``, also used inside
-    the Pallas kernels).
+    A finite value that would round past bfloat16's largest finite value
+    (3.39e38; only a 1-bit block's ``mean|x|`` gets there) saturates to it,
+    so a finite block keeps a finite scale (the conversion would give inf,
+    and the block would decode to inf). Meant for ``scale >= 0``: callers
+    replace non-finite blocks' scales afterwards (plain ``jnp``, also used
+    inside the Pallas kernels).
     """
     if jnp.dtype(scale_dtype) != jnp.dtype(jnp.bfloat16):
         return scale
     bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
     lsb = (bits >> 16) & jnp.uint32(1)
-    bits = (bits + jnp.uint32(0x7FFF) + lsb) & jnp.uint32(0xFFFF0000)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+    rounded = (bits + jnp.uint32(0x7FFF) + lsb) & jnp.uint32(0xFFFF0000)
+    overflowed = (bits < _F32_INF_BITS) & (rounded == _F32_INF_BITS)
+    rounded = jnp.where(overflowed, _BF16_MAX_BITS, rounded)
+    return jax.lax.bitcast_convert_type(rounded, jnp.float32)
 
 
 # --------------------------------------------------------------------------

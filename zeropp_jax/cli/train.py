@@ -127,9 +127,9 @@ def run(args: argparse.Namespace) -> int:
     record_of_run = guards.run_record(args, dataclasses.asdict(model_cfg), data_print)
     ckpt, state, restored_meta = _open_checkpoints(args, trainer, is_main, record_of_run)
     if state is None:
-        params = gpt.init_params(model_cfg, jax.random.key(args.seed))
-        state = trainer.init(params)
-        del params
+        # Each unit drawn already split: no device holds the whole model.
+        state = trainer.init_from(lambda key: gpt.init_params(model_cfg, key),
+                                  jax.random.key(args.seed))
     # The data position is the step: batch k is a pure function of (seed, k).
     first_step = int(state.step)
     if first_step >= args.steps:

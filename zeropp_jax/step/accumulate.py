@@ -136,10 +136,41 @@ def accumulate(
       ValueError: if ``loss_fn`` returns neither a scalar array nor a
         ``(scalar, aux)`` pair (:func:`split_loss_output`).
     """
-    cfg = geo.config
-    accum = cfg.grad_accum
-    units = geo.layout.units
+    accum = geo.config.grad_accum
+    sinks0, loss_of_sinks = loss_on_units(geo, loss_fn, params, sum_axes)
 
+    def grads_of(micro_batch, index):
+        micro_key = None if key is None else micro_batch_key_at(key, step, batch, accum, index)
+        out, g = jax.value_and_grad(loss_of_sinks, has_aux=True)(sinks0, micro_batch, micro_key)
+        return g, LossOutputs(*out)
+
+    def micro_step(acc, inputs):
+        g, out = grads_of(*inputs)
+        return jax.tree.map(jnp.add, acc, g), out
+
+    micro_batches = split_micro_batches(batch, accum)
+    if accum == 1:  # no loop, and no zeros + gradient pass
+        g, out = grads_of(jax.tree.map(lambda x: x[0], micro_batches), 0)
+        return (jax.tree.map(lambda x: x.astype(jnp.float32), g),
+                jax.tree.map(lambda x: x[None], out))
+    return jax.lax.scan(micro_step, sinks0, (micro_batches, jnp.arange(accum)))
+
+
+def loss_on_units(geo: StepGeometry, loss_fn: Callable[..., jax.Array], params: dict,
+                  sum_axes: tuple = ()) -> tuple[dict, Callable]:
+    """The loss as a function of the units' gradient sinks (inside shard_map).
+
+    Args:
+      geo, loss_fn, params, sum_axes: as :func:`accumulate`'s.
+
+    Returns:
+      ``(sinks0, loss_of_sinks)``: each unit's zero sink (what a gradient is
+      taken with respect to), and ``loss_of_sinks(sinks, micro_batch,
+      micro_key) -> (loss, aux)`` (:func:`split_loss_output`), which calls
+      ``loss_fn`` on :class:`~zeropp_jax.step.gather.Unit` handles (or the
+      gathered model) made from each unit's source, prepared here once.
+    """
+    units = geo.layout.units
     sources = {}
     for u in units:
         with jax.named_scope(f"unit_source_{u.name}"):
@@ -176,28 +207,21 @@ def accumulate(
                 "NumPy copy (np.asarray(x); a copy moved to one device with jax.device_put "
                 f"is refused too). JAX said: {e}") from None
 
-    rows = jax.tree.leaves(batch)[0].shape[0]  # this device's rows, B / D
+    return sinks0, loss_of_sinks
 
-    def grads_of(micro_batch, index):
-        micro_key = None
-        if key is not None:
-            first_row = collectives.axes_index(DATA_AXES) * rows + index * (rows // accum)
-            micro_key = micro_batch_key(key, step, first_row)
-        out, g = jax.value_and_grad(loss_of_sinks, has_aux=True)(sinks0, micro_batch, micro_key)
-        return g, LossOutputs(*out)
 
-    def micro_step(acc, inputs):
-        g, out = grads_of(*inputs)
-        return jax.tree.map(jnp.add, acc, g), out
+def split_micro_batches(batch: Any, accum: int) -> Any:
+    """This device's ``(B / D, ...)`` leaves as ``(accum, B / D / accum, ...)``."""
+    return jax.tree.map(lambda x: jnp.reshape(x, (accum, x.shape[0] // accum) + x.shape[1:]), batch)
 
-    micro_batches = jax.tree.map(
-        lambda x: jnp.reshape(x, (accum, x.shape[0] // accum) + x.shape[1:]), batch
-    )
-    if accum == 1:  # no loop, and no zeros + gradient pass
-        g, out = grads_of(jax.tree.map(lambda x: x[0], micro_batches), 0)
-        return (jax.tree.map(lambda x: x.astype(jnp.float32), g),
-                jax.tree.map(lambda x: x[None], out))
-    return jax.lax.scan(micro_step, sinks0, (micro_batches, jnp.arange(accum)))
+
+def micro_batch_key_at(key: jax.Array, step: jax.Array, batch: Any, accum: int,
+                       index: jax.Array) -> jax.Array:
+    """:func:`micro_batch_key` of micro-batch ``index`` of this device's
+    ``batch`` (``(B / D, ...)`` leaves; inside shard_map: reads the device's index)."""
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    first_row = collectives.axes_index(DATA_AXES) * rows + index * (rows // accum)
+    return micro_batch_key(key, step, first_row)
 
 
 class LossOutputs(NamedTuple):
@@ -227,6 +251,9 @@ def split_loss_output(out: Any) -> tuple[jax.Array, Any]:
             f"loss_fn must return a scalar array (the loss), or a (loss, aux) tuple; got {kind}")
     if jnp.shape(out) != ():
         raise ValueError(f"loss_fn must return a scalar, got shape {jnp.shape(out)}")
+    if not jnp.issubdtype(out.dtype, jnp.floating):
+        raise ValueError(f"loss_fn returned a {out.dtype} loss; its gradient would be zero "
+                         "(jax.grad refuses it): return a floating-point loss")
 
     def as_float(path, leaf):
         where = f"the loss's aux{jax.tree_util.keystr(path)}"
@@ -284,15 +311,23 @@ def step_metrics(geo: StepGeometry, outputs: LossOutputs, sq_norm: jax.Array,
       sq_norm: the squared gradient norm, the same on every device.
       compress: whether this variant compresses (qgZ).
     """
-    def mean(x):  # over micro-batches, then devices
-        return over_devices(jnp.mean(x, axis=0), jax.lax.pmean)
-
+    means = mean_outputs(outputs)
     out = {
-        "loss": mean(outputs.losses),
+        "loss": means.pop("loss"),
         "grad_norm": jnp.sqrt(sq_norm),
         "grad_rms": jnp.sqrt(sq_norm / float(geo.layout.numel)),  # numel may pass int32
         "compressed": jnp.asarray(int(compress and geo.qgz_active), jnp.int32),
     }
+    return {**out, **means}
+
+
+def mean_outputs(outputs: LossOutputs) -> dict:
+    """``{"loss"}`` and, if the loss returns one, ``{"aux"}``: each averaged over
+    the micro-batches, then over every device (inside shard_map)."""
+    def mean(x):
+        return over_devices(jnp.mean(x, axis=0), jax.lax.pmean)
+
+    out = {"loss": mean(outputs.losses)}
     if jax.tree.leaves(outputs.aux):
         out["aux"] = jax.tree.map(mean, outputs.aux)
     return out

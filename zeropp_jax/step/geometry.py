@@ -72,6 +72,19 @@ class StepGeometry:
         return self.mesh.devices.flat[0].platform
 
     @property
+    def one_step_in_flight(self) -> bool:
+        """Whether :meth:`~zeropp_jax.Trainer.step` waits for its input state
+        before dispatching.
+
+        With hundreds of steps queued by asynchronous dispatch and no result
+        read back, XLA:CPU aborted in a collective's rendezvous, on the
+        simulated multi-device CPU mesh (``tests/test_train.py``). So on the
+        CPU backend with several devices a step starts only after the
+        previous one finished. On GPUs nothing waits.
+        """
+        return self.mesh.size > 1 and self.platform == "cpu"
+
+    @property
     def compute_dtype(self) -> Any:
         return self.config.resolved_compute_dtype(self.platform)
 

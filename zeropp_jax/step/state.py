@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from zeropp_jax.step.geometry import StepGeometry
 from zeropp_jax.wire.qgz import QgzState
@@ -51,3 +52,28 @@ class TrainState(NamedTuple):
 def initial_qgz_state(geo: StepGeometry) -> QgzState:
     """qgZ's state at step 0: zero sender carries (with error feedback), no RMS yet (``inf``)."""
     return QgzState(geo.zeros(geo.carry_specs(), per_node=True), jnp.full((), jnp.inf, jnp.float32))
+
+
+def check_state(state: Any, form: tuple, method: str) -> None:
+    """Refuses, saying why, what ``trainer.<method>`` cannot take: anything but a
+    TrainState, one under a JAX transformation, one an earlier step consumed
+    (its arrays donated), or another trainer's (``form``: its tree structure and
+    leaf shapes)."""
+    if not isinstance(state, TrainState):
+        raise TypeError(f"trainer.{method} takes the TrainState that trainer.init (or a "
+                        f"step, or a checkpoint's restore) returned, not a {type(state).__name__}")
+    try:
+        consumed = any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
+    except jax.errors.ConcretizationTypeError:
+        raise TypeError(f"trainer.{method} was called under a JAX transformation (jax.jit, "
+                        "jax.grad, ...): it compiles and places its own program; call it "
+                        "on concrete arrays") from None
+    if (jax.tree.structure(state), [np.shape(x) for x in jax.tree.leaves(state)]) != form:
+        raise ValueError(
+            f"this TrainState was not made for this trainer (its units or optimizer state "
+            f"differ in structure or shape): trainer.{method} takes the states of the trainer "
+            "that made them; move a state to another trainer (mesh, config, optimizer) "
+            "through a checkpoint (Checkpointer.restore onto the new trainer)")
+    if consumed:
+        raise ValueError("this TrainState was given to an earlier trainer.step, which "
+                         "consumed it (its arrays are donated); pass the state it returned")

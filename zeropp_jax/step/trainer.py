@@ -32,31 +32,24 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.config import ZeroConfig
 from zeropp_jax.config_checks import is_int
-from zeropp_jax.layout import (
-    build_layout,
-    flatten_unit,
-    join_units,
-    split_units,
-    unflatten_unit,
-)
-from zeropp_jax.mesh import mesh_shape, replicated_on
-from zeropp_jax.tree_paths import check_unit_trees
+from zeropp_jax.layout import build_layout, flatten_unit, params_shapes, split_units
+from zeropp_jax.mesh import mesh_shape
 from zeropp_jax.step.accumulate import check_loss_arguments
 # global_batch_size_check: re-exported (the CLI imports it from here).
 from zeropp_jax.step.batch import global_batch_size_check, place_batch  # noqa: F401
+from zeropp_jax.step.evaluate import evaluate
 from zeropp_jax.step.geometry import StepGeometry, check_kernel_blocks
 from zeropp_jax.step.adam import OneBitAdam
 from zeropp_jax.step.rules import UpdateRule, check_leaf_uniform, rule_for
 from zeropp_jax.step.schedule import HostSteps, QgzSchedule
-from zeropp_jax.step.state import TrainState, ZeroOptState
+from zeropp_jax.step.state import TrainState, ZeroOptState, check_state
+from zeropp_jax.step import state_io
 from zeropp_jax.step import wrap as wrap_policy
-from zeropp_jax.wire.kernels import Kernels
 
 __all__ = ["Trainer", "TrainState", "ZeroOptState", "make_trainer"]
 
@@ -96,16 +89,8 @@ class Trainer:
     error_feedback = property(lambda self: self.geometry.error_feedback)
     param_shardings = property(lambda self: self.geometry.param_shardings)
     batch_sharding = property(lambda self: self.geometry.batch_sharding)
-
-    @property
-    def optimizer(self) -> Any:
-        """The optax optimizer, or :class:`OneBitAdam`'s hyperparameters."""
-        return self.rule.optimizer
-
-    @property
-    def kernels(self) -> Kernels:
-        """The quantization kernels this step uses (reported in describe())."""
-        return self.geometry.kernels
+    kernels = property(lambda self: self.geometry.kernels)  # the quantization kernels
+    optimizer = property(lambda self: self.rule.optimizer)  # optax's, or OneBitAdam
 
     @functools.cached_property
     def schedule(self) -> QgzSchedule:
@@ -114,36 +99,47 @@ class Trainer:
 
     # ------------------------------------------------------------ init
     def init(self, params: Any) -> TrainState:
-        """Shards a full parameter pytree and initializes the optimizer.
+        """The sharded :class:`TrainState` at step 0 of the full parameters
+        ``params`` (the structure the trainer was built for; any float dtypes,
+        stored as float32), the optimizer initialized."""
+        return self._start(state_io.scatter_tree(self.geometry, params))
+
+    def init_from(self, init_fn: Callable[..., Any], *args: Any) -> TrainState:
+        """:meth:`init` of ``init_fn(*args)``, without the whole model on any device.
+
+        Each unit is drawn already split over the devices
+        (:func:`~zeropp_jax.step.state_io.shard_init`: a stacked unit a few
+        layers per device at a time, another unit whole on each device for a
+        moment), so a model larger than one device trains; the values equal
+        ``init(jax.jit(init_fn)(*args))``'s bit for bit.
 
         Args:
-          params: the full parameters (any float dtypes; stored as float32),
-            with the structure the trainer was built for.
-
-        Returns:
-          The sharded :class:`TrainState` at step 0.
+          init_fn: a pure function returning the parameters the trainer was
+            built for, e.g. ``lambda key: model.init(key, x)["params"]``.
+          *args: its arguments (e.g. a PRNG key).
         """
-        check_unit_trees(params, self.layout)
-        with jax.set_mesh(self.mesh):  # a committed or sharded leaf: replicated first, as host ones
-            state = self._init_jit(replicated_on(params, self.mesh))
+        return self._start(state_io.shard_init(self.geometry, init_fn, args))
+
+    def _start(self, flat: dict) -> TrainState:
+        with jax.set_mesh(self.mesh):
+            state = self._init_opt(flat)
         self._host_steps.record(state.step, 0)
         return state
 
     @functools.cached_property
-    def _init_jit(self) -> Callable:
-        def init(params):
-            trees = split_units(params, self.layout)
-            flat = {u.name: flatten_unit(trees[u.name], u) for u in self.layout.units}
-            flat = self.geometry.place_params(flat)
-            opt_state = self.rule.init(self.geometry, flat)
-            return TrainState(jnp.zeros((), jnp.int32), flat, opt_state)
-
-        return jax.jit(init)
+    def _init_opt(self) -> Callable:
+        return jax.jit(lambda flat: TrainState(
+            jnp.zeros((), jnp.int32), flat, self.rule.init(self.geometry, flat)))
 
     def abstract_state(self, params_shapes: Any) -> TrainState:
         """The state's shapes and a real state's shardings (so JAX's caches serve its step)."""
+        def init(params):
+            trees = split_units(params, self.layout)
+            return self._init_opt(self.geometry.place_params(
+                {u.name: flatten_unit(trees[u.name], u) for u in self.layout.units}))
+
         with jax.set_mesh(self.mesh):
-            shapes = jax.eval_shape(self._init_jit, params_shapes)
+            shapes = jax.eval_shape(init, params_shapes)
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=(
             self.geometry.sharding(s.sharding.spec if s.sharding else P()))), shapes)
 
@@ -167,7 +163,7 @@ class Trainer:
           ``(new_state, metrics)``: scalars ``loss``, ``grad_norm``, ``grad_rms``, ``compressed``
           (0/1), 1-bit Adam's ``bounded`` and ``skipped`` (0/1, with ``skip_non_finite``); ``aux``.
         """
-        _check_not_consumed(state)
+        check_state(state, self._state_form, "step")
         step = self._host_steps.get(state.step)
         if compress is None:
             if step is None and not self.schedule.is_static:
@@ -175,7 +171,7 @@ class Trainer:
             compress = self.schedule.compress_at(step, state.opt_state.qgz.grad_rms)
         compress = self.schedule.forced(compress)
         batch = self.shard_batch(batch)  # no copy for a batch already placed
-        if self._one_step_in_flight:
+        if self.geometry.one_step_in_flight:
             jax.block_until_ready(state)
         with jax.set_mesh(self.mesh):
             state, metrics = self._step_variants[compress](state, batch)
@@ -196,17 +192,27 @@ class Trainer:
             for compress in (True, False)
         }
 
-    @functools.cached_property
-    def _one_step_in_flight(self) -> bool:
-        """Whether :meth:`step` waits for its input state before dispatching.
+    def evaluate(self, state: TrainState, batch: Any) -> dict:
+        """The loss of ``batch`` at ``state``'s parameters, with no update (an eval step).
 
-        With hundreds of steps queued by asynchronous dispatch and no result
-        read back, XLA:CPU aborted in a collective's rendezvous, on the
-        simulated multi-device CPU mesh (``tests/test_train.py``). So on the
-        CPU backend with several devices a step starts only after the
-        previous one finished. On GPUs nothing waits.
+        The model runs as in :meth:`step`'s forward (the same gathers, qwZ
+        codes included; ``grad_accum`` micro-batches; a loss taking a key
+        gets the keys a step at this state would draw). ``state`` is not
+        consumed. Returns ``{"loss"}`` (and ``"aux"``), averaged as a step's.
         """
-        return self.mesh.size > 1 and self.geometry.platform == "cpu"
+        check_state(state, self._state_form, "evaluate")
+        with jax.set_mesh(self.mesh):
+            return self._evaluate(state.params, self.shard_batch(batch), state.step, self.key)
+
+    @functools.cached_property
+    def _evaluate(self) -> Callable:
+        return jax.jit(functools.partial(evaluate, self.geometry, self.loss_fn))
+
+    @functools.cached_property
+    def _state_form(self) -> tuple:
+        """The tree structure and leaf shapes of this trainer's states."""
+        state = self.abstract_state(params_shapes(self.layout))
+        return jax.tree.structure(state), [x.shape for x in jax.tree.leaves(state)]
 
     def shard_batch(self, batch: Any) -> Any:
         """Places a global batch on the mesh, split over all devices.
@@ -265,32 +271,17 @@ class Trainer:
         Args:
           state_or_params: a :class:`TrainState` or its ``params`` dict.
         """
-        flat = getattr(state_or_params, "params", state_or_params)
-        with jax.set_mesh(self.mesh):
-            replicated = jax.jit(
-                lambda x: x,
-                out_shardings=jax.tree.map(lambda _: self.geometry.sharding(P()), flat),
-            )(flat)
-        trees = {}
-        for u in self.layout.units:
-            host = np.asarray(replicated[u.name].addressable_data(0))
-            if self.config.node_replicated:
-                host = host[0]  # every node's row is the same
-            trees[u.name] = jax.tree.map(
-                np.asarray, unflatten_unit(jnp.asarray(host), u, "original")
-            )
-        return join_units(trees, self.layout)
+        if isinstance(state_or_params, TrainState):
+            check_state(state_or_params, self._state_form, "gather_params")
+            state_or_params = state_or_params.params
+        return state_io.gather_tree(self.geometry, state_or_params)
 
     def memory_per_device(self) -> dict:
-        """Bytes each device holds per ZeRO++ structure (from the layout).
-
+        """Bytes each device holds per ZeRO++ structure (from the layout):
         :meth:`StepGeometry.memory_per_device
-        <zeropp_jax.step.geometry.StepGeometry.memory_per_device>`, plus
-        ``onebit_adam_extra``: the update rule's state beyond optax Adam's
-        (:meth:`OneBitAdamRule.extra_memory
-        <zeropp_jax.step.onebit_adam.OneBitAdamRule.extra_memory>`; 0 for the
-        gradient rule).
-        """
+        <zeropp_jax.step.geometry.StepGeometry.memory_per_device>`, and
+        ``onebit_adam_extra``, the rule's state beyond optax Adam's
+        (:meth:`~zeropp_jax.step.onebit_adam.OneBitAdamRule.extra_memory`)."""
         return {
             **self.geometry.memory_per_device(),
             "onebit_adam_extra": self.rule.extra_memory(self.geometry),
@@ -312,13 +303,6 @@ class Trainer:
             "largest_unit": self.layout.largest_unit_numel,
         }
 
-
-
-def _check_not_consumed(state: TrainState) -> None:
-    """A state that an earlier step consumed (its arrays donated) is refused."""
-    if any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array)):
-        raise ValueError("this TrainState was given to an earlier trainer.step, which "
-                         "consumed it (its arrays are donated); pass the state it returned")
 
 
 def make_trainer(
@@ -388,7 +372,13 @@ def make_trainer(
       state = trainer.init(params)
       state, metrics = trainer.step(state, batch)
     """
-    config = config or ZeroConfig()
+    config = ZeroConfig() if config is None else config
+    if not isinstance(config, ZeroConfig):
+        raise TypeError(f"config must be a ZeroConfig, got {config!r}; for a preset pass "
+                        "config=zeropp_jax.ZeroConfig.from_preset(name)")
+    if example_batch is not None and not wrap:
+        raise ValueError("example_batch= is only read with wrap= (to find the wrapped "
+                         "modules); without wrap= leave it out")
     check_loss_arguments(loss_fn, takes_key=rng is not None)
     rule = rule_for(optimizer, config)
     nodes, local = mesh_shape(mesh)

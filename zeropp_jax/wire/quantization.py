@@ -93,9 +93,13 @@ def quantization_error(
     q = quantize(x, bits=bits, block=block, scale_dtype=scale_dtype)
     x32 = x.astype(jnp.float32)
     err = dequantize(q, bits=bits, block=block, dtype=jnp.float32) - x32
-    err_norm = jnp.sqrt(jnp.sum(err * err))
-    x_norm = jnp.sqrt(jnp.sum(x32 * x32))
-    rel = jnp.where(x_norm > 0, err_norm / jnp.where(x_norm > 0, x_norm, 1.0), err_norm)
+    # Norms of x and err divided by x's largest magnitude first, so that
+    # squares of values near float32's ends neither overflow nor flush to 0.
+    unit = jnp.max(jnp.abs(x32), initial=0.0)
+    unit = jnp.where(unit > 0, unit, 1.0)
+    err_norm = jnp.sqrt(jnp.sum(jnp.square(err / unit)))
+    x_norm = jnp.sqrt(jnp.sum(jnp.square(x32 / unit)))
+    rel = jnp.where(x_norm > 0, err_norm / jnp.where(x_norm > 0, x_norm, 1.0), err_norm * unit)
     max_abs = jnp.max(jnp.abs(err), initial=0.0)
     return {"relative_l2_error": rel, "max_abs_error": max_abs}
 

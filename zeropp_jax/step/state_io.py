@@ -1,0 +1,149 @@
+"""Between pytrees shaped like the model's parameters and the trainer's flat unit shards.
+
+A trainer holds every unit as one float32 vector ``([L,] U)`` split over the
+devices (:class:`~zeropp_jax.step.state.TrainState`). These functions move a
+tree in the model's own structure (its parameters, or an optimizer's moments
+over them) in and out of that form:
+
+- :func:`shard_init` runs an init function so that each device only ever
+  holds its own shards plus one unit's worth of work, never the whole model
+  (what :meth:`zeropp_jax.Trainer.init_from` starts from);
+- :func:`scatter_tree` cuts a full tree into unit shards (what
+  :meth:`~zeropp_jax.Trainer.init` does with parameters);
+- :func:`gather_tree` puts unit shards back together on the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zeropp_jax.layout import flatten_unit, join_units, split_units, unflatten_unit
+from zeropp_jax.mesh import LOCAL, SHARD_AXES, replicated_on
+from zeropp_jax.step.geometry import StepGeometry
+from zeropp_jax.tree_paths import check_unit_trees
+
+
+def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple) -> dict:
+    """Master parameter shards of ``init_fn(*args)``, unit by unit.
+
+    Each unit is its own jitted program over ``init_fn`` (XLA drops the other
+    units' work), compiled for a copy of the mesh whose axes are ``Auto``, so
+    that XLA's partitioner splits the unit's random draws over the devices
+    (JAX's default ``jax_threefry_partitionable`` draws the same values
+    however they are split). Every leaf is drawn split along its first axis
+    (a stacked unit's: its layers), so a device forms only ``ceil(L /
+    devices)`` layers of a stacked unit at a time (about two layers' worth of
+    work space), and an unstacked unit (one block, or the embeddings) is put
+    together whole for a moment (one to two times its float32 size). The
+    values equal :func:`scatter_tree` of ``jax.jit(init_fn)(*args)`` bit for
+    bit (an eager ``init_fn(*args)`` may differ in the last bit, where XLA
+    fuses the draws' arithmetic otherwise).
+
+    Args:
+      geometry: the trainer's geometry (mesh, layout, config).
+      init_fn: ``init_fn(*args) -> params``, the tree the trainer was built
+        for (a pure function of its arguments, e.g. a Flax ``init`` from a key).
+      args: its arguments (arrays, keys; any placement).
+
+    Returns:
+      Unit name -> float32 ``([L,] U)`` (``(nodes, [L,] U)`` with
+      ``node_replicated``), placed with ``geometry.param_shardings``.
+
+    Raises:
+      ValueError: if ``init_fn``'s tree does not fit the trainer's layout
+        (checked from its shapes before anything runs).
+    """
+    check_unit_trees(jax.eval_shape(init_fn, *args), geometry.layout)
+    flat = {}
+    for unit in geometry.layout.units:
+        x = unit_init_program(geometry, init_fn, unit.name)(*args)
+        # The same buffers, labelled with the trainer's (explicit-axes) mesh.
+        flat[unit.name] = jax.make_array_from_single_device_arrays(
+            x.shape, geometry.param_shardings[unit.name],
+            [shard.data for shard in x.addressable_shards])
+    return flat
+
+
+def unit_init_program(geometry: StepGeometry, init_fn: Callable[..., Any], name: str) -> Callable:
+    """The jitted program of :func:`shard_init` for unit ``name`` (``.lower`` it
+    to read its memory): ``(*args) -> ([L,] U)``, on an ``Auto`` copy of the mesh."""
+    mesh = geometry.mesh
+    auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    unit = next(u for u in geometry.layout.units if u.name == name)
+    # Each leaf drawn split along its first axis (a stacked unit's layers): with
+    # node_replicated every node forms the whole unit, split over local only.
+    first_axis = NamedSharding(auto, P(LOCAL if geometry.config.node_replicated else SHARD_AXES))
+
+    def split(x):
+        return jax.lax.with_sharding_constraint(x, first_axis) if np.ndim(x) else x
+
+    def program(*args):
+        tree = jax.tree.map(split, split_units(init_fn(*args), geometry.layout)[name])
+        x = flatten_unit(tree, unit)
+        if geometry.config.node_replicated:
+            x = jnp.broadcast_to(x, (geometry.nodes,) + x.shape)
+        return x
+
+    return jax.jit(program, out_shardings=NamedSharding(auto, geometry.param_specs()[name]))
+
+
+def scatter_tree(geometry: StepGeometry, tree: Any) -> dict:
+    """A full tree in the parameters' structure, cut into master-parameter shards.
+
+    Args:
+      geometry: the trainer's geometry.
+      tree: the parameters' structure and shapes (any float dtypes; host
+        arrays or ``jax.Array``s anywhere: each is replicated on the mesh
+        first, so it must fit on one device).
+
+    Returns:
+      Unit name -> float32 ``([L,] U)`` placed like the master parameters.
+
+    Raises:
+      ValueError: naming the leaf, if ``tree`` does not fit the layout.
+    """
+    check_unit_trees(tree, geometry.layout)
+
+    def scatter(tree):
+        trees = split_units(tree, geometry.layout)
+        return geometry.place_params(
+            {u.name: flatten_unit(trees[u.name], u) for u in geometry.layout.units})
+
+    with jax.set_mesh(geometry.mesh):  # a committed or sharded leaf: replicated first
+        return jax.jit(scatter)(replicated_on(tree, geometry.mesh))
+
+
+def gather_tree(geometry: StepGeometry, flat: dict, dtype: Any = "original") -> Any:
+    """Unit shards put back together as one host (numpy) tree in the parameters' structure.
+
+    A collective: on several processes, every one calls it, and every one
+    gets the whole tree. One unit at a time is whole on each device (with
+    ``node_replicated``, one node's copy), then copied to the host.
+
+    Args:
+      geometry: the trainer's geometry.
+      flat: unit name -> ``([L,] U)`` (``(nodes, [L,] U)`` with
+        ``node_replicated``), placed like the master parameters: the state's
+        ``params``, or an optimizer state's entry over them (Adam's ``mu``).
+      dtype: ``"original"`` gives each leaf its parameter's dtype; ``None``
+        keeps ``flat``'s (float32: a bf16 model's Adam ``nu`` unrounded).
+
+    Returns:
+      The tree, unpadded, in the structure the trainer was built for.
+    """
+    if geometry.config.node_replicated:  # every node's row is the same: node 0's
+        whole = jax.jit(jax.sharding.auto_axes(lambda x: x[0], out_sharding=P()))
+    else:
+        whole = jax.jit(lambda x: x, out_shardings=geometry.sharding(P()))
+    trees = {}
+    with jax.set_mesh(geometry.mesh):
+        for u in geometry.layout.units:
+            host = np.asarray(whole(flat[u.name]).addressable_data(0))
+            trees[u.name] = unflatten_unit(host, u, dtype)
+    return join_units(trees, geometry.layout)
