@@ -128,3 +128,24 @@ def test_an_integer_loss_is_refused():
     state = trainer.init({"w": np.ones((8,), np.float32)})
     with pytest.raises(ValueError, match="floating-point loss"):
         trainer.step(state, np.ones((8, 2), np.int32))
+
+
+def test_gather_params_reads_adams_moments_in_the_models_structure_in_float32():
+    params = {"a": np.linspace(-1, 1, 40, dtype=np.float32).reshape(8, 5).astype(jnp.bfloat16),
+              "b": np.ones(3, np.float32)}
+
+    def loss(p, x):
+        return jnp.mean((x @ p["a"].astype(jnp.float32)) ** 2) + jnp.sum(p["b"] ** 2)
+
+    opt = optax.adam(1e-2)
+    trainer = zp.make_trainer(loss, opt, params, mesh=zp.make_mesh(*MESH))
+    x = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+    state, _ = trainer.step(trainer.init(params), x)
+    nu = trainer.gather_params(state.opt_state.inner[0].nu, dtype=None)
+    master = jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), params)
+    _, ref = opt.update(jax.grad(loss)(master, x), opt.init(master), master)
+    for name in params:
+        assert nu[name].dtype == np.float32  # not rounded to the bf16 parameter's dtype
+        np.testing.assert_allclose(nu[name], ref[0].nu[name], rtol=1e-4)
+    with pytest.raises(ValueError, match="placed like the master parameters"):
+        trainer.gather_params({"a": np.ones(3)})

@@ -136,7 +136,17 @@ def gather_tree(geometry: StepGeometry, flat: dict, dtype: Any = "original") -> 
 
     Returns:
       The tree, unpadded, in the structure the trainer was built for.
+
+    Raises:
+      ValueError: if ``flat`` is not placed like the master parameters.
     """
+    lead = (geometry.nodes,) if geometry.config.node_replicated else ()
+    want = {u.name: lead + u.global_shape for u in geometry.layout.units}
+    got = {k: np.shape(v) for k, v in flat.items()} if isinstance(flat, dict) else flat
+    if got != want:
+        raise ValueError("expected the units' arrays placed like the master parameters "
+                         "(state.params, or an optimizer state's entry over them), shaped "
+                         f"{want}; got {got if isinstance(got, dict) else type(got).__name__}")
     if geometry.config.node_replicated:  # every node's row is the same: node 0's
         whole = jax.jit(jax.sharding.auto_axes(lambda x: x[0], out_sharding=P()))
     else:

@@ -263,18 +263,20 @@ class Trainer:
         return self.lower(state, batch, compress=compress).compile()
 
     # ---------------------------------------------------------- export
-    def gather_params(self, state_or_params: Any) -> Any:
+    def gather_params(self, state_or_params: Any, dtype: Any = "original") -> Any:
         """The full, unpadded parameters as a host (numpy) pytree, in their
         original structure and leaf dtypes, on every process (a collective:
         on several processes, every one calls it).
 
         Args:
-          state_or_params: a :class:`TrainState` or its ``params`` dict.
+          state_or_params: a :class:`TrainState`, its ``params`` dict, or an
+            optax state's entry placed like it (Adam's ``mu``).
+          dtype: ``"original"``, or ``None`` to keep float32 (a moment's).
         """
         if isinstance(state_or_params, TrainState):
             check_state(state_or_params, self._state_form, "gather_params")
             state_or_params = state_or_params.params
-        return state_io.gather_tree(self.geometry, state_or_params)
+        return state_io.gather_tree(self.geometry, state_or_params, dtype)
 
     def memory_per_device(self) -> dict:
         """Bytes each device holds per ZeRO++ structure (from the layout):
