@@ -15,6 +15,7 @@ import zeropp_jax as zp
 from zeropp_jax.models import gpt
 
 from _util import (
+    MESH,
     TINY,
     assert_trees_close,
     gpt_loss,
@@ -646,3 +647,30 @@ def test_a_choice_by_rank_alike_for_every_leaf_is_refused_where_the_units_differ
     else:
         with pytest.raises(ValueError, match=match):
             build()
+
+
+def test_labels_constant_within_each_unit_train_as_on_one_device():
+    """Freezing a whole unit (per_layer=True: a top-level key) is exact; a label
+    that differs between leaves of one unit is refused, naming the unit."""
+    params = gpt.init_params(TINY, jax.random.key(0))
+    batches = tiny_batches(batch_size=16)
+
+    def opt(labels):
+        return optax.multi_transform(
+            {"train": optax.adam(3e-3), "frozen": optax.set_to_zero()}, labels)
+
+    frozen_embed = opt(lambda p: {k: "frozen" if k == "embed" else "train" for k in p})
+    trainer = zp.make_trainer(gpt_loss(), frozen_embed, params, mesh=zp.make_mesh(*MESH),
+                              per_layer=True, stacked=("blocks",))
+    ref_losses, ref = reference_run(gpt_loss(per_layer=False), params, frozen_embed, batches, 3)
+    losses, state = zero_run(trainer, params, batches, 3)
+    trained = trainer.gather_params(state)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    assert_trees_close(trained, ref, rtol=1e-4, atol=1e-5)  # Adam's eps: elements near 0
+    jax.tree.map(np.testing.assert_array_equal, trained["embed"], params["embed"])
+    by_leaf = opt(lambda p: {k: jax.tree.map(lambda _: "frozen" if k == "ln_f" else "train", v)
+                             if k != "embed" else {"tokens": "frozen", "positions": "train"}
+                             for k, v in p.items()})
+    with pytest.raises(ValueError, match="both in unit 'embed'"):
+        zp.make_trainer(gpt_loss(), by_leaf, params, mesh=zp.make_mesh(*MESH),
+                        per_layer=True, stacked=("blocks",))

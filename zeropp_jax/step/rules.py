@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from zeropp_jax.config import ZeroConfig
-from zeropp_jax.layout import ParamLayout
+from zeropp_jax.layout import ParamLayout, split_units
 from zeropp_jax.step.geometry import StepGeometry
 from zeropp_jax.step.gradient_rule import GradientRule
 from zeropp_jax.step.adam import OneBitAdam
@@ -133,7 +133,7 @@ def check_leaf_uniform(
     first = jax.tree_util.keystr(paths[0])
     if moves is None:
         if layout is not None:  # the units may move where the leaves do not
-            _check_on_units(optimizer, layout, first, None)
+            _check_on_units(optimizer, layout, {u.name: (first, None) for u in layout.units})
         warnings.warn(
             "make_trainer could not check that the optimizer treats every parameter leaf "
             f"alike: it moved no leaf in {_PROBE_STEPS} stand-in steps (gradients 1.0): a "
@@ -143,28 +143,40 @@ def check_leaf_uniform(
             stacklevel=3,
         )
         return
-    if not np.all(moves == moves[0]):
-        other = int(np.argmax(moves != moves[0]))
-        raise ValueError(
-            "the optimizer treats parameter leaves differently (a per-leaf mask or label, "
-            "or a rule by a leaf's rank, like optax.contrib.muon's for matrices): "
-            f"on a stand-in step it moves {first} by {moves[0]:.6g} "
-            f"and {jax.tree_util.keystr(paths[other])} by {moves[other]:.6g}. The trainer "
-            "runs the optimizer on flat units, where such a choice would silently hold for "
-            "all leaves or none: use one setting for every leaf (e.g. optax.adamw without "
-            "mask), or train without the trainer. An optimizer that draws noise per leaf "
-            "(optax.add_noise) differs there too: pass check_optimizer=False for it"
-        )
+    # Leaf indices of each unit (one group of all leaves without a layout).
+    treedef = jax.tree.structure(ones)
+    groups = ({"": list(range(len(paths)))} if layout is None else {
+        name: jax.tree.leaves(sub) for name, sub in split_units(
+            jax.tree.unflatten(treedef, list(range(len(paths)))), layout).items()})
+    for name, members in groups.items():
+        odd = [i for i in members if moves[i] != moves[members[0]]]
+        if odd:
+            a, b = (jax.tree_util.keystr(paths[i]) for i in (members[0], odd[0]))
+            within = f", both in unit {name!r}" if layout is not None else ""
+            raise ValueError(
+                "the optimizer treats parameter leaves differently (a per-leaf mask or "
+                "label, or a rule by a leaf's rank, like optax.contrib.muon's for matrices): "
+                f"on a stand-in step it moves {a} by {moves[members[0]]:.6g} and {b} by "
+                f"{moves[odd[0]]:.6g}{within}. The trainer runs the optimizer on flat units, "
+                "where such a choice would silently hold for a whole unit: use one setting "
+                "for every leaf of a unit (a label per top-level key with per_layer=True, "
+                "whose units are the top-level keys; e.g. optax.adamw without mask), or "
+                "train without the trainer. An optimizer that draws noise per leaf "
+                "(optax.add_noise) differs there too: pass check_optimizer=False for it"
+            )
     if layout is not None:
-        _check_on_units(optimizer, layout, first, float(moves[0]))
+        _check_on_units(optimizer, layout, {
+            name: (jax.tree_util.keystr(paths[m[0]]), float(moves[m[0]])) if m else (first, None)
+            for name, m in groups.items()})
 
 
 def _check_on_units(optimizer: optax.GradientTransformation, layout: ParamLayout,
-                    leaf: str, move: float | None) -> None:
+                    expected: dict) -> None:
     """Refuses an optimizer that moves the trainer's units (a stand-in: a
     dict by unit name, each ``(k,)`` or ``(1, k)`` when stacked, ``k`` the
-    unit's leaves) otherwise than the model's leaf ``leaf``, which it moved
-    by ``move`` (``None``: no leaf moved in the stand-in's steps)."""
+    unit's leaves) otherwise than the model's leaves: ``expected`` maps each
+    unit to ``(leaf, move)``, a leaf of it and how far the model's stand-in
+    step moved it (``None``: no leaf moved in the stand-in's steps)."""
     units = {u.name: jnp.ones((len(u.leaves),) if u.stack is None else (1, len(u.leaves)),
                               jnp.float32) for u in layout.units}
     try:
@@ -176,14 +188,19 @@ def _check_on_units(optimizer: optax.GradientTransformation, layout: ParamLayout
             f"step there raised {type(e).__name__}: {e}. A mask or labels given as a pytree "
             "of the parameters cannot apply to the units: give one setting for every leaf "
             "(e.g. optax.adamw without mask), or train without the trainer") from e
-    if moves is None and move is None:
+    if moves is None and all(move is None for _, move in expected.values()):
         return
-    if moves is None or move is None or not np.allclose(moves, move, rtol=_SAME_MOVE_RTOL,
-                                                        atol=0):
+    order = jax.tree.leaves({name: name for name in units})  # the units' leaf order
+    wanted = None if any(expected[n][1] is None for n in order) else np.concatenate(
+        [np.full(units[n].size, expected[n][1], np.float32) for n in order])
+    leaf, move = expected[order[0]]
+    alike = "alike" if len({m for _, m in expected.values()}) == 1 else "alike within each unit"
+    if moves is None or wanted is None or not np.allclose(moves, wanted, rtol=_SAME_MOVE_RTOL,
+                                                          atol=0):
         got = "not at all" if moves is None else f"by {sorted(set(moves.tolist()))[:4]}"
         raise ValueError(
             "the optimizer moves "
-            + (f"the model's leaves alike ({leaf} by {move:.6g}" if move is not None
+            + (f"the model's leaves {alike} ({leaf} by {move:.6g}" if move is not None
                else "none of the model's leaves (")
             + f" on a stand-in step) but the trainer's flat units ({sorted(units)}, rank 1, "
             f"or 2 when stacked) {got}: it depends on a leaf's rank, size or norm (a mask "
