@@ -1,6 +1,7 @@
 """Sharded init, evaluation without an update, and which states a trainer takes."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +108,14 @@ def test_a_trainer_refuses_states_it_cannot_take():
         trainer.step(state.params, batch)
     with pytest.raises(TypeError, match="under a JAX transformation"):
         jax.jit(trainer.step)(state, batch)
+    with pytest.raises(ValueError, match="not on this trainer's mesh"):
+        trainer.step(jax.device_get(state), batch)
+    on_1x8 = zp.make_trainer(gpt_loss(), optimizer(), jax.eval_shape(_init(), KEY),
+                             mesh=zp.make_mesh(1, 8), per_layer=True, stacked=("blocks",))
+    with pytest.raises(ValueError, match="not on this trainer's mesh"):
+        trainer.evaluate(on_1x8.init_from(_init(), KEY), batch)
+    host = trainer.gather_params(jax.device_get(state))  # reading values: any placement
+    jax.tree.map(np.testing.assert_array_equal, host, trainer.gather_params(state))
     trainer.step(state, batch)
     with pytest.raises(ValueError, match="consumed"):
         trainer.gather_params(state)
@@ -149,3 +158,93 @@ def test_gather_params_reads_adams_moments_in_the_models_structure_in_float32():
         np.testing.assert_allclose(nu[name], ref[0].nu[name], rtol=1e-4)
     with pytest.raises(ValueError, match="placed like the master parameters"):
         trainer.gather_params({"a": np.ones(3)})
+
+
+def test_init_from_takes_a_key_committed_anywhere():
+    trainer = _trainer()
+    key = jax.device_put(KEY, jax.devices()[5])
+    drawn = trainer.init_from(_init(), key, progress=True)
+    whole = trainer.init(jax.jit(_init())(KEY))
+    jax.tree.map(np.testing.assert_array_equal, drawn.params, whole.params)
+
+
+def test_init_from_warns_of_a_stack_built_by_a_python_loop():
+    params = {"w": jnp.zeros((8, 64, 64))}
+
+    def loss(p, x):
+        h, _ = zp.scan_layers(lambda h, w: (jnp.tanh(h @ zp.gather(w)), None), x, p["w"])
+        return h.mean()
+
+    def looped(key):  # each layer drawn alone, then stacked: not split over devices
+        keys = jax.random.split(key, 8)
+        return {"w": jnp.stack([jax.random.normal(k, (64, 64)) for k in keys])}
+
+    def vmapped(key):
+        return {"w": jax.vmap(lambda k: jax.random.normal(k, (64, 64)))(jax.random.split(key, 8))}
+
+    trainer = zp.make_trainer(loss, optax.adam(1e-3), params, mesh=zp.make_mesh(*MESH),
+                              per_layer=True, stacked=("w",))
+    with pytest.warns(UserWarning, match="jax.vmap over per-layer keys"):
+        trainer.init_from(looped, KEY)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        trainer.init_from(vmapped, KEY)
+
+
+def test_an_nnx_model_starts_from_its_init_function_with_only_its_parameters_abstract():
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(16, 16, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.drop(jnp.tanh(self.dense(x)))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+            self.head = nnx.Linear(16, 1, rngs=rngs)
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)[:, 0]
+
+    def make(key=0):
+        return Model(nnx.Rngs(params=key, dropout=1))
+
+    def criterion(model, batch):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    with pytest.raises(ValueError, match="keep only the parameters abstract"):
+        zp.nnx_loss(nnx.eval_shape(make), criterion)
+    graphdef, shapes, _ = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
+    rest = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2])()
+    params, loss = zp.nnx_loss(nnx.merge(graphdef, shapes, rest), criterion)
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(16, 16)).astype(np.float32),
+             "y": rng.normal(size=(16,)).astype(np.float32)}
+    trainer = zp.make_trainer(loss, optax.adam(1e-3), params, mesh=zp.make_mesh(*MESH), rng=0,
+                              wrap=(Block,), example_batch=batch)
+
+    def init_fn(key):
+        return nnx.to_pure_dict(nnx.state(make(key), nnx.Param))
+
+    drawn = trainer.init_from(init_fn, KEY)
+    jax.tree.map(np.testing.assert_array_equal, drawn.params,
+                 trainer.init(jax.jit(init_fn)(KEY)).params)
+    assert np.isfinite(float(trainer.step(drawn, batch)[1]["loss"]))
+
+
+def test_evaluate_takes_a_loss_key_committed_anywhere():
+    def loss(params, batch, key):
+        return gpt_loss()(params, batch) + 0.0 * jax.random.uniform(key)
+
+    trainer = zp.make_trainer(loss, optax.adam(1e-3), jax.eval_shape(_init(), KEY),
+                              mesh=zp.make_mesh(*MESH), per_layer=True, stacked=("blocks",),
+                              rng=jax.device_put(jax.random.key(1), jax.devices()[3]))
+    state = trainer.init_from(_init(), KEY)
+    batch = tiny_batches(batch_size=16).batch_at(0)
+    assert float(trainer.evaluate(state, batch)["loss"]) == float(trainer.step(state, batch)[1]["loss"])

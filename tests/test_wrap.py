@@ -661,6 +661,37 @@ def test_a_pure_block_under_an_apply_with_mutable_collections_is_wrapped():
                 _steps_match_optax(make(), loss, optax.adam(0.01), variables["params"], batch, 2)
 
 
+def test_a_wrapped_block_sowing_into_a_collection_the_loss_takes_is_refused():
+    """Its sown values could not leave the step: they would vanish from the
+    loss silently (an aux loss summed from them), so make_trainer refuses."""
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            h = h + nn.Dense(8)(jnp.tanh(h))
+            self.sow("losses", "aux", jnp.mean(h ** 2))
+            return h
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(2):
+                x = Block()(x)
+            return nn.Dense(1)(x)[:, 0]
+
+    batch, net = _linen_batch(), Net()
+    params = net.init(jax.random.key(0), batch["x"])["params"]
+
+    def loss(p, b):
+        out, state = net.apply({"params": p}, b["x"], mutable=["losses"])
+        return jnp.mean((out - b["y"]) ** 2) + sum(jax.tree.leaves(state["losses"]))
+
+    with pytest.raises(ValueError, match=r"writes collection\(s\) \['losses'\] \(sow\)"):
+        zp.make_trainer(loss, optax.adam(0.01), params, mesh=zp.make_mesh(2, 4),
+                        wrap=(Block,), example_batch=batch)
+
+
 def test_a_loss_may_return_loss_and_aux():
     """``(loss, aux)``, as jax.value_and_grad(has_aux=True) takes: the step
     trains exactly as with the loss alone, and ``metrics["aux"]`` holds each

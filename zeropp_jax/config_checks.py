@@ -7,6 +7,7 @@ names the fields, the values given and a combination that works.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax.numpy as jnp
@@ -235,14 +236,16 @@ def idle_fields(config) -> dict[str, str]:
 
 
 def check_preset_label(cfg: Any, presets: dict) -> None:
-    """Refuses a config named after a preset it has nothing of:
+    """Warns of a config named after a preset it has nothing of:
     ``ZeroConfig(preset="zeropp")`` only labels a plain zero3 config (the
-    preset's fields come from ``from_preset``)."""
+    preset's fields come from ``from_preset``; ``from_preset("hpz",
+    hpz=False)`` is such a config too, asked for)."""
     plain = {f.name: f.default for f in dataclasses.fields(cfg)} | presets["zero3"]
     own = {k: v for k, v in presets[cfg.preset].items() if plain[k] != v}
     if own and all(getattr(cfg, k) == plain[k] for k in own):
-        raise ValueError(
-            f"ZeroConfig(preset={cfg.preset!r}) has none of that preset's settings "
-            f"({', '.join(f'{k}={v!r}' for k, v in own.items())}): the preset field only "
-            f"names where the fields started. Build it with "
-            f"ZeroConfig.from_preset({cfg.preset!r}, ...), or name the preset it is")
+        warnings.warn(
+            f"this ZeroConfig is labelled preset={cfg.preset!r} but has none of that "
+            f"preset's settings ({', '.join(f'{k}={v!r}' for k, v in own.items())}): the "
+            "preset field only names where the fields started, and "
+            f"ZeroConfig(preset={cfg.preset!r}) alone is plain zero3; "
+            f"ZeroConfig.from_preset({cfg.preset!r}, ...) applies the preset", stacklevel=4)

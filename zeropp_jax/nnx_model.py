@@ -112,6 +112,15 @@ def nnx_loss(
     streams = _streams_to_reseed(model, streams)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params = nnx.to_pure_dict(params)
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(rest)):
+        raise ValueError(
+            "nnx_loss: the module's state other than its parameters (random keys, counts, "
+            "batch statistics) is abstract, as nnx.eval_shape leaves it; the loss reads it, so "
+            "it must hold values. For a model never whole on a device (Trainer.init_from), "
+            "keep only the parameters abstract: graphdef, params, _ = nnx.split("
+            "nnx.eval_shape(make), nnx.Param, ...); rest = jax.jit(lambda: nnx.split(make(), "
+            "nnx.Param, ...)[2])() (XLA drops the parameters it does not return); "
+            "nnx_loss(nnx.merge(graphdef, params, rest), criterion)")
     rest = jax.tree.map(_off_mesh, rest)  # the loss closes over it
 
     def loss_fn(params: Any, batch: Any, key: jax.Array | None = None) -> jax.Array:

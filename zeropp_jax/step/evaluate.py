@@ -24,7 +24,7 @@ from zeropp_jax.step.geometry import StepGeometry
 
 
 def evaluate(geo: StepGeometry, loss_fn: Callable[..., jax.Array], params: dict, batch: Any,
-             step: jax.Array, key: jax.Array | None) -> dict:
+             step: jax.Array, *, key: jax.Array | None) -> dict:
     """The mean loss of a global batch (global, under ``jit``; one ``shard_map``).
 
     Args:

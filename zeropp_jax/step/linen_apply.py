@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax
+
 from zeropp_jax.prng_keys import keys_as_data, keys_from_data
 
 
@@ -32,8 +34,11 @@ def resume_streams(scope: Any) -> tuple[list, Callable]:
       and ``apply(top, method, variables, roots, *args, **kwargs)``, which is
       ``top.apply(variables, *args, method=method, **kwargs)`` whose module
       scope has ``scope``'s streams (``roots`` as their root keys) and
-      counters, and which writes the advanced counters back to ``scope``.
+      counters, and which writes the advanced counters back to ``scope``:
+      ``(out, written)``, ``written`` the collections the method created
+      (``sow``), the only mutable ones.
     """
+    from flax.core import DenyList
     from flax.core.scope import LazyRng
 
     names = sorted(scope.rngs)
@@ -49,7 +54,11 @@ def resume_streams(scope: Any) -> tuple[list, Callable]:
             return out
 
         rngs = {n: LazyRng(r, s) for n, r, s in zip(names, roots, suffixes, strict=True)}
-        return top.apply(variables, *args, rngs=rngs or None, method=run, **kwargs)
+        # Collections the block's variables do not hold are mutable, so that
+        # what it sows shows (it would vanish silently otherwise); the ones
+        # it holds are not (an update raises flax's ModifyScopeVariableError).
+        return top.apply(variables, *args, rngs=rngs or None, method=run,
+                         mutable=DenyList(tuple(variables)), **kwargs)
 
     return [scope.rngs[n].rng for n in names], apply
 
@@ -80,6 +89,15 @@ def block_apply(module: Any, method: str) -> tuple[Callable, Any]:
     def apply(params, state, *a, **kw):
         data, variables = state
         roots = keys_from_data(data, impls)
-        return resume(top, method, {**variables, "params": params}, roots, *a, **kw)
+        out, written = resume(top, method, {**variables, "params": params}, roots, *a, **kw)
+        sown = sorted(c for c, v in written.items()
+                      if jax.tree.leaves(v) and module.is_mutable_collection(c))
+        if sown:  # the loss's apply asked for them: they would be lost silently
+            raise ValueError(
+                f"wrap: {type(module).__name__} at {'/'.join(module.scope.path)} writes "
+                f"collection(s) {sown} (sow), which the loss's apply makes mutable; a wrapped "
+                "block must be pure, as what it writes cannot leave the step: take the "
+                "values out another way, or leave its class out of wrap=")
+        return out
 
     return apply, (data, others)

@@ -54,11 +54,12 @@ def initial_qgz_state(geo: StepGeometry) -> QgzState:
     return QgzState(geo.zeros(geo.carry_specs(), per_node=True), jnp.full((), jnp.inf, jnp.float32))
 
 
-def check_state(state: Any, form: tuple, method: str) -> None:
+def check_state(state: Any, form: tuple, method: str, *, placed: bool = True) -> None:
     """Refuses, saying why, what ``trainer.<method>`` cannot take: anything but a
     TrainState, one under a JAX transformation, one an earlier step consumed
-    (its arrays donated), or another trainer's (``form``: its tree structure and
-    leaf shapes)."""
+    (its arrays donated), another trainer's (``form``: its tree structure, leaf
+    shapes and mesh), or, with ``placed``, host copies and another mesh's
+    arrays (``gather_params`` takes those: it only reads the values)."""
     if not isinstance(state, TrainState):
         raise TypeError(f"trainer.{method} takes the TrainState that trainer.init (or a "
                         f"step, or a checkpoint's restore) returned, not a {type(state).__name__}")
@@ -68,12 +69,21 @@ def check_state(state: Any, form: tuple, method: str) -> None:
         raise TypeError(f"trainer.{method} was called under a JAX transformation (jax.jit, "
                         "jax.grad, ...): it compiles and places its own program; call it "
                         "on concrete arrays") from None
-    if (jax.tree.structure(state), [np.shape(x) for x in jax.tree.leaves(state)]) != form:
+    structure, shapes, mesh = form
+    leaves = jax.tree.leaves(state)
+    if (jax.tree.structure(state), [np.shape(x) for x in leaves]) != (structure, shapes):
         raise ValueError(
             f"this TrainState was not made for this trainer (its units or optimizer state "
             f"differ in structure or shape): trainer.{method} takes the states of the trainer "
             "that made them; move a state to another trainer (mesh, config, optimizer) "
             "through a checkpoint (Checkpointer.restore onto the new trainer)")
+    if placed and not all(isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) == mesh
+                          for x in leaves):
+        raise ValueError(
+            f"this TrainState's arrays are not on this trainer's mesh (host copies, or "
+            f"another mesh's): trainer.{method} takes the states it makes, placed on "
+            "its mesh; a state moves to another mesh through a checkpoint "
+            "(Checkpointer.restore onto the new trainer)")
     if consumed:
         raise ValueError("this TrainState was given to an earlier trainer.step, which "
                          "consumed it (its arrays are donated); pass the state it returned")

@@ -15,6 +15,7 @@ over them) in and out of that form:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -29,7 +30,8 @@ from zeropp_jax.step.geometry import StepGeometry
 from zeropp_jax.tree_paths import check_unit_trees
 
 
-def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple) -> dict:
+def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple, *,
+               progress: bool = False) -> dict:
     """Master parameter shards of ``init_fn(*args)``, unit by unit.
 
     Each unit is its own jitted program over ``init_fn`` (XLA drops the other
@@ -38,18 +40,33 @@ def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple)
     (JAX's default ``jax_threefry_partitionable`` draws the same values
     however they are split). Every leaf is drawn split along its first axis
     (a stacked unit's: its layers), so a device forms only ``ceil(L /
-    devices)`` layers of a stacked unit at a time (about two layers' worth of
-    work space), and an unstacked unit (one block, or the embeddings) is put
-    together whole for a moment (one to two times its float32 size). The
-    values equal :func:`scatter_tree` of ``jax.jit(init_fn)(*args)`` bit for
-    bit (an eager ``init_fn(*args)`` may differ in the last bit, where XLA
-    fuses the draws' arithmetic otherwise).
+    devices)`` layers of a stacked unit at a time (``ceil(L / local)`` with
+    ``node_replicated``; about two to three times that in work space, a few
+    layers more under ``nn.scan``), and an unstacked unit (one block, the
+    embeddings, or the whole model with ``per_layer=False``) is put together
+    whole for a moment (one to two times its float32 size). A stack built by
+    a Python loop and ``jnp.stack`` cannot be split so (each device forms
+    all of it, several times over): it is warned of, from the program's
+    compiled memory; draw stacks with ``jax.vmap`` over per-layer keys or
+    ``nn.scan``. The values equal :func:`scatter_tree` of
+    ``jax.jit(init_fn)(*args)`` bit for bit (an eager ``init_fn(*args)`` may
+    differ in the last bit, where XLA fuses the draws' arithmetic otherwise;
+    and one that reduces along a leaf's first axis, e.g. normalizes columns,
+    sums the devices' partial results, equal to rounding).
+
+    ``init_fn`` is traced once for its shapes and once per unit, and each
+    unit's program is compiled (one to two seconds per Hugging Face block on
+    a 2-core CPU): NumPy draws or other side effects inside it would repeat
+    per unit and give other values; bind static arguments with
+    ``functools.partial``.
 
     Args:
       geometry: the trainer's geometry (mesh, layout, config).
       init_fn: ``init_fn(*args) -> params``, the tree the trainer was built
         for (a pure function of its arguments, e.g. a Flax ``init`` from a key).
-      args: its arguments (arrays, keys; any placement).
+      args: its arguments (arrays, keys; anywhere: a committed one is
+        replicated on the mesh first).
+      progress: show a progress bar over the units (``tqdm``, on stderr).
 
     Returns:
       Unit name -> float32 ``([L,] U)`` (``(nodes, [L,] U)`` with
@@ -59,10 +76,19 @@ def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple)
       ValueError: if ``init_fn``'s tree does not fit the trainer's layout
         (checked from its shapes before anything runs).
     """
+    from tqdm import tqdm
+
     check_unit_trees(jax.eval_shape(init_fn, *args), geometry.layout)
+    auto = _auto_mesh(geometry.mesh)
+    args = jax.tree.map(  # a committed argument elsewhere: replicated on the mesh, as init's
+        lambda x: jax.device_put(x, NamedSharding(auto, P()))
+        if isinstance(x, jax.Array) and x.committed else x, args)
     flat = {}
-    for unit in geometry.layout.units:
-        x = unit_init_program(geometry, init_fn, unit.name)(*args)
+    units = geometry.layout.units
+    for unit in tqdm(units, desc="init_from", unit="unit", disable=not progress or len(units) < 2):
+        compiled = unit_init_program(geometry, init_fn, unit.name).lower(*args).compile()
+        _warn_if_formed_whole(compiled, unit)
+        x = compiled(*args)
         # The same buffers, labelled with the trainer's (explicit-axes) mesh.
         flat[unit.name] = jax.make_array_from_single_device_arrays(
             x.shape, geometry.param_shardings[unit.name],
@@ -73,15 +99,16 @@ def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple)
 def unit_init_program(geometry: StepGeometry, init_fn: Callable[..., Any], name: str) -> Callable:
     """The jitted program of :func:`shard_init` for unit ``name`` (``.lower`` it
     to read its memory): ``(*args) -> ([L,] U)``, on an ``Auto`` copy of the mesh."""
-    mesh = geometry.mesh
-    auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    auto = _auto_mesh(geometry.mesh)
     unit = next(u for u in geometry.layout.units if u.name == name)
     # Each leaf drawn split along its first axis (a stacked unit's layers): with
     # node_replicated every node forms the whole unit, split over local only.
     first_axis = NamedSharding(auto, P(LOCAL if geometry.config.node_replicated else SHARD_AXES))
 
-    def split(x):
-        return jax.lax.with_sharding_constraint(x, first_axis) if np.ndim(x) else x
+    def split(x):  # the whole model (per_layer=False) is formed whole anyway
+        if np.ndim(x) == 0 or geometry.layout.whole_model:
+            return x
+        return jax.lax.with_sharding_constraint(x, first_axis)
 
     def program(*args):
         tree = jax.tree.map(split, split_units(init_fn(*args), geometry.layout)[name])
@@ -91,6 +118,32 @@ def unit_init_program(geometry: StepGeometry, init_fn: Callable[..., Any], name:
         return x
 
     return jax.jit(program, out_shardings=NamedSharding(auto, geometry.param_specs()[name]))
+
+
+def _auto_mesh(mesh: Mesh) -> Mesh:
+    """``mesh``'s devices and axis names, every axis ``Auto`` (XLA places values)."""
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+# A stacked unit's init program whose work space passes this many times the
+# whole unit forms it whole on every device, several times over (a stack built by
+# a Python loop and jnp.stack; one drawn by jax.vmap over 8 layers stays near 0.3).
+_FORMED_WHOLE = 2.5
+
+
+def _warn_if_formed_whole(compiled: Any, unit: Any) -> None:
+    """Warns where a stacked unit's init program needs more work space per device
+    than ``_FORMED_WHOLE`` times the whole unit (from its compiled memory)."""
+    memory = compiled.memory_analysis()
+    whole = 4 * int(np.prod(unit.global_shape))
+    if unit.stack is None or memory is None or memory.temp_size_in_bytes <= _FORMED_WHOLE * whole:
+        return
+    warnings.warn(
+        f"init_from: the program that draws stacked unit {unit.name!r} needs "
+        f"{memory.temp_size_in_bytes / 2**20:.1f} MiB of work space per device, "
+        f"{memory.temp_size_in_bytes / whole:.1f}x the whole unit in float32: its layers are "
+        "not drawn split over the devices, as they are when the stack is drawn by jax.vmap "
+        "over per-layer keys (or nn.scan), not a Python loop and jnp.stack", stacklevel=4)
 
 
 def scatter_tree(geometry: StepGeometry, tree: Any) -> dict:

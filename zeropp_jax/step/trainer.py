@@ -104,21 +104,20 @@ class Trainer:
         stored as float32), the optimizer initialized."""
         return self._start(state_io.scatter_tree(self.geometry, params))
 
-    def init_from(self, init_fn: Callable[..., Any], *args: Any) -> TrainState:
+    def init_from(self, init_fn: Callable[..., Any], *args: Any,
+                  progress: bool = False) -> TrainState:
         """:meth:`init` of ``init_fn(*args)``, without the whole model on any device.
 
-        Each unit is drawn already split over the devices
-        (:func:`~zeropp_jax.step.state_io.shard_init`: a stacked unit a few
-        layers per device at a time, another unit whole on each device for a
-        moment), so a model larger than one device trains; the values equal
-        ``init(jax.jit(init_fn)(*args))``'s bit for bit.
-
-        Args:
-          init_fn: a pure function returning the parameters the trainer was
-            built for, e.g. ``lambda key: model.init(key, x)["params"]``.
-          *args: its arguments (e.g. a PRNG key).
+        Each unit is drawn already split over the devices (a stacked unit a
+        few layers per device at a time, another whole for a moment:
+        :func:`~zeropp_jax.step.state_io.shard_init`), so a model split into
+        units (``wrap=``, ``per_layer=True``) larger than one device trains;
+        the values equal ``init(jax.jit(init_fn)(*args))``'s bit for bit.
+        ``init_fn`` (pure: traced once per unit) returns the parameters the
+        trainer was built for, e.g. ``lambda key: model.init(key, x)["params"]``;
+        ``progress`` shows a bar over the units (one compile each).
         """
-        return self._start(state_io.shard_init(self.geometry, init_fn, args))
+        return self._start(state_io.shard_init(self.geometry, init_fn, args, progress=progress))
 
     def _start(self, flat: dict) -> TrainState:
         with jax.set_mesh(self.mesh):
@@ -202,17 +201,17 @@ class Trainer:
         """
         check_state(state, self._state_form, "evaluate")
         with jax.set_mesh(self.mesh):
-            return self._evaluate(state.params, self.shard_batch(batch), state.step, self.key)
+            return self._evaluate(state.params, self.shard_batch(batch), state.step)
 
     @functools.cached_property
-    def _evaluate(self) -> Callable:
-        return jax.jit(functools.partial(evaluate, self.geometry, self.loss_fn))
+    def _evaluate(self) -> Callable:  # the key closed over, as the step's: it may live anywhere
+        return jax.jit(lambda *a: evaluate(self.geometry, self.loss_fn, *a, key=self.key))
 
     @functools.cached_property
     def _state_form(self) -> tuple:
         """The tree structure and leaf shapes of this trainer's states."""
         state = self.abstract_state(params_shapes(self.layout))
-        return jax.tree.structure(state), [x.shape for x in jax.tree.leaves(state)]
+        return jax.tree.structure(state), [x.shape for x in jax.tree.leaves(state)], self.mesh
 
     def shard_batch(self, batch: Any) -> Any:
         """Places a global batch on the mesh, split over all devices.
@@ -274,7 +273,7 @@ class Trainer:
           dtype: ``"original"``, or ``None`` to keep float32 (a moment's).
         """
         if isinstance(state_or_params, TrainState):
-            check_state(state_or_params, self._state_form, "gather_params")
+            check_state(state_or_params, self._state_form, "gather_params", placed=False)
             state_or_params = state_or_params.params
         return state_io.gather_tree(self.geometry, state_or_params, dtype)
 
