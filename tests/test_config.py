@@ -86,3 +86,4 @@ def test_a_config_named_after_a_preset_it_has_nothing_of_is_warned_of():
         assert ZeroConfig(preset="qwz", qwz_bits=4).qwz_bits == 4  # something of it: a variant
         for name in PRESETS:
             assert ZeroConfig.from_preset(name).preset == name
+        assert not ZeroConfig.from_preset("hpz", hpz=False).hpz  # asked for: no warning

@@ -169,7 +169,7 @@ def test_init_from_takes_a_key_committed_anywhere():
 
 
 def test_init_from_warns_of_a_stack_built_by_a_python_loop():
-    params = {"w": jnp.zeros((8, 64, 64))}
+    params = {"w": jnp.zeros((8, 256, 256))}  # 2 MiB: large enough to be warned of
 
     def loss(p, x):
         h, _ = zp.scan_layers(lambda h, w: (jnp.tanh(h @ zp.gather(w)), None), x, p["w"])
@@ -177,10 +177,10 @@ def test_init_from_warns_of_a_stack_built_by_a_python_loop():
 
     def looped(key):  # each layer drawn alone, then stacked: not split over devices
         keys = jax.random.split(key, 8)
-        return {"w": jnp.stack([jax.random.normal(k, (64, 64)) for k in keys])}
+        return {"w": jnp.stack([jax.random.normal(k, (256, 256)) for k in keys])}
 
     def vmapped(key):
-        return {"w": jax.vmap(lambda k: jax.random.normal(k, (64, 64)))(jax.random.split(key, 8))}
+        return {"w": jax.vmap(lambda k: jax.random.normal(k, (256, 256)))(jax.random.split(key, 8))}
 
     trainer = zp.make_trainer(loss, optax.adam(1e-3), params, mesh=zp.make_mesh(*MESH),
                               per_layer=True, stacked=("w",))
@@ -189,6 +189,9 @@ def test_init_from_warns_of_a_stack_built_by_a_python_loop():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         trainer.init_from(vmapped, KEY)
+        small = zp.make_trainer(loss, optax.adam(1e-3), {"w": jnp.zeros((2, 4, 4))},
+                                mesh=zp.make_mesh(*MESH), per_layer=True, stacked=("w",))
+        small.init_from(lambda k: {"w": jax.random.normal(k, (2, 4, 4))}, KEY)  # tiny: quiet
 
 
 def test_an_nnx_model_starts_from_its_init_function_with_only_its_parameters_abstract():

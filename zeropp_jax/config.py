@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from zeropp_jax.config_checks import (  # noqa: F401
     HPZ_SECONDARIES, QGZ_CODES, QGZ_SHARES, QGZ_TARGETS, QWZ_BITS, SCALE_DTYPES,
     check_hpz_secondary, check_node_replicated, check_onebit_adam, check_qgz_code,
-    check_preset_label, check_qgz_schedule, check_values, parse_dtype,
+    check_preset_label, check_qgz_schedule, check_values, parse_dtype, preset_applied,
 )
 
 # 1-bit Adam estimates Adam's second moment in the warm-up and freezes it
@@ -354,7 +354,8 @@ class ZeroConfig:
                 f"unknown config field(s) {unknown}; valid fields are {sorted(fields)}"
             )
         given = {k: v for k, v in overrides.items() if v is not None}
-        return cls(preset=preset, **_preset_fields(preset, given))
+        with preset_applied():  # what it leaves of the preset is asked for: no warning
+            return cls(preset=preset, **_preset_fields(preset, given))
 
     def replace(self, **changes: Any) -> "ZeroConfig":
         """A copy with ``changes``, validated again. A field left to its derived

@@ -6,6 +6,8 @@ names the fields, the values given and a combination that works.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import warnings
 from typing import Any
@@ -235,11 +237,27 @@ def idle_fields(config) -> dict[str, str]:
     return out
 
 
+_PRESET_APPLIED = contextvars.ContextVar("zeropp_jax_preset_applied", default=False)
+
+
+@contextlib.contextmanager
+def preset_applied():
+    """While ``ZeroConfig.from_preset`` builds a config: its preset is applied,
+    so :func:`check_preset_label` has nothing to warn of."""
+    token = _PRESET_APPLIED.set(True)
+    try:
+        yield
+    finally:
+        _PRESET_APPLIED.reset(token)
+
+
 def check_preset_label(cfg: Any, presets: dict) -> None:
-    """Warns of a config named after a preset it has nothing of:
-    ``ZeroConfig(preset="zeropp")`` only labels a plain zero3 config (the
-    preset's fields come from ``from_preset``; ``from_preset("hpz",
-    hpz=False)`` is such a config too, asked for)."""
+    """Warns of a config named after a preset it has nothing of, built
+    directly: ``ZeroConfig(preset="zeropp")`` only labels a plain zero3
+    config (the preset's fields come from ``from_preset``, whose overrides
+    may take them all away: ``from_preset("hpz", hpz=False)``, asked for)."""
+    if _PRESET_APPLIED.get():
+        return
     plain = {f.name: f.default for f in dataclasses.fields(cfg)} | presets["zero3"]
     own = {k: v for k, v in presets[cfg.preset].items() if plain[k] != v}
     if own and all(getattr(cfg, k) == plain[k] for k in own):

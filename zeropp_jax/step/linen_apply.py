@@ -95,7 +95,8 @@ def block_apply(module: Any, method: str) -> tuple[Callable, Any]:
         if sown:  # the loss's apply asked for them: they would be lost silently
             raise ValueError(
                 f"wrap: {type(module).__name__} at {'/'.join(module.scope.path)} writes "
-                f"collection(s) {sown} (sow), which the loss's apply makes mutable; a wrapped "
+                f"collection(s) {sown} (sow, or a variable it creates), which the loss's apply "
+                "makes mutable; a wrapped "
                 "block must be pure, as what it writes cannot leave the step: take the "
                 "values out another way, or leave its class out of wrap=")
         return out

@@ -127,8 +127,10 @@ def _auto_mesh(mesh: Mesh) -> Mesh:
 
 # A stacked unit's init program whose work space passes this many times the
 # whole unit forms it whole on every device, several times over (a stack built by
-# a Python loop and jnp.stack; one drawn by jax.vmap over 8 layers stays near 0.3).
+# a Python loop and jnp.stack; one drawn by jax.vmap over 8 layers stays near 0.3),
+# for units of at least _WARN_FROM bytes (a tiny one's work space is mostly fixed).
 _FORMED_WHOLE = 2.5
+_WARN_FROM = 2**20
 
 
 def _warn_if_formed_whole(compiled: Any, unit: Any) -> None:
@@ -136,7 +138,8 @@ def _warn_if_formed_whole(compiled: Any, unit: Any) -> None:
     than ``_FORMED_WHOLE`` times the whole unit (from its compiled memory)."""
     memory = compiled.memory_analysis()
     whole = 4 * int(np.prod(unit.global_shape))
-    if unit.stack is None or memory is None or memory.temp_size_in_bytes <= _FORMED_WHOLE * whole:
+    if (unit.stack is None or memory is None or whole < _WARN_FROM
+            or memory.temp_size_in_bytes <= _FORMED_WHOLE * whole):
         return
     warnings.warn(
         f"init_from: the program that draws stacked unit {unit.name!r} needs "
