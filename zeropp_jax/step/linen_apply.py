@@ -87,18 +87,27 @@ def block_apply(module: Any, method: str) -> tuple[Callable, Any]:
     others = {c: v for c, v in module.variables.items() if c != "params"}
 
     def apply(params, state, *a, **kw):
+        import flax
+
         data, variables = state
         roots = keys_from_data(data, impls)
-        out, written = resume(top, method, {**variables, "params": params}, roots, *a, **kw)
+
+        def impure(what):  # what it writes could not leave the step
+            return ValueError(
+                f"wrap: {type(module).__name__} at {'/'.join(module.scope.path)} writes "
+                f"{what}; a wrapped block must be pure, as what it writes cannot leave the "
+                "step: run it in eval mode or take the values out another way, or leave its "
+                "class out of wrap=")
+
+        try:
+            out, written = resume(top, method, {**variables, "params": params}, roots, *a, **kw)
+        except flax.errors.ModifyScopeVariableError as e:
+            raise impure(f"a variable ({e})") from None
         sown = sorted(c for c, v in written.items()
                       if jax.tree.leaves(v) and module.is_mutable_collection(c))
         if sown:  # the loss's apply asked for them: they would be lost silently
-            raise ValueError(
-                f"wrap: {type(module).__name__} at {'/'.join(module.scope.path)} writes "
-                f"collection(s) {sown} (sow, or a variable it creates), which the loss's apply "
-                "makes mutable; a wrapped "
-                "block must be pure, as what it writes cannot leave the step: take the "
-                "values out another way, or leave its class out of wrap=")
+            raise impure(f"collection(s) {sown} (sow, or a variable it creates), which the "
+                         "loss's apply makes mutable")
         return out
 
     return apply, (data, others)

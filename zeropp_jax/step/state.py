@@ -63,15 +63,15 @@ def check_state(state: Any, form: tuple, method: str, *, placed: bool = True) ->
     if not isinstance(state, TrainState):
         raise TypeError(f"trainer.{method} takes the TrainState that trainer.init (or a "
                         f"step, or a checkpoint's restore) returned, not a {type(state).__name__}")
+    leaves, treedef = jax.tree.flatten(state)
     try:
-        consumed = any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
+        consumed = any(x.is_deleted() for x in leaves if isinstance(x, jax.Array))
     except jax.errors.ConcretizationTypeError:
         raise TypeError(f"trainer.{method} was called under a JAX transformation (jax.jit, "
                         "jax.grad, ...): it compiles and places its own program; call it "
                         "on concrete arrays") from None
     structure, shapes, mesh = form
-    leaves = jax.tree.leaves(state)
-    if (jax.tree.structure(state), [np.shape(x) for x in leaves]) != (structure, shapes):
+    if (treedef, [np.shape(x) for x in leaves]) != (structure, shapes):
         raise ValueError(
             f"this TrainState was not made for this trainer (its units or optimizer state "
             f"differ in structure or shape): trainer.{method} takes the states of the trainer "

@@ -165,14 +165,17 @@ def scatter_tree(geometry: StepGeometry, tree: Any) -> dict:
       ValueError: naming the leaf, if ``tree`` does not fit the layout.
     """
     check_unit_trees(tree, geometry.layout)
-
-    def scatter(tree):
-        trees = split_units(tree, geometry.layout)
-        return geometry.place_params(
-            {u.name: flatten_unit(trees[u.name], u) for u in geometry.layout.units})
-
     with jax.set_mesh(geometry.mesh):  # a committed or sharded leaf: replicated first
-        return jax.jit(scatter)(replicated_on(tree, geometry.mesh))
+        return jax.jit(lambda t: placed_units(geometry, t))(replicated_on(tree, geometry.mesh))
+
+
+def placed_units(geometry: StepGeometry, tree: Any) -> dict:
+    """``tree`` (the parameters' structure) as master-parameter units, under
+    ``jit`` on the trainer's mesh: each unit flattened, then placed
+    (:meth:`~zeropp_jax.step.geometry.StepGeometry.place_params`)."""
+    trees = split_units(tree, geometry.layout)
+    return geometry.place_params(
+        {u.name: flatten_unit(trees[u.name], u) for u in geometry.layout.units})
 
 
 def gather_tree(geometry: StepGeometry, flat: dict, dtype: Any = "original") -> Any:

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.config import ZeroConfig
 from zeropp_jax.config_checks import is_int
-from zeropp_jax.layout import build_layout, flatten_unit, params_shapes, split_units
+from zeropp_jax.layout import build_layout, params_shapes
 from zeropp_jax.mesh import mesh_shape
 from zeropp_jax.step.accumulate import check_loss_arguments
 # global_batch_size_check: re-exported (the CLI imports it from here).
@@ -132,13 +132,9 @@ class Trainer:
 
     def abstract_state(self, params_shapes: Any) -> TrainState:
         """The state's shapes and a real state's shardings (so JAX's caches serve its step)."""
-        def init(params):
-            trees = split_units(params, self.layout)
-            return self._init_opt(self.geometry.place_params(
-                {u.name: flatten_unit(trees[u.name], u) for u in self.layout.units}))
-
         with jax.set_mesh(self.mesh):
-            shapes = jax.eval_shape(init, params_shapes)
+            shapes = jax.eval_shape(
+                lambda p: self._init_opt(state_io.placed_units(self.geometry, p)), params_shapes)
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=(
             self.geometry.sharding(s.sharding.spec if s.sharding else P()))), shapes)
 

@@ -353,8 +353,6 @@ def _interceptor(classes: tuple[type, ...], held: type, run: Callable) -> Callab
     state)`` for their other methods (``apply, state``:
     :func:`~zeropp_jax.step.linen_apply.block_apply`)."""
 
-    import flax
-
     def intercept(next_fun, args, kwargs, context):
         if not _is_target(context, classes):
             return next_fun(*args, **kwargs)
@@ -364,17 +362,9 @@ def _interceptor(classes: tuple[type, ...], held: type, run: Callable) -> Callab
             return next_fun(*args, **kwargs)
         if context.method_name == "setup":  # it runs inside the layer, on the gathered params
             return None
-        # The block runs as its own apply, with nothing mutable (what it
-        # wrote could not leave the step): one that writes is refused.
+        # The block runs as its own apply: one that writes is refused there.
         apply, state = block_apply(module, context.method_name)
-        try:
-            return run(apply, params, args, kwargs, state)
-        except flax.errors.ModifyScopeVariableError as e:
-            raise ValueError(
-                f"wrap: {type(module).__name__} at {'/'.join(module.scope.path)} writes a "
-                f"variable ({e}); a wrapped block must be pure, as what it writes cannot "
-                "leave the step: run it in eval mode, or leave its class out of wrap="
-            ) from None
+        return run(apply, params, args, kwargs, state)
 
     return intercept
 
