@@ -52,6 +52,10 @@ the next step's momentum, nothing of it is lost, only deferred (why the carry si
 on the momentum rather than the gradient in front of Adam:
 ``benchmarks/RESULTS.md``).
 
+Both kinds of step update the state a layer at a time, one unit after the
+other (:mod:`zeropp_jax.step.momentum_exchange`), so their work space is a
+layer's, not a unit's.
+
 Layouts (``U`` = a unit's padded length, ``[L,]`` its layer axis if stacked):
 ``m`` and ``v`` are float32 ``(nodes, [L,] U)`` sharded
 ``P("node", [None,] "local")``: every node keeps its own copy of the whole
@@ -81,15 +85,14 @@ from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.mesh import LOCAL, NODE
 from zeropp_jax.step.accumulate import accumulate, over_devices, square_sum_or_nan, step_metrics
-from zeropp_jax.step.adam import (
-    OneBitAdam, adam_step, next_momentum, next_second_moment, preconditioner,
-)
+from zeropp_jax.step.adam import OneBitAdam, next_momentum, next_second_moment, preconditioner
 from zeropp_jax.step.geometry import StepGeometry, padding_mask
+from zeropp_jax.step.momentum_exchange import (
+    compressed_update, own_chunk, over_layers, stepped_params,
+)
 from zeropp_jax.step.state import TrainState, ZeroOptState, initial_qgz_state
 from zeropp_jax.wire import collectives
-from zeropp_jax.wire.qgz import (
-    QgzState, cross_node_gather_mean, cross_node_reduce, cross_node_share,
-)
+from zeropp_jax.wire.qgz import QgzState
 
 
 class OneBitAdamState(NamedTuple):
@@ -113,19 +116,6 @@ class OneBitAdamState(NamedTuple):
     m: dict
     v: dict
     receiver_carry: dict
-
-
-def own_chunk(x: jax.Array, axis: str) -> jax.Array:
-    """This device's chunk of ``x`` ``(..., r)`` split ``axis_size`` ways on the last axis.
-
-    The chunk a tiled reduce-scatter over ``axis`` would keep: ``(..., r / k)``.
-    Runs inside shard_map; reads ``axis``'s index, moves nothing.
-    """
-    k = jax.lax.axis_size(axis)
-    if k == 1:
-        return x
-    chunks = jnp.reshape(x, x.shape[:-1] + (k, x.shape[-1] // k))
-    return jax.lax.dynamic_index_in_dim(chunks, jax.lax.axis_index(axis), axis=-2, keepdims=False)
 
 
 # ---------------------------------------------------------------- the rule
@@ -220,7 +210,9 @@ def _local_update(
     Returns:
       ``(params, m, v, receiver_carry, sender_carry, v_count, metrics)``.
       Full-precision steps all-reduce gradients over ``node``; compressed
-      steps move momentum codes over ``node`` (:func:`_exchange_momenta`).
+      steps move momentum codes over ``node``
+      (:func:`zeropp_jax.step.momentum_exchange.compressed_update`). Both
+      update a unit a layer at a time, one unit after the other.
       With ``adam.skip_non_finite``, the inputs as they came where the
       reduced gradient (what Adam would see) held a NaN or an inf
       (``metrics["skipped"]`` 1, ``metrics["bounded"]`` 0).
@@ -258,43 +250,51 @@ def _local_update(
     bounded = jnp.zeros((), jnp.float32)  # coordinates held at Adam's bound (compressed steps)
     count_now = count + 1
     new_v_count = v_count if compress else count_now  # the step of v's last update
-    if compress:
-        denoms = {name: preconditioner(v[name][0], v_count, adam) for name in m}
-        shared, new["sender"], new["receiver"], bounded = _exchange_momenta(
-            geo, adam.b1, adam.update_bound(count + 1), {n: m[n][0] / d for n, d in denoms.items()},
-            {n: clip * grads[n] / d for n, d in denoms.items()}, sender_carry, receiver_carry)
-    for u in geo.layout.units:
-        name = u.name
-        m_slice, v_slice = m[name][0], v[name][0]
-        clipped = clip * grads[name]
-        if compress:
-            m_slice = jnp.where(slice_masks[name], shared[name], 0.0) * denoms[name]
-        else:
+    if compress:  # a layer at a time: momentum_exchange
+        new["params"], new["m"], new["sender"], new["receiver"], bounded = compressed_update(
+            geo, adam, params=params, m={n: x[0] for n, x in m.items()},
+            v={n: x[0] for n, x in v.items()}, grads=grads, clip=clip, sq_norm=sq_norm,
+            sender_carry={n: c[0] for n, c in sender_carry.items()},
+            receiver_carry=receiver_carry, count=count, v_count=v_count, slice_masks=slice_masks)
+        new["v"] = v
+    token = sq_norm
+    for u in () if compress else geo.layout.units:  # full precision, a layer at a time
+        def body(carried, layer, u=u):
             # Exact, and the same on every node: all reduced the same
             # gradient. v is an average over time: a refresh after k
             # compressed steps decays it by b2**k.
-            denom_old = preconditioner(v_slice, v_count, adam)
+            clipped = clip * layer["g"]
+            denom_old = preconditioner(carried["v"], v_count, adam)
             b2_k = adam.b2 ** (count_now - v_count).astype(jnp.float32)
-            m_slice = next_momentum(m_slice, clipped, adam.b1)
-            v_slice = next_second_moment(v_slice, clipped, b2_k)
+            out = {"m": next_momentum(carried["m"], clipped, adam.b1),
+                   "v": next_second_moment(carried["v"], clipped, b2_k)}
             # the carries wait, re-expressed in the new update units
-            ratio = denom_old / preconditioner(v_slice, count_now, adam)
-            if name in sender_carry:
-                new["sender"][name] = sender_carry[name] * ratio[None]
-            if name in receiver_carry:
-                new["receiver"][name] = receiver_carry[name] * own_chunk(ratio, NODE)
-        new["m"][name], new["v"][name] = m_slice[None], v_slice[None]
-        if replicated:  # every node steps its whole local slice, identically
-            stepped = adam_step(params[name], m_slice, v_slice, count=count_now,
-                                v_count=new_v_count, hyper=adam)
-            new["params"][name] = jnp.where(slice_masks[name], stepped, params[name])[None]
-            continue
-        stepped = adam_step(
-            params[name], own_chunk(m_slice, NODE), own_chunk(v_slice, NODE),
-            count=count_now, v_count=new_v_count, hyper=adam,
-        )
-        mask = geo.shard_mask(u, params[name].shape[-1])
-        new["params"][name] = jnp.where(mask, stepped, params[name])
+            ratio = denom_old / preconditioner(out["v"], count_now, adam)
+            if "sender" in carried:
+                out["sender"] = carried["sender"] * ratio
+            if "receiver" in carried:
+                out["receiver"] = carried["receiver"] * own_chunk(ratio, NODE)
+            out["params"] = stepped_params(geo, u, carried["params"], out["m"], out["v"],
+                                           count=count_now, v_count=new_v_count, adam=adam,
+                                           slice_mask=slice_masks[u.name])
+            # 0 (v is never negative), but only once this unit is done: chains the units
+            return out, None, jnp.sum(out["v"] < 0, dtype=jnp.float32)
+
+        name = u.name
+        carried = {"m": m[name][0], "v": v[name][0], "params": params[name]}
+        if name in sender_carry:
+            carried["sender"] = sender_carry[name][0]
+        if name in receiver_carry:
+            carried["receiver"] = receiver_carry[name]
+        carried, _, done = over_layers(u.stack, body, carried, {"g": grads[name]}, after=token)
+        token = token + done  # the next unit waits for this one (momentum_exchange.tied)
+        for key, x in carried.items():
+            new[key][name] = x
+    # the node axis back on what is stored per node
+    for key in ("m", "sender") + (("v",) if not compress else ()):
+        new[key] = {n: x[None] for n, x in new[key].items()}
+    if replicated:
+        new["params"] = {n: x[None] for n, x in new["params"].items()}
     # Compressed: the root mean square over nodes of each node's gradient norm
     # (the global gradient is never formed there); else the global norm. One
     # all-reduce for it (sq_norm is equal over local) and the bounded count.
@@ -309,72 +309,3 @@ def _local_update(
         metrics["bounded"] = jnp.where(skipped, 0, metrics["bounded"])  # nothing was applied
     return (*after, metrics)
 
-
-def _exchange_momenta(
-    geo: StepGeometry, b1: float, bound: jax.Array, u_slices: dict, g_slices: dict,
-    sender_carry: dict, receiver_carry: dict,
-) -> tuple[dict, dict, dict, jax.Array]:
-    """A compressed step's momentum exchange, every unit's (inside shard_map).
-
-    Works in the preconditioned space ``u = m / (sqrt(v_hat) + eps)`` (``v``
-    is frozen, so the momentum recursion is the same there): the 1-bit
-    code's shared block magnitude then errs in units of the update, not of
-    ``m``, where a coordinate with a tiny ``v`` (a gradient that is ~0, e.g.
-    attention key biases) would turn the code's error into an unbounded step.
-
-    Each node's own new ``u`` is held within ``nodes * bound`` before it is
-    coded and the shared ``u`` within ``bound``
-    (:meth:`~zeropp_jax.step.adam.OneBitAdam.update_bound`, which Adam never
-    exceeds: only a coordinate whose frozen ``v`` lags its gradient gets
-    there; see the module docstring).
-
-    Args:
-      b1: Adam's momentum decay.
-      bound: float32 ``()``, the largest ``|u|`` Adam reaches at this step.
-      u_slices, g_slices: name -> float32 ``([L,] U / local)``: this slice's
-        ``m`` and clipped node-mean gradient, divided by the preconditioner.
-      sender_carry, receiver_carry: name -> float32 ``(1, [L,] U / local)``,
-        ``([L,] U / D)`` (a name without a carry is missing).
-
-    Returns:
-      ``(u, sender_carry, receiver_carry, bounded)``: name -> the new ``u``
-      of this slice, the same on every node (float32 ``([L,] U / local)``),
-      the new carries (dicts like the arguments), and float32 ``()`` what
-      this device held: its values of the node's ``u`` held within
-      ``nodes * bound``, plus its coordinates of the shared ``u`` held
-      within ``bound`` divided by ``nodes`` (every node holds them), so the
-      sum over devices counts each held value once. Moves codes (of
-      ``ZeroConfig.qgz_code``) over ``node``: with ``geo.gathered_share``
-      one all-gather for all units; else per unit an all-to-all and an
-      all-gather.
-    """
-    cfg = geo.config
-    local_u = {name: next_momentum(u, g_slices[name], b1) for name, u in u_slices.items()}
-    local_u, held_here = _held_within(local_u, geo.nodes * bound)
-    wire = dict(bits=cfg.qgz_bits, block=cfg.qgz_block, scale_dtype=cfg.scale_dtype,
-                kernels=geo.kernels, code=cfg.qgz_code)
-    if geo.gathered_share:
-        with jax.named_scope("cross_node_momentum"):
-            shared, sent = cross_node_gather_mean(
-                local_u, {name: c[0] for name, c in sender_carry.items()}, **wire)
-        received = {}
-    else:
-        shared, sent, received = {}, {}, {}
-        for name, x in local_u.items():
-            with jax.named_scope(f"cross_node_{name}"):
-                summed, sent[name], _ = cross_node_reduce(
-                    x, sender_carry[name][0] if name in sender_carry else None,
-                    reduce_dtype=geo.plan.reduce_dtype, compress=True, **wire)
-                shared[name], received[name] = cross_node_share(
-                    summed / geo.nodes, receiver_carry.get(name), **wire)
-    shared, held_shared = _held_within(shared, bound)
-    return (shared, {n: c[None] for n, c in sent.items() if c is not None},
-            {n: c for n, c in received.items() if c is not None},
-            held_here + held_shared / geo.nodes)
-
-
-def _held_within(u: dict, bound: jax.Array) -> tuple[dict, jax.Array]:
-    """``u`` (name -> float32 array) clipped to ``[-bound, bound]``, and how many
-    values the clip changed (float32 ``()``, this device's)."""
-    held = sum(jnp.sum(jnp.abs(x) > bound, dtype=jnp.float32) for x in u.values())
-    return {name: jnp.clip(x, -bound, bound) for name, x in u.items()}, held

@@ -128,15 +128,44 @@ def cross_node_reduce(
         xi_in = dither.uniform_noise(keys, dither.element_counters(xc.shape, row=me))
         values = dither.dequantize_dithered(received, xi_in, block=block)
         return ordered_chunk_sum(values), None, sent  # the order of dequantize_sum
+    q, sent, residual = reduce_encode(g, carry, bits=bits, block=block, scale_dtype=scale_dtype,
+                                      kernels=kernels, code=code)
+    received = collectives.all_to_all_chunks(q, NODE)  # row k: sender k's codes
+    reduced = reduce_decode(received, bits=bits, block=block, kernels=kernels, code=code)
+    new_carry = None if carry is None else residual
+    return reduced, new_carry, sent
+
+
+def reduce_encode(
+    g: jax.Array, carry: jax.Array | None, *, bits: int, block: int, scale_dtype: Any,
+    kernels: kernels_lib.Kernels, code: str,
+) -> tuple[Any, jax.Array, jax.Array]:
+    """The codes :func:`cross_node_reduce` sends (its first half; local, touches no mesh axis).
+
+    Args:
+      g, carry: float32 ``(..., r)`` (``carry`` may be ``None``), as
+        :func:`cross_node_reduce`'s; ``code`` ``"sign"`` or ``"hadamard"``.
+
+    Returns:
+      ``(q, sent, residual)``: the ``Quantized`` codes of ``x = g + carry``
+      cut into one row per node, ``(..., nodes, ·)``, ready for
+      :func:`zeropp_jax.wire.collectives.all_to_all_chunks` over ``node``;
+      float32 ``(..., r)`` what they decode to and ``x - sent`` (the new
+      carry), both unrotated.
+    """
+    nodes = jax.lax.axis_size(NODE)
     q, sent, residual = _encode(
         _node_rows(g, nodes), None if carry is None else _node_rows(carry, nodes),
         bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code,
     )
-    sent, residual = jnp.reshape(sent, x.shape), jnp.reshape(residual, x.shape)
-    received = collectives.all_to_all_chunks(q, NODE)  # row k: sender k's codes
-    reduced = _decoded_sum(received, bits=bits, block=block, kernels=kernels, code=code)
-    new_carry = None if carry is None else residual
-    return reduced, new_carry, sent
+    return q, jnp.reshape(sent, g.shape), jnp.reshape(residual, g.shape)
+
+
+def reduce_decode(received: Any, *, bits: int, block: int, kernels: kernels_lib.Kernels,
+                  code: str) -> jax.Array:
+    """float32 ``(..., c)``: codes ``(..., nodes, ·)`` received from every node, decoded and
+    summed in node order (:func:`cross_node_reduce`'s second half; local)."""
+    return _decoded_sum(received, bits=bits, block=block, kernels=kernels, code=code)
 
 
 def _node_rows(y: jax.Array, nodes: int) -> jax.Array:
@@ -171,61 +200,76 @@ def _encode(
     return q, x - residual, residual
 
 
-def _sent_codes(
+def gather_encode(
     x: jax.Array, carry: jax.Array | None, *, bits: int, block: int, scale_dtype: Any,
     kernels: kernels_lib.Kernels, code: str,
 ) -> tuple[Any, jax.Array | None]:
-    """The codes this node sends of ``x + carry`` (``(..., r)``) to be gathered by every node.
+    """The codes this node sends of ``x + carry`` to be gathered by every node (local).
 
-    Returns ``(q, residual)``: the ``Quantized`` codes and, for the
-    ``"sign"`` code, this node's float32 ``(..., r)`` residual; ``None``
-    for ``"hadamard"``, whose residual comes from this node's own decoded
-    row (:func:`_own_residual`), so the sender rotates once, not twice.
-    Local: touches no mesh axis.
+    The first half of :func:`cross_node_gather_mean` and
+    :func:`cross_node_share`; :func:`gathered_codes` moves the codes and
+    :func:`gather_decode` finishes.
+
+    Args:
+      x, carry: float32 ``(..., r)`` (``carry`` may be ``None``).
+      code: ``"sign"`` or ``"hadamard"``.
+
+    Returns:
+      ``(q, pending)``: the ``Quantized`` codes and, with a carry, float32
+      ``(..., r)`` what :func:`gather_decode` turns into the new carry: the
+      residual itself for ``"sign"``, ``x + carry`` for ``"hadamard"``
+      (whose residual comes from this node's own decoded row, so the sender
+      rotates once, not twice); ``None`` without a carry.
     """
     if code != "hadamard":
         q, _, residual = _encode(
             x, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code)
-        return q, residual
+        return q, None if carry is None else residual
     total = x if carry is None else x + carry
     rotated = rotation.rotate(total, block, pattern=jax.lax.axis_index(NODE),
                               patterns=jax.lax.axis_size(NODE))
     q, _, _ = _quantize_with_carry(rotated, None, bits=bits, block=block,
                                    scale_dtype=scale_dtype, kernels=kernels)
-    return q, None
+    return q, None if carry is None else total
 
 
-def _own_residual(x: jax.Array, carry: jax.Array | None, rows: jax.Array,
-                  residual: jax.Array | None) -> jax.Array:
-    """``residual`` if the sender knew it, else ``x + carry`` less this node's row of ``rows``."""
-    if residual is not None:
-        return residual
-    total = x if carry is None else x + carry
-    own = jax.lax.dynamic_index_in_dim(rows, jax.lax.axis_index(NODE), axis=rows.ndim - 2,
-                                       keepdims=False)
-    return total - own
-
-
-def _gathered_codes(q: Any) -> Any:
-    """Every node's codes ``q`` (a pytree), one row per sender ``(..., nodes, ·)``: one collective over ``node``."""
+def gathered_codes(q: Any) -> Any:
+    """Every node's codes ``q`` (a pytree of ``(..., n)`` arrays), one row per sender
+    ``(..., nodes, n)``: one collective over ``node``."""
     nodes = jax.lax.axis_size(NODE)
     return jax.tree.map(lambda a: _node_rows(a, nodes), collectives.all_gather(q, (NODE,)))
 
 
-def _gathered_rows(
-    x: jax.Array, carry: jax.Array | None, *, bits: int, block: int, scale_dtype: Any,
-    kernels: kernels_lib.Kernels, code: str,
-) -> tuple[jax.Array, jax.Array]:
-    """Every node's decoded codes of its ``x + carry`` (``(..., r)``), gathered over ``node``.
+def gather_decode(
+    gathered: Any, pending: jax.Array | None, *, bits: int, block: int,
+    kernels: kernels_lib.Kernels, code: str, mean: bool,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Every node's codes decoded, and this node's new carry (local).
 
-    Returns ``(rows, residual)``: float32 ``(..., nodes, r)``, row ``i`` what
-    node ``i`` sent (the same bits on every node), and this node's float32
-    ``(..., r)`` residual ``x + carry - rows[me]``. Moves the codes over ``node``.
+    The second half of :func:`cross_node_gather_mean` (``mean=True``) and
+    :func:`cross_node_share` (``mean=False``).
+
+    Args:
+      gathered: codes ``(..., nodes, ·)`` from :func:`gathered_codes`.
+      pending: :func:`gather_encode`'s, float32 ``(..., r)``, or ``None``.
+      mean: average the rows (``(..., r)``, summed in node order), or lay
+        them side by side (``(..., nodes * r)``, node order).
+
+    Returns:
+      ``(values, new_carry)``: float32, the same on every node; and the new
+      carry ``x + carry`` less what this node sent (``None`` without one).
     """
-    q, residual = _sent_codes(x, carry, bits=bits, block=block, scale_dtype=scale_dtype,
-                              kernels=kernels, code=code)
-    rows = _decoded_rows(_gathered_codes(q), bits=bits, block=block, kernels=kernels, code=code)
-    return rows, _own_residual(x, carry, rows, residual)
+    wire = dict(bits=bits, block=block, kernels=kernels, code=code)
+    nodes = jax.lax.axis_size(NODE)
+    if mean and code != "hadamard":  # one fused pass; the sender knew its residual
+        return _decoded_sum(gathered, **wire) / nodes, pending
+    rows = _decoded_rows(gathered, **wire)
+    if pending is not None and code == "hadamard":
+        pending = pending - jax.lax.dynamic_index_in_dim(
+            rows, jax.lax.axis_index(NODE), axis=rows.ndim - 2, keepdims=False)
+    if mean:
+        return ordered_chunk_sum(rows) / nodes, pending
+    return jnp.reshape(rows, rows.shape[:-2] + (-1,)), pending
 
 
 def _decoded_rows(q: Any, *, bits: int, block: int, kernels: kernels_lib.Kernels,
@@ -309,9 +353,9 @@ def cross_node_share(
       chunks of every node in node order (identical on all nodes), and the
       new carry (``None`` if ``carry`` was ``None``). Touches ``node`` only.
     """
-    shared, residual = _gathered_rows(
-        y, carry, bits=bits, block=block, scale_dtype=scale_dtype, kernels=kernels, code=code)
-    return jnp.reshape(shared, y.shape[:-1] + (-1,)), (None if carry is None else residual)
+    wire = dict(bits=bits, block=block, kernels=kernels, code=code)
+    q, pending = gather_encode(y, carry, scale_dtype=scale_dtype, **wire)
+    return gather_decode(gathered_codes(q), pending, mean=False, **wire)
 
 
 def cross_node_gather_mean(
@@ -350,20 +394,13 @@ def cross_node_gather_mean(
       ``carries``. Touches ``node`` only.
     """
     wire = dict(bits=bits, block=block, kernels=kernels, code=code)
-    sent = {name: _sent_codes(x, carries.get(name), scale_dtype=scale_dtype, **wire)
+    sent = {name: gather_encode(x, carries.get(name), scale_dtype=scale_dtype, **wire)
             for name, x in xs.items()}
     with jax.named_scope(collectives.EVERY_NODE_SCOPE):  # bytes grow with the nodes
-        gathered = _gathered_codes({name: q for name, (q, _) in sent.items()})
+        gathered = gathered_codes({name: q for name, (q, _) in sent.items()})
     means, new_carries = {}, {}
-    for name, x in xs.items():
-        carry, residual = carries.get(name), sent[name][1]
-        if code == "hadamard":  # the rows are decoded one by one anyway
-            rows = _decoded_rows(gathered[name], **wire)
-            total = ordered_chunk_sum(rows)
-            residual = _own_residual(x, carry, rows, residual)
-        else:  # one fused pass
-            total = _decoded_sum(gathered[name], **wire)
-        means[name] = total / jax.lax.axis_size(NODE)
+    for name, (_, pending) in sent.items():
+        means[name], carry = gather_decode(gathered[name], pending, mean=True, **wire)
         if carry is not None:
-            new_carries[name] = residual
+            new_carries[name] = carry
     return means, new_carries
