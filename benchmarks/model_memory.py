@@ -13,15 +13,24 @@ compiles and reports, per device (``memory_analysis()``, nothing is run):
 * ``zero3_whole``: the trainer on the simulated ``2x4`` mesh with
   ``per_layer=False`` (the whole model gathered once), 16 rows in all;
 
+* ``wrap``: the trainer with ``wrap=(FlaxGPT2Block,)`` (each block its own
+  unit, gathered as it is called), for each preset of ``--presets``
+  (default ``zero3 zeropp zeropp-max``), its compressed step and, for the
+  presets with a schedule, its full-precision (warm-up and refresh) step;
+
 and checks what the README claims of ``per_layer=False``: its temporaries
 exceed the plain step's (at the same rows per device) by the gathered flat
 model, the leaves cut from it and their gradient before its reduce-scatter,
 at most ``EXTRA_MODELS_LIMIT`` models (float32) at 8 layers; and reports each
 side's whole per-device footprint (arguments + temporaries: plain holds the
-model and Adam's two moments whole, the trainer 1/8 of each). Prints a
-markdown table, then one JSON object on the last line.
+model and Adam's two moments whole, the trainer 1/8 of each). For the wrapped
+presets it reports how much the temporaries grow per layer of depth, in
+blocks (float32), between the two deepest counts: 1-bit Adam's step
+(zeropp, zeropp-max) must grow by less than ``ONEBIT_GROWTH_LIMIT`` blocks
+per block (``step/momentum_exchange.py``: a layer's work at a time). Prints
+markdown tables, then one JSON object on the last line.
 
-  python benchmarks/model_memory.py [--layers 2,4,8] [--d-model 256]
+  python benchmarks/model_memory.py [--layers 2,4,8] [--d-model 256] [--presets zero3,zeropp]
 """
 
 from __future__ import annotations
@@ -51,6 +60,10 @@ MESH = (2, 4)
 # zero3_whole - plain <= 2.5 models: the gathered flat vector, its leaves and
 # their gradient (2.43 at 2-8 layers, 2026-12-05, jax 0.10.2 on CPU).
 EXTRA_MODELS_LIMIT = 2.5
+# 1-bit Adam's step, temporaries per block of depth: the node's gradient and
+# the hpZ copy are 1/local of a block each (0.5 on 2x4); handled a unit at a
+# time they grew by about 1.1 blocks per block (audit of stop 53).
+ONEBIT_GROWTH_LIMIT = 0.75
 
 
 def gpt2(n_layer: int, d_model: int, seq: int):
@@ -77,6 +90,27 @@ def gpt2(n_layer: int, d_model: int, seq: int):
         return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch[:, 1:]).mean()
 
     return loss_fn, params, ids
+
+
+def wrapped_temps(n_layer: int, d_model: int, seq: int, presets: list[str]) -> dict:
+    """MiB of temporaries per device of each preset's step with ``wrap=``: ``{"zeropp": {
+    "compressed": ..., "full": ...}, ...}`` (``full`` only where qgZ has a schedule)."""
+    from transformers.models.gpt2.modeling_flax_gpt2 import FlaxGPT2Block
+
+    loss_fn, params, batch = gpt2(n_layer, d_model, seq)
+    out = {}
+    for preset in presets:
+        config = zp.ZeroConfig.from_preset(preset, compute_dtype="float32")
+        opt = zp.onebit_adam(1e-3) if config.qgz_target == "momentum" else optax.adam(1e-3)
+        trainer = zp.make_trainer(loss_fn, opt, params, mesh=zp.make_mesh(*MESH), config=config,
+                                  wrap=(FlaxGPT2Block,), example_batch=batch)
+        variants = {"compressed": True, "full": False} if trainer.qgz_active else {"step": None}
+        out[preset] = {name: trainer.compile_from_shapes(params, batch, compress=compress)
+                       .memory_analysis().temp_size_in_bytes / MIB
+                       for name, compress in variants.items()}
+    out["block_mib"] = 4 * sum(int(np.prod(x.shape)) for x in
+                               jax.tree.leaves(params["transformer"]["h"]["0"])) / MIB
+    return out
 
 
 def measure(n_layer: int, d_model: int, seq: int) -> dict:
@@ -120,6 +154,10 @@ def main(argv=None) -> int:
                         help="comma-separated layer counts (default 2,4,8)")
     parser.add_argument("--d-model", type=positive_int, default=256)
     parser.add_argument("--seq", type=positive_int, default=32)
+    parser.add_argument("--presets", default=["zero3", "zeropp", "zeropp-max"],
+                        type=lambda text: [x for x in text.split(",") if x],
+                        help="comma-separated presets for the wrapped table (default "
+                             "zero3,zeropp,zeropp-max; empty: none)")
     args = parser.parse_args(argv)
     try:
         import transformers  # noqa: F401
@@ -130,6 +168,8 @@ def main(argv=None) -> int:
     for n in args.layers:
         print(f"compiling {n} layers ...", file=sys.stderr, flush=True)
         rows.append(measure(n, args.d_model, args.seq))
+        if args.presets:
+            rows[-1]["wrap_temp_mib"] = wrapped_temps(n, args.d_model, args.seq, args.presets)
     print("| layers | model MiB | plain temp MiB, 2 rows (16 rows) | zero3 per_layer=False "
           "temp MiB, 2 rows per device | above plain, in models | args + temp: plain, zero3 |")
     print("|---:|---:|---:|---:|---:|---:|")
@@ -144,12 +184,40 @@ def main(argv=None) -> int:
     print(f"{'PASS' if ok else 'FAIL'}: at {last['layers']} layers zero3 (per_layer=False) holds "
           f"{last['extra_models']:.2f} gathered models above plain jit at the same rows per "
           f"device (limit {EXTRA_MODELS_LIMIT}: the flat vector, its leaves, their gradient)")
+    targets = {"whole_model_extra_models": {
+        "value": last["extra_models"], "limit": EXTRA_MODELS_LIMIT, "pass": ok}}
+    if args.presets:
+        targets.update(_wrapped_table(rows))
     from zeropp_jax import provenance
 
-    print(json.dumps({"rows": rows, "targets": {"whole_model_extra_models": {
-        "value": last["extra_models"], "limit": EXTRA_MODELS_LIMIT, "pass": ok}},
-        "provenance": provenance.record()}))
+    print(json.dumps({"rows": rows, "targets": targets, "provenance": provenance.record()}))
     return 0
+
+
+def _wrapped_table(rows: list[dict]) -> dict:
+    """Prints the wrapped presets' temporaries; returns 1-bit Adam's growth targets."""
+    names = [(preset, variant) for preset, variants in rows[0]["wrap_temp_mib"].items()
+             if preset != "block_mib" for variant in variants]
+    print("\n| preset, step | " + " | ".join(f"{r['layers']} layers" for r in rows)
+          + " | growth per block of depth, in blocks |")
+    print("|---|" + "---:|" * (len(rows) + 1))
+    targets, verdicts = {}, []
+    for preset, variant in names:
+        temps = [r["wrap_temp_mib"][preset][variant] for r in rows]
+        growth = None
+        if len(rows) > 1:
+            depth = rows[-1]["layers"] - rows[-2]["layers"]
+            growth = (temps[-1] - temps[-2]) / (depth * rows[-1]["wrap_temp_mib"]["block_mib"])
+        print(f"| {preset}, {variant} | " + " | ".join(f"{t:.1f}" for t in temps)
+              + f" | {'-' if growth is None else f'{growth:.2f}'} |")
+        if growth is not None and preset.startswith("zeropp"):
+            ok = growth < ONEBIT_GROWTH_LIMIT
+            targets[f"{preset}_{variant}_growth_blocks"] = {
+                "value": growth, "limit": ONEBIT_GROWTH_LIMIT, "pass": ok}
+            verdicts.append(f"{'PASS' if ok else 'FAIL'}: {preset}'s {variant} step grows by "
+                            f"{growth:.2f} blocks per block of depth (limit {ONEBIT_GROWTH_LIMIT})")
+    print("\n".join(verdicts))
+    return targets
 
 
 if __name__ == "__main__":
