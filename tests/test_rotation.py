@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 import zeropp_jax as zp
 from zeropp_jax.wire import rotation
-from zeropp_jax.wire.qgz import cross_node_gather_mean, cross_node_reduce, cross_node_share
+from zeropp_jax.wire.kernels import XLA
+from zeropp_jax.wire.qgz import cross_node_reduce, gather_decode, gather_encode, gathered_codes
 from pallas_kernels.references.quantization import dequantize, quantize
 
 from _util import gpt_step, mesh_of
@@ -123,6 +124,15 @@ def _on_mesh(fn, *arrays):
     return jax.tree.map(np.asarray, out)
 
 
+def _shared(x, carry, *, mean, scale_dtype, **wire):
+    """``x + carry`` coded, gathered over ``node`` and decoded, as 1-bit Adam composes the
+    halves (``step/momentum_exchange.py``): every node's rows averaged (``mean``, the
+    one-hop share) or side by side (the two hops' second), and the new carry."""
+    wire = dict(kernels=XLA, **wire)
+    q, pending = gather_encode(x, carry, scale_dtype=scale_dtype, **wire)
+    return gather_decode(gathered_codes(q), pending, mean=mean, **wire)
+
+
 @pytest.mark.parametrize("code", ["sign", "hadamard"])
 def test_gather_mean_is_every_nodes_decoded_codes_averaged_on_every_node(code):
     block, width = 32, 3 * 64
@@ -131,8 +141,8 @@ def test_gather_mean_is_every_nodes_decoded_codes_averaged_on_every_node(code):
     wire = dict(bits=1, block=block, scale_dtype=jnp.float32, code=code)
 
     def run(x, c):
-        mean, new_carry = cross_node_gather_mean({"x": x[0]}, {"x": c[0]}, **wire)
-        mean, sent = mean["x"], x[0] + c[0] - new_carry["x"]
+        mean, new_carry = _shared(x[0], c[0], mean=True, **wire)
+        sent = x[0] + c[0] - new_carry
         return jnp.stack([mean, sent])[None]
 
     out = _on_mesh(run, x, carry)  # (devices, 2, width): device = node * 4 + local
@@ -174,7 +184,7 @@ def test_two_hops_keep_what_they_lose(code):
     def run(x, c, rc):
         summed, new_carry, sent = cross_node_reduce(
             x[0], c[0], reduce_dtype=jnp.float32, compress=True, **wire)
-        shared, new_receiver = cross_node_share(summed, rc[0], **wire)
+        shared, new_receiver = _shared(summed, rc[0], mean=False, **wire)
         return jnp.stack([sent, new_carry, shared,
                           jnp.concatenate([summed, new_receiver])])[None]
 

@@ -20,13 +20,14 @@ mean gradient (reduced over ``local`` at full precision):
   ``n`` forms its own ``b1 * u + (1 - b1) * clip_n * g_n / d`` around the
   shared ``u`` (``clip_n`` from node ``n``'s own gradient norm, the only norm
   known before the exchange), compresses it plus its sender carry, and the
-  chunks are summed over nodes as in gradient qgZ
-  (:func:`zeropp_jax.wire.qgz.cross_node_reduce`); each receiver averages its
-  chunk, compresses it once more with its receiver carry, and all nodes
-  gather those codes (:func:`zeropp_jax.wire.qgz.cross_node_share`); or,
-  with ``ZeroConfig.qgz_share`` ``"gather"`` (``"auto"`` with two nodes, the
-  same bytes), every node gathers every node's codes and averages them itself
-  (:func:`zeropp_jax.wire.qgz.cross_node_gather_mean`, no receiver carry).
+  chunks are summed over nodes as in gradient qgZ (the halves of
+  :func:`zeropp_jax.wire.qgz.cross_node_reduce`: ``reduce_encode``, an
+  all-to-all, ``reduce_decode``); each receiver averages its chunk,
+  compresses it once more with its receiver carry, and all nodes gather
+  those codes (``gather_encode``, ``gathered_codes``, ``gather_decode``);
+  or, with ``ZeroConfig.qgz_share`` ``"gather"`` (``"auto"`` with two
+  nodes, the same bytes), every node gathers every node's codes and
+  averages them itself (no receiver carry).
   Either way every node holds the same new ``u`` (stored as ``m = u * d``) and steps
   ``p -= lr * u / (1 - b1**t)``.
 

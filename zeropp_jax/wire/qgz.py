@@ -206,9 +206,15 @@ def gather_encode(
 ) -> tuple[Any, jax.Array | None]:
     """The codes this node sends of ``x + carry`` to be gathered by every node (local).
 
-    The first half of :func:`cross_node_gather_mean` and
-    :func:`cross_node_share`; :func:`gathered_codes` moves the codes and
-    :func:`gather_decode` finishes.
+    The first of three steps that give every node every node's compressed
+    ``x``: :func:`gathered_codes` moves the codes over ``node`` (those of
+    many arrays as one collective) and :func:`gather_decode` decodes them,
+    averaged (1-bit Adam's one-hop share: each node takes in ``nodes - 1``
+    nodes' codes for the whole of ``x``, the two hops ``2 (nodes - 1) /
+    nodes`` of that, the same bytes for two nodes and more beyond) or side
+    by side (the second of its two hops, after :func:`cross_node_reduce`'s
+    halves). Every node decodes the same bits, so all hold the same values;
+    the new carry is ``x + carry`` less what this node's codes decode to.
 
     Args:
       x, carry: float32 ``(..., r)`` (``carry`` may be ``None``).
@@ -246,8 +252,7 @@ def gather_decode(
 ) -> tuple[jax.Array, jax.Array | None]:
     """Every node's codes decoded, and this node's new carry (local).
 
-    The second half of :func:`cross_node_gather_mean` (``mean=True``) and
-    :func:`cross_node_share` (``mean=False``).
+    The last of :func:`gather_encode`'s three steps.
 
     Args:
       gathered: codes ``(..., nodes, ·)`` from :func:`gathered_codes`.
@@ -318,89 +323,3 @@ def _quantize_with_carry(
     sent = kernels.dequantize(q, bits=bits, block=block, dtype=jnp.float32)
     return q, sent, x - sent
 
-
-def cross_node_share(
-    y: jax.Array,
-    carry: jax.Array | None,
-    *,
-    bits: int,
-    block: int,
-    scale_dtype: Any,
-    kernels: kernels_lib.Kernels = kernels_lib.XLA,
-    code: str = "sign",
-) -> tuple[jax.Array, jax.Array | None]:
-    """Gives every node every node's chunk, compressed (runs inside shard_map).
-
-    The second hop of 1-bit Adam (:mod:`zeropp_jax.step.onebit_adam`): after
-    :func:`cross_node_reduce` each device holds the node-summed chunk of its
-    ``local`` slice; here ``x = y + carry`` is quantized block-wise, the codes
-    are all-gathered over ``node`` and dequantized, so all nodes end up with
-    the same values. With error feedback the new carry is
-    ``x - dequantize(quantize(x))``.
-
-    Args:
-      y: float32 ``(..., c)``, this device's chunk (``c`` divisible by
-        ``block``).
-      carry: float32 ``(..., c)`` receiver carry, or ``None``.
-      bits: 1, 4 or 8.
-      block: elements per scale.
-      scale_dtype: dtype of the scales on the wire.
-      kernels: the quantization kernels.
-      code: ``"sign"`` or ``"hadamard"`` (:mod:`zeropp_jax.wire.rotation`).
-
-    Returns:
-      ``(shared, new_carry)``: float32 ``(..., c * nodes)``, the decoded
-      chunks of every node in node order (identical on all nodes), and the
-      new carry (``None`` if ``carry`` was ``None``). Touches ``node`` only.
-    """
-    wire = dict(bits=bits, block=block, kernels=kernels, code=code)
-    q, pending = gather_encode(y, carry, scale_dtype=scale_dtype, **wire)
-    return gather_decode(gathered_codes(q), pending, mean=False, **wire)
-
-
-def cross_node_gather_mean(
-    xs: dict,
-    carries: dict,
-    *,
-    bits: int,
-    block: int,
-    scale_dtype: Any,
-    kernels: kernels_lib.Kernels = kernels_lib.XLA,
-    code: str = "sign",
-) -> tuple[dict, dict]:
-    """The mean over nodes of every node's compressed ``x``, on every node (inside shard_map).
-
-    One hop instead of :func:`cross_node_reduce` then :func:`cross_node_share`:
-    each ``x + carry`` is quantized block-wise, the codes of every node are
-    all-gathered over ``node``, and each node decodes and sums them in node
-    order, so all nodes hold the same mean, and nothing is quantized twice.
-    Each node takes in ``nodes - 1`` nodes' codes for the whole of ``x``;
-    the two hops take in ``2 (nodes - 1) / nodes`` of that: the same bytes
-    for two nodes, more beyond (1-bit Adam's ``ZeroConfig.qgz_share``).
-    The codes and scales of all of ``xs`` move as one collective (one
-    packed buffer, :func:`zeropp_jax.wire.collectives.all_gather`).
-
-    Args:
-      xs: name -> float32 ``(..., r)``, this device's values (each ``r``
-        divisible by ``block``), e.g. one per unit.
-      carries: name -> float32 ``(..., r)`` error-feedback carry; a name
-        that is missing has none.
-      bits, block, scale_dtype, kernels: as :func:`cross_node_share`.
-      code: ``"sign"`` or ``"hadamard"``.
-
-    Returns:
-      ``(means, new_carries)``: name -> float32 ``(..., r)``, identical on
-      all nodes; and name -> ``x + carry - sent`` for the names of
-      ``carries``. Touches ``node`` only.
-    """
-    wire = dict(bits=bits, block=block, kernels=kernels, code=code)
-    sent = {name: gather_encode(x, carries.get(name), scale_dtype=scale_dtype, **wire)
-            for name, x in xs.items()}
-    with jax.named_scope(collectives.EVERY_NODE_SCOPE):  # bytes grow with the nodes
-        gathered = gathered_codes({name: q for name, (q, _) in sent.items()})
-    means, new_carries = {}, {}
-    for name, (_, pending) in sent.items():
-        means[name], carry = gather_decode(gathered[name], pending, mean=True, **wire)
-        if carry is not None:
-            new_carries[name] = carry
-    return means, new_carries
