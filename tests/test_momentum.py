@@ -438,6 +438,11 @@ def test_over_layers_runs_the_body_a_layer_at_a_time_as_on_the_whole():
     # an unstacked unit: the body once, on the whole arrays
     got = over_layers(None, body, {"x": x}, {"r": r}, after=jnp.float32(np.nan))
     jax.tree.map(np.testing.assert_array_equal, got, want)
+    # a count given as a Python float (the tie counts NaNs of every float leaf)
+    new, _, count = over_layers(5, lambda c, _: ({"x": c["x"] * 2}, None, 1.0), {"x": x},
+                                {"r": r}, after=jnp.float32(0.0))
+    np.testing.assert_array_equal(new["x"], x * 2)
+    assert float(count) == 5.0
 
 
 @pytest.mark.parametrize("preset, overrides", [
@@ -482,6 +487,10 @@ def _optimizer_loop_copies(hlo: str) -> list[str]:
     (False, {}),
     pytest.param(True, {}, marks=pytest.mark.slow),
     pytest.param(True, {"qgz_share": "two-hop"}, marks=pytest.mark.slow),
+    # Known (review 23): int8 sign codes' writes are not waited for, and XLA copies
+    # the sender carry on every iteration (1.45x the old step's time at 32 layers).
+    pytest.param(True, {"qgz_share": "two-hop", "qgz": "int8", "qgz_code": "sign"},
+                 marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason="review 23")]),
 ])
 def test_the_per_layer_loops_write_in_place_without_copying_the_stack(compress, overrides):
     """A layer's new values are written after all its reads of the old ones

@@ -68,10 +68,12 @@ def over_layers(stack: int | None, body: Callable, inplace: dict, reads: Any, *,
     """
     def run(arrays, layer):
         new, out, count = body(tied(arrays, after), tied(layer, after))
-        # The new values are written once all of the layer's results exist, so
-        # every read of the old ones comes first: else XLA copies the whole
-        # buffers (every iteration, in the loop) to write them in place while
-        # other work still reads them.
+        # The new values are written once all of the layer's float results
+        # exist, so every read of the old ones comes first: else XLA copies the
+        # whole buffers (every iteration, in the loop) to write them in place
+        # while other work still reads them. Integer codes are not waited for:
+        # with int8/int4 sign codes and two hops, XLA still copies the sender
+        # carry (review 23; every preset's 1-bit code is free of copies).
         return tied(new, _nan_count((new, out, count))), out, count
 
     if stack is None:
@@ -89,8 +91,11 @@ def over_layers(stack: int | None, body: Callable, inplace: dict, reads: Any, *,
 
 
 def _nan_count(tree: Any) -> jax.Array:
-    """float32 ``()``: the NaNs among ``tree``'s float arrays (never negative; needs all of them)."""
-    return sum((jnp.sum(jnp.isnan(x), dtype=jnp.float32) for x in jax.tree.leaves(tree)
+    """float32 ``()``: the NaNs among ``tree``'s float leaves (arrays or Python scalars;
+    never negative). XLA can compute it only once all of them exist; integer leaves
+    (codes) are not waited for."""
+    leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
+    return sum((jnp.sum(jnp.isnan(x), dtype=jnp.float32) for x in leaves
                 if jnp.issubdtype(x.dtype, jnp.floating)), jnp.zeros((), jnp.float32))
 
 
