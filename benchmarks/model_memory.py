@@ -92,12 +92,13 @@ def gpt2(n_layer: int, d_model: int, seq: int):
     return loss_fn, params, ids
 
 
-def wrapped_temps(n_layer: int, d_model: int, seq: int, presets: list[str]) -> dict:
-    """MiB of temporaries per device of each preset's step with ``wrap=``: ``{"zeropp": {
-    "compressed": ..., "full": ...}, ...}`` (``full`` only where qgZ has a schedule)."""
+def wrapped_temps(model: tuple, presets: list[str]) -> dict:
+    """MiB of temporaries per device of each preset's step with ``wrap=`` on ``model``
+    (:func:`gpt2`'s): ``{"zeropp": {"compressed": ..., "full": ...}, ...}`` (``full``
+    only where qgZ has a schedule)."""
     from transformers.models.gpt2.modeling_flax_gpt2 import FlaxGPT2Block
 
-    loss_fn, params, batch = gpt2(n_layer, d_model, seq)
+    loss_fn, params, batch = model
     out = {}
     for preset in presets:
         config = zp.ZeroConfig.from_preset(preset, compute_dtype="float32")
@@ -113,8 +114,8 @@ def wrapped_temps(n_layer: int, d_model: int, seq: int, presets: list[str]) -> d
     return out
 
 
-def measure(n_layer: int, d_model: int, seq: int) -> dict:
-    loss_fn, params, batch = gpt2(n_layer, d_model, seq)
+def measure(n_layer: int, model: tuple) -> dict:
+    loss_fn, params, batch = model
     opt = optax.adam(1e-3)
 
     def plain_step(p, s, b):
@@ -167,9 +168,10 @@ def main(argv=None) -> int:
     rows = []
     for n in args.layers:
         print(f"compiling {n} layers ...", file=sys.stderr, flush=True)
-        rows.append(measure(n, args.d_model, args.seq))
+        model = gpt2(n, args.d_model, args.seq)
+        rows.append(measure(n, model))
         if args.presets:
-            rows[-1]["wrap_temp_mib"] = wrapped_temps(n, args.d_model, args.seq, args.presets)
+            rows[-1]["wrap_temp_mib"] = wrapped_temps(model, args.presets)
     print("| layers | model MiB | plain temp MiB, 2 rows (16 rows) | zero3 per_layer=False "
           "temp MiB, 2 rows per device | above plain, in models | args + temp: plain, zero3 |")
     print("|---:|---:|---:|---:|---:|---:|")

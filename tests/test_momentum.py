@@ -487,10 +487,11 @@ def _optimizer_loop_copies(hlo: str) -> list[str]:
     (False, {}),
     pytest.param(True, {}, marks=pytest.mark.slow),
     pytest.param(True, {"qgz_share": "two-hop"}, marks=pytest.mark.slow),
-    # Known (review 23): int8 sign codes' writes are not waited for, and XLA copies
-    # the sender carry on every iteration (1.45x the old step's time at 32 layers).
+    # Known (review 23; no preset uses it): 1.45x the old step's time at 32 layers.
     pytest.param(True, {"qgz_share": "two-hop", "qgz": "int8", "qgz_code": "sign"},
-                 marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason="review 23")]),
+                 marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=(
+                     "int8 sign codes are written without waiting, so XLA copies the "
+                     "sender carry on every iteration (review 23)"))]),
 ])
 def test_the_per_layer_loops_write_in_place_without_copying_the_stack(compress, overrides):
     """A layer's new values are written after all its reads of the old ones

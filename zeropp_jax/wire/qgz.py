@@ -212,9 +212,8 @@ def gather_encode(
     averaged (1-bit Adam's one-hop share: each node takes in ``nodes - 1``
     nodes' codes for the whole of ``x``; the two hops take in codes for
     ``2 (nodes - 1) / nodes`` of ``x``: the same bytes for two nodes, fewer
-    beyond) or side
-    by side (the second of its two hops, after :func:`cross_node_reduce`'s
-    halves). Every node decodes the same bits, so all hold the same values;
+    beyond) or side by side (the second of its two hops, after
+    :func:`cross_node_reduce`'s halves). Every node decodes the same bits, so all hold the same values;
     the new carry is ``x + carry`` less what this node's codes decode to.
 
     Args:
