@@ -321,8 +321,8 @@ def test_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
     assert "0" in names and "1" not in names, names
     assert any(n.startswith("1.orbax-checkpoint-tmp") for n in names), names  # killed mid-write
     tr = trainer("zero3", 2, 4)
-    ckpt = Checkpointer(directory)  # removes the temporary directory (in the background)
-    assert ckpt.latest_step() == 0
+    ckpt = Checkpointer(directory)  # removes the temporary directory
+    assert sorted(os.listdir(directory)) == ["0"] and ckpt.latest_step() == 0
     state = ckpt.restore(tr)
     jax.tree.map(
         np.testing.assert_array_equal, tr.gather_params(state), jax.device_get(params())
@@ -331,6 +331,19 @@ def test_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
     ckpt.close()
     assert not any("tmp" in n for n in os.listdir(directory))
     assert Checkpointer(directory).all_steps() == [0, 1]
+
+
+def test_a_directory_opened_and_never_saved_to_ends_quietly(tmp_path):
+    """Orbax cleaned an interrupted save's directory up on a thread that an
+    exit right after met in the interpreter's shutdown: a traceback."""
+    directory = tmp_path / "ckpt"
+    (directory / "5.orbax-checkpoint-tmp-123").mkdir(parents=True)
+    script = tmp_path / "opens.py"
+    script.write_text("import sys\nfrom zeropp_jax.checkpoint import Checkpointer\n"
+                      "Checkpointer(sys.argv[1])\n")
+    proc = run_cli(str(script), str(directory), timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert os.listdir(directory) == []
 
 
 @pytest.mark.slow

@@ -381,6 +381,14 @@ def test_conditional_and_unknown_trip_count_are_flagged():
     assert "~" in report.format_table()
 
 
+def test_a_mesh_shape_of_other_devices_than_the_programs_is_refused(mesh):
+    x = jnp.ones((64, 8), jnp.float32)
+    compiled = _compile(mesh, lambda a: jax.lax.all_gather(a, "node", tiled=True), x)
+    assert comm_report(compiled, mesh_shape=(4, 2)).collectives  # 8 devices: another split
+    with pytest.raises(ValueError, match=r"runs on 8 devices .* mesh_shape \(2, 8\) has 16"):
+        comm_report(compiled, mesh_shape=(2, 8))
+
+
 def test_errors():
     with pytest.raises(ValueError, match="does not look like an HLO module"):
         comm_report("module @jit_f { func.func public @main() { return } }", mesh_shape=MESH_SHAPE)

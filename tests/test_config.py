@@ -56,8 +56,25 @@ def test_values_of_the_wrong_kind_are_rejected(field, value, match):
 def test_numpy_numbers_count_as_numbers():
     config = ZeroConfig(qwz_bits=np.int64(8), qgz="int8", qgz_min_grad_rms=np.float32(0.1))
     assert config.qwz_bits == 8 and config.qgz_min_grad_rms == np.float32(0.1)
+    described = config.describe()  # the values, not their types' names
+    assert described["qwz_bits"] == 8 and described["qgz_min_grad_rms"] == pytest.approx(0.1)
     with pytest.raises(ValueError, match="qwz_bits must be the integer"):
         ZeroConfig(qwz_bits=np.bool_(True))
+
+
+def test_auto_is_the_default_dtype_by_name_and_unknown_fields_are_named():
+    assert ZeroConfig(compute_dtype="auto", reduce_dtype="auto") == ZeroConfig()
+    with pytest.raises(ValueError, match=r"or None / 'auto' \(the default\), got 'f8'"):
+        ZeroConfig(compute_dtype="f8")
+    with pytest.raises(ValueError, match=r"unknown config field\(s\) \['foo'\]; valid fields"):
+        ZeroConfig.from_preset("qgz").replace(foo=1)
+
+
+def test_the_dithered_code_under_1bit_adam_is_refused_for_what_it_cannot_do():
+    # Not first "turn error feedback off", which the momentum target cannot.
+    for extra in ({}, {"qgz_error_feedback": False}):
+        with pytest.raises(ValueError, match="qgz_target='momentum' runs error feedback"):
+            ZeroConfig.from_preset("zeropp", qgz_code="dither", **extra)
 
 
 def test_dtypes_are_accepted_as_names_or_dtypes_alike():

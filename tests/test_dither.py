@@ -152,7 +152,7 @@ def test_exchange_regenerates_each_senders_dither():
 
 def test_config_refuses_dither_with_error_feedback_or_other_modes():
     with pytest.raises(ValueError, match="without error feedback"):
-        zp.ZeroConfig.from_preset("zeropp", qgz_code="dither")
+        zp.ZeroConfig.from_preset("zeropp", qgz_code="dither", qgz_target="gradient")
     with pytest.raises(ValueError, match="1-bit code"):
         zp.ZeroConfig.from_preset("qgz", qgz="int4", qgz_code="dither", qgz_error_feedback=False)
     with pytest.raises(ValueError, match="qgz_code must be one of"):

@@ -1,5 +1,6 @@
 """Sharded init, evaluation without an update, and which states a trainer takes."""
 
+import dataclasses
 import functools
 import warnings
 
@@ -55,6 +56,84 @@ def test_init_from_never_forms_a_stacked_unit_whole():
     # One layer of eight per device, and room to put it in place.
     assert memory.temp_size_in_bytes < whole / 2, (memory.temp_size_in_bytes, whole)
     assert memory.output_size_in_bytes == whole // trainer.n_devices
+
+
+def _own_loop(optimizer, params, steps, start=0, opt_state=None):
+    """``steps`` plain optax steps on the whole model (a user's own loop)."""
+    loss = gpt_loss(TINY, per_layer=False)
+
+    @jax.jit
+    def step(p, s, batch):
+        updates, s = optimizer.update(jax.grad(loss)(p, batch), s, p)
+        return optax.apply_updates(p, updates), s
+
+    opt_state = optimizer.init(params) if opt_state is None else opt_state
+    data = tiny_batches(batch_size=16)
+    for i in range(start, start + steps):
+        params, opt_state = step(params, opt_state, data.batch_at(i))
+    return params, opt_state
+
+
+@pytest.mark.parametrize("preset", ["zero3", "hpz", "zeropp-max"])
+def test_init_goes_on_from_an_optax_loops_state(preset):
+    config = zp.ZeroConfig.from_preset(preset)
+    optimizer = zp.onebit_adam(1e-2) if preset == "zeropp-max" else optax.adam(1e-2)
+    trainer = zp.make_trainer(gpt_loss(TINY, True), optimizer, jax.eval_shape(_init(), KEY),
+                              mesh=zp.make_mesh(*MESH), config=config, per_layer=True,
+                              stacked=("blocks",))
+    params, opt_state = _own_loop(optax.adam(1e-2), gpt.init_params(TINY, KEY), 3)
+    carried = trainer.init(params, opt_state=opt_state, step=3)
+    restarted = trainer.init(params, step=3)  # Adam's moments lost
+    assert int(carried.step) == 3
+    data = tiny_batches(batch_size=16)
+    for i in range(3, 5):
+        carried, metrics = trainer.step(carried, data.batch_at(i))
+        restarted, _ = trainer.step(restarted, data.batch_at(i))
+        assert int(metrics["compressed"]) == 0  # 1-bit Adam's warm-up: Adam itself
+    want, _ = _own_loop(optax.adam(1e-2), params, 2, start=3, opt_state=opt_state)
+    for got, kept, ref in zip(jax.tree.leaves(trainer.gather_params(carried)),
+                              jax.tree.leaves(trainer.gather_params(restarted)),
+                              jax.tree.leaves(want)):
+        np.testing.assert_allclose(got, ref, atol=1e-5)
+    assert max(float(np.max(np.abs(k - r))) for k, r in zip(
+        jax.tree.leaves(trainer.gather_params(restarted)), jax.tree.leaves(want))) > 1e-3
+
+
+@pytest.mark.parametrize("optimizer", [optax.adam(1e-3), optax.adagrad(1e-3)])
+def test_an_optimizers_own_init_carried_over_is_the_trainers_init(optimizer):
+    params = gpt.init_params(TINY, KEY)
+    trainer = zp.make_trainer(gpt_loss(TINY, True), optimizer, params, mesh=zp.make_mesh(*MESH),
+                              per_layer=True, stacked=("blocks",))
+    on_one_device = jax.device_put(optimizer.init(params), jax.devices()[3])
+    carried = trainer.init(params, opt_state=on_one_device)
+    fresh = trainer.init(params)  # adagrad's 0.1 in the padding too
+    for a, b in zip(jax.tree.leaves(carried), jax.tree.leaves(fresh)):
+        assert a.sharding == b.sharding and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_step_goes_on_with_the_schedule():
+    trainer = _trainer("qgz", qgz_warmup_steps=2)
+    params, batch = gpt.init_params(TINY, KEY), tiny_batches(batch_size=16).batch_at(0)
+    assert int(trainer.step(trainer.init(params), batch)[1]["compressed"]) == 0
+    assert int(trainer.step(trainer.init(params, step=2), batch)[1]["compressed"]) == 1
+
+
+def test_init_refuses_a_state_or_step_it_cannot_carry_over():
+    params = gpt.init_params(TINY, KEY)
+    trainer = zp.make_trainer(gpt_loss(TINY, True), optax.adam(1e-3), params,
+                              mesh=zp.make_mesh(*MESH), per_layer=True, stacked=("blocks",))
+    with pytest.raises(ValueError, match=r"gives \(ScaleByAdamState\(count=\(\), mu=params, "
+                       r"nu=params\), EmptyState\(\)\), opt_state is \(TraceState\(trace=params"):
+        trainer.init(params, opt_state=optax.sgd(1e-3, momentum=0.9).init(params))
+    with pytest.raises(ValueError, match="holds 0"):
+        _trainer("zeropp-max").init(params, opt_state=optax.sgd(1e-3).init(params))
+    other = gpt.init_params(dataclasses.replace(TINY, d_model=2 * TINY.d_model), KEY)
+    with pytest.raises(ValueError, match="has shape"):
+        trainer.init(params, opt_state=optax.adam(1e-3).init(other))
+    for step in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="an int >= 0"):
+            trainer.init(params, step=step)
 
 
 def test_init_from_refuses_another_tree_before_running_it():
@@ -131,6 +210,25 @@ def test_make_trainer_says_what_a_config_and_example_batch_must_be():
                         per_layer=True, stacked=("blocks",), example_batch=np.zeros((8, 17)))
 
 
+def test_the_compiling_tools_check_the_parameters_and_batch_as_a_step_does():
+    trainer = _trainer(grad_accum=2)
+    shapes = jax.eval_shape(_init(), KEY)
+    batch = tiny_batches(batch_size=16).batch_at(0)
+    abstract = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype), batch)
+    assert trainer.compile_from_shapes(shapes, abstract) is not None
+    state = trainer.init_from(_init(), KEY)
+    assert trainer.lower(state, batch) is not None  # a host batch, placed as step places it
+    with pytest.raises(ValueError, match="must be divisible by devices x grad_accum"):
+        trainer.compile_from_shapes(shapes, jax.tree.map(lambda b: b[:8], batch))
+    with pytest.raises(ValueError, match="must be divisible by devices x grad_accum"):
+        trainer.lower(state, jax.tree.map(lambda b: b[:12], batch))
+    with pytest.raises(ValueError, match="the parameters lack what make_trainer was given"):
+        trainer.abstract_state({k: v for k, v in shapes.items() if k != "blocks"})
+    with pytest.raises(ValueError, match=r"dtype must be 'original', None"):
+        trainer.gather_params(state, dtype="bogus")
+    assert jax.tree.leaves(trainer.gather_params(state, dtype=jnp.bfloat16))[0].dtype == jnp.bfloat16
+
+
 def test_an_integer_loss_is_refused():
     trainer = zp.make_trainer(lambda p, b: jnp.sum(b).astype(jnp.int32), optax.adam(1e-3),
                               {"w": np.ones((8,), np.float32)}, mesh=zp.make_mesh(*MESH))
@@ -192,6 +290,27 @@ def test_init_from_warns_of_a_stack_built_by_a_python_loop():
         small = zp.make_trainer(loss, optax.adam(1e-3), {"w": jnp.zeros((2, 4, 4))},
                                 mesh=zp.make_mesh(*MESH), per_layer=True, stacked=("w",))
         small.init_from(lambda k: {"w": jax.random.normal(k, (2, 4, 4))}, KEY)  # tiny: quiet
+
+
+def test_init_from_runs_the_init_functions_python_once():
+    calls = []
+
+    def init_fn(key):  # an unseeded NumPy draw shared by two units
+        calls.append(1)
+        shared = np.random.default_rng().normal(size=(16,)).astype(np.float32)
+        return {"w": jnp.stack([shared * (i + 1) for i in range(4)]) + 0 * key[0],
+                "b": jnp.asarray(shared)}
+
+    def loss(p, x):
+        h, _ = zp.scan_layers(lambda h, w: (jnp.tanh(h * zp.gather(w)), None), x, p["w"])
+        return (h + p["b"]).mean()
+
+    trainer = zp.make_trainer(loss, optax.adam(1e-3), jax.eval_shape(init_fn, jnp.zeros(2)),
+                              mesh=zp.make_mesh(*MESH), per_layer=True, stacked=("w",))
+    calls.clear()
+    params = trainer.gather_params(trainer.init_from(init_fn, jnp.zeros(2)))
+    assert len(trainer.layout.units) == 2 and len(calls) <= 1  # 0: JAX's trace cache
+    np.testing.assert_array_equal(params["w"][2], 3 * params["b"])
 
 
 def test_an_nnx_model_starts_from_its_init_function_with_only_its_parameters_abstract():

@@ -566,6 +566,8 @@ def test_mesh_sizes_that_do_not_divide_the_devices_name_the_divisors():
         zp.make_mesh(nodes=0)
     assert zp.make_mesh(nodes=4).devices.shape == (4, 2)
     assert zp.make_mesh(local=2).devices.shape == (4, 2)
+    with pytest.raises(ValueError, match="make_mesh got no devices"):
+        zp.make_mesh(devices=[])
 
 
 def _freeze_embedding(params):

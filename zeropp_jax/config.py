@@ -35,12 +35,14 @@ import math
 from typing import Any, ClassVar
 
 import jax.numpy as jnp
+import numpy as np
 
 # parse_dtype lived here: re-exported for ``from zeropp_jax.config import parse_dtype``.
 from zeropp_jax.config_checks import (  # noqa: F401
     HPZ_SECONDARIES, QGZ_CODES, QGZ_SHARES, QGZ_TARGETS, QWZ_BITS, SCALE_DTYPES,
-    check_hpz_secondary, check_node_replicated, check_onebit_adam, check_qgz_code,
-    check_preset_label, check_qgz_schedule, check_values, parse_dtype, preset_applied,
+    check_field_names, check_hpz_secondary, check_node_replicated, check_onebit_adam,
+    check_qgz_code, check_preset_label, check_qgz_schedule, check_values, parse_dtype,
+    preset_applied,
 )
 
 # 1-bit Adam estimates Adam's second moment in the warm-up and freezes it
@@ -347,12 +349,7 @@ class ZeroConfig:
           cfg = ZeroConfig.from_preset("zeropp", qwz_bits=4, grad_accum=4)
           sgd = ZeroConfig.from_preset("zeropp", qgz_target="gradient")  # any optax optimizer
         """
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - fields)
-        if unknown:
-            raise ValueError(
-                f"unknown config field(s) {unknown}; valid fields are {sorted(fields)}"
-            )
+        check_field_names(cls, overrides)
         given = {k: v for k, v in overrides.items() if v is not None}
         with preset_applied():  # what it leaves of the preset is asked for: no warning
             return cls(preset=preset, **_preset_fields(preset, given))
@@ -361,6 +358,7 @@ class ZeroConfig:
         """A copy with ``changes``, validated again. A field left to its derived
         default (``qgz_block``: 32 for 1bit, 16 with the dither code, else 256)
         is derived again from the new values unless given: as if built anew."""
+        check_field_names(type(self), changes)
         derived = {name: None for name in self._derived if name not in changes}
         return dataclasses.replace(self, **derived, **changes)
 
@@ -420,6 +418,7 @@ class ZeroConfig:
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            value = value.item() if isinstance(value, np.generic) else value  # a NumPy number
             if value is not None and not isinstance(value, (str, int, float, bool)):
                 value = jnp.dtype(value).name
             out[f.name] = value

@@ -58,13 +58,23 @@ def is_real(value: Any) -> bool:
             and not isinstance(value, (bool, np.bool_)))
 
 
+def check_field_names(cls, names) -> None:
+    """Raises ``ValueError`` for names in ``names`` that are not fields of ``cls``."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(names) - fields)
+    if unknown:
+        raise ValueError(f"unknown config field(s) {unknown}; valid fields are {sorted(fields)}")
+
+
 def check_values(config) -> None:
     """Single fields: dtypes (stored as jnp types), qwZ bits, block sizes, ``grad_accum``,
     and the switches (``bool`` fields)."""
     for name, allowed in (("compute_dtype", FLOAT_DTYPES), ("reduce_dtype", FLOAT_DTYPES),
                           ("scale_dtype", SCALE_DTYPES)):
         value = getattr(config, name)
-        if value is None and name != "scale_dtype":
+        if name != "scale_dtype" and (value is None or (isinstance(value, str)
+                                                         and value == "auto")):
+            object.__setattr__(config, name, None)  # "auto", as the command line spells it
             continue
         try:
             dtype = parse_dtype(value)
@@ -72,8 +82,9 @@ def check_values(config) -> None:
             dtype = None
         if dtype is None or jnp.dtype(dtype).name not in allowed:
             names = [n for n in _DTYPES if jnp.dtype(_DTYPES[n]).name in allowed]
+            auto = "" if name == "scale_dtype" else ", or None / 'auto' (the default)"
             raise ValueError(
-                f"{name} must be one of {names} (a name, or the jnp dtype), got {value!r}"
+                f"{name} must be one of {names} (a name or the jnp dtype){auto}, got {value!r}"
             )
         object.__setattr__(config, name, dtype)
     if not is_int(config.qwz_bits) or config.qwz_bits not in QWZ_BITS:
@@ -121,7 +132,7 @@ def check_qgz_code(config) -> None:
             raise ValueError(
                 f"qgz_code='dither' is a 1-bit code; it needs qgz='1bit', got qgz={config.qgz!r}"
             )
-        if config.qgz_error_feedback:
+        if config.qgz_error_feedback and config.qgz_target != "momentum":  # that: below
             raise ValueError(
                 "qgz_code='dither' runs without error feedback: its error is as large as "
                 "the block scale and feeding it back makes the carry grow (10x the "

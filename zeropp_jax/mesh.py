@@ -76,8 +76,9 @@ def make_mesh(
     """Builds the ``(node, local)`` mesh.
 
     Args:
-      nodes: size of the ``node`` axis. ``None``: the process count on a
-        multi-process run, else 1.
+      nodes: size of the ``node`` axis. ``None``: the device count over
+        ``local`` where ``local`` is given, else the process count (1 on one
+        process).
       local: size of the ``local`` axis. ``None``: the devices per node.
       devices: devices to use (default: all of ``jax.devices()``).
 
@@ -90,6 +91,9 @@ def make_mesh(
         one size given, the divisors of the device count it must be one of).
     """
     devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("make_mesh got no devices: pass devices=None (all of jax.devices()) "
+                         "or a non-empty list")
     n_dev = len(devices)
     n_proc = len({d.process_index for d in devices})
     for name, size in (("nodes", nodes), ("local", local)):

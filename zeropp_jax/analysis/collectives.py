@@ -28,6 +28,7 @@ the result shape is read from the matching ``-done``.
 from __future__ import annotations
 
 import dataclasses
+import re
 from fractions import Fraction
 from typing import Any
 
@@ -284,11 +285,19 @@ def parse_collectives(hlo_text: str, *, mesh_shape: tuple[int, int]) -> list[Col
         pairs counted once, at the ``-start``), in text order.
 
     Raises:
-        ValueError: if the text is not an HLO module, or a replica group names a
-            device outside the mesh.
+        ValueError: if the text is not an HLO module, its header's device count
+            (``num_partitions``, ``replica_count``) is not ``nodes * local``, or a
+            replica group names a device outside the mesh.
     """
     nodes, local = check_mesh_shape(mesh_shape)
     comps, entry = parse_module(hlo_text)
+    header = hlo_text.lstrip().split("\n", 1)[0]
+    counts = re.findall(r"\b(?:num_partitions|replica_count)=(\d+)", header)
+    devices = max(int(n) for n in counts) if counts else 0
+    if devices > 1 and devices != nodes * local:
+        raise ValueError(f"the program runs on {devices} devices (its HLO header: "
+                         f"num_partitions / replica_count), but mesh_shape {(nodes, local)} has "
+                         f"{nodes * local}: pass the mesh the program was compiled for")
     contexts = multiplicities(comps, entry)
     kinds = set(COLLECTIVE_KINDS) | {k + "-start" for k in COLLECTIVE_KINDS}
     out = []

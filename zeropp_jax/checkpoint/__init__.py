@@ -15,8 +15,8 @@ Every process writes its own shards (Orbax, OCDBT); a save is atomic: it is
 written under ``DIR/<step>.orbax-checkpoint-tmp*`` and renamed to
 ``DIR/<step>`` only once complete, so a save that is killed half-way leaves
 the previous checkpoints as they were and is never listed (its temporary
-directory is removed by the next :class:`Checkpointer` on ``DIR``, before
-its first save).  With ``async_save`` the step loop only waits for the
+directory is removed by the next :class:`Checkpointer` opened on ``DIR``
+for writing, when it is opened).  With ``async_save`` the step loop only waits for the
 device-to-host copy; the write runs in the background.
 
 Restore works onto another mesh, process count or config (same model and

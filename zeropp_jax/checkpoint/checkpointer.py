@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import threading
 import warnings
 import weakref
@@ -42,12 +43,14 @@ def _manager(directory: str, max_to_keep: int | None, async_save: bool,
     """The Orbax manager of ``directory``. Read-only, it gets the options a
     read-only manager takes, so Orbax has none to warn about resetting, and
     its warning that the directory "is read only" (we opened it so) is dropped."""
+    if not read_only:
+        _remove_unfinished_saves(directory)
     with _quiet_read_only_warning():
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else max_to_keep,
             save_interval_steps=0 if read_only else 1,
             enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=not read_only,
+            cleanup_tmp_directories=False,  # done above
             read_only=read_only,
             create=not read_only,
         )
@@ -56,6 +59,18 @@ def _manager(directory: str, max_to_keep: int | None, async_save: bool,
     if async_save and not read_only:
         _finish_at_exit(manager)
     return manager
+
+
+def _remove_unfinished_saves(directory: str) -> None:
+    """Deletes the step directories a save that never finished left in
+    ``directory`` (Orbax's temporary paths), on the first process, before
+    returning. Orbax's own clean-up runs on a thread it starts with the
+    manager and waits for only at the first save: a script that opened a
+    directory and ended without saving met the interpreter's shutdown
+    there, with a traceback."""
+    if jax.process_index() == 0 and os.path.isdir(directory):
+        for name in ocp.step.tmp_checkpoints(directory):
+            shutil.rmtree(os.path.join(directory, name))
 
 
 def _finish_at_exit(manager: ocp.CheckpointManager) -> None:

@@ -36,8 +36,9 @@ def _describe(path) -> str:
 
 
 def _as_array(path, x) -> Any:
-    """``x`` as an array (numpy for lists), or a ValueError naming the leaf."""
-    if isinstance(x, jax.Array):
+    """``x`` as an array (numpy for lists; a ``jax.ShapeDtypeStruct`` kept),
+    or a ValueError naming the leaf."""
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
         arr = x
     else:
         try:
@@ -49,7 +50,7 @@ def _as_array(path, x) -> Any:
             f"{_describe(path)} has dtype {arr.dtype}; batch leaves must be numeric or bool "
             "arrays (tokenize text before batching)"
         )
-    if arr.ndim == 0:
+    if len(arr.shape) == 0:
         raise ValueError(
             f"{_describe(path)} is a scalar; every batch leaf needs a leading batch axis "
             "(shape (B, ...)); close over constants in loss_fn instead"
@@ -64,7 +65,8 @@ def place_batch(batch: Any, sharding: NamedSharding, *, per_step: int, n_devices
     Args:
       batch: pytree of arrays with leading axis ``B`` (the global batch); on
         a multi-process run each process passes its own ``B / processes``
-        rows as host data, or global ``jax.Array``s.
+        rows as host data, or global ``jax.Array``s. A ``jax.ShapeDtypeStruct``
+        leaf (the global shape) comes back as one with ``sharding``.
       sharding: the batch sharding (``P(("node", "local"))``).
       per_step: ``n_devices * grad_accum``: ``B`` must be a multiple.
       n_devices, grad_accum: for the error message.
@@ -81,7 +83,8 @@ def place_batch(batch: Any, sharding: NamedSharding, *, per_step: int, n_devices
     arrays = [(path, _as_array(path, x)) for path, x in flat]
     rows = {}
     for path, arr in arrays:
-        is_global = isinstance(arr, jax.Array) and n_proc > 1 and not arr.is_fully_addressable
+        is_global = isinstance(arr, jax.ShapeDtypeStruct) or (
+            isinstance(arr, jax.Array) and n_proc > 1 and not arr.is_fully_addressable)
         rows[_describe(path)] = arr.shape[0] * (1 if is_global or n_proc == 1 else n_proc)
     if len(set(rows.values())) > 1:
         listed = ", ".join(f"{k}: {v}" for k, v in rows.items())
@@ -98,6 +101,8 @@ def place_batch(batch: Any, sharding: NamedSharding, *, per_step: int, n_devices
         )
 
     def put(arr):
+        if isinstance(arr, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(arr.shape, arr.dtype, sharding=sharding)
         if isinstance(arr, jax.Array):
             if arr.sharding == sharding:
                 return arr

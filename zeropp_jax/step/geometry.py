@@ -259,7 +259,7 @@ class StepGeometry:
         ``hpz_secondary="quantized"``). ``master_params`` is ``1/local``
         of the float32 model with ``node_replicated``. ``grad_accumulator``
         holds gradients between the backward and the cross-node reduction:
-        ``1/local`` of the model with hierarchical gradients (hpZ or qgZ),
+        ``1/local`` of a unit reduced once per step (:func:`node_level_once`),
         ``1/(nodes*local)`` otherwise (in :func:`sink_dtype`). ``qgz_carry``: the error-feedback
         carry (``1/local`` of the model, float32; with 1-bit Adam the sender
         carry of the momentum).

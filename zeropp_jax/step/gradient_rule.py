@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.step.accumulate import accumulate, square_sum_or_nan, step_metrics
 from zeropp_jax.step.geometry import DATA_AXES, StepGeometry, node_level_once
+from zeropp_jax.step.state_io import outline, scatter_opt_state, shaped_like
 from zeropp_jax.step.state import TrainState, ZeroOptState, initial_qgz_state
 from zeropp_jax.wire import dither
 from zeropp_jax.wire.qgz import QgzState, cross_node_reduce
@@ -48,6 +49,24 @@ class GradientRule:
         """The optimizer state for float32 ``params`` (placed like the parameters)."""
         inner = _sharded_like_units(self.optimizer.init(params), params)
         return ZeroOptState(inner, initial_qgz_state(geo))
+
+    def carried_over(self, geo: StepGeometry, opt_state: Any, params: Any,
+                     reference: ZeroOptState) -> ZeroOptState:
+        """``reference`` (this rule's state at step 0) with the optax state
+        ``opt_state`` of ``optimizer`` over the model's ``params`` (from a loop
+        of the user's own) in place of the optimizer's: its trees over the
+        parameters cut into unit shards (:func:`~zeropp_jax.step.state_io.scatter_opt_state`)."""
+        expected = jax.eval_shape(self.optimizer.init, params)
+        if jax.tree.structure(opt_state) != jax.tree.structure(expected):
+            over_params = shaped_like(params)
+            raise ValueError(
+                "opt_state is not in the form of this trainer's optimizer over these "
+                f"parameters: optimizer.init(params) gives "
+                f"{outline(expected, over_params, 'params')}, opt_state is "
+                f"{outline(opt_state, over_params, 'params')} (params: a tree shaped like "
+                "the parameters)")
+        inner = scatter_opt_state(geo, opt_state, params, reference.inner)
+        return ZeroOptState(inner, reference.qgz)
 
     def update(
         self, geo: StepGeometry, loss_fn: Callable, state: TrainState, batch: Any, *,

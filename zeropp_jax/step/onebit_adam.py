@@ -82,6 +82,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.mesh import LOCAL, NODE
@@ -92,6 +93,7 @@ from zeropp_jax.step.momentum_exchange import (
     compressed_update, own_chunk, over_layers, stepped_params,
 )
 from zeropp_jax.step.state import TrainState, ZeroOptState, initial_qgz_state
+from zeropp_jax.step.state_io import scatter_opt_state
 from zeropp_jax.wire import collectives
 from zeropp_jax.wire.qgz import QgzState
 
@@ -143,6 +145,28 @@ class OneBitAdamRule:
             receiver_carry=geo.zeros(receiver_specs),
         )
         return ZeroOptState(inner, initial_qgz_state(geo))
+
+    def carried_over(self, geo: StepGeometry, opt_state: Any, params: Any,
+                     reference: ZeroOptState) -> ZeroOptState:
+        """``reference`` (this rule's state at step 0) with Adam's moments and
+        count taken from ``opt_state``, an ``optax.adam`` state over the
+        model's ``params`` (from a loop of the user's own; its one
+        ``optax.ScaleByAdamState``): ``m``, ``v`` from ``mu``, ``nu`` (one
+        copy per node), ``count`` and ``v_count`` from its ``count``."""
+        def is_adam(x):
+            return isinstance(x, optax.ScaleByAdamState)
+
+        found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(x)]
+        if len(found) != 1:
+            raise ValueError(
+                "1-bit Adam carries over an optax Adam state: optax.adam(...).init(params) "
+                "or a later one, holding one optax.ScaleByAdamState (mu, nu, count); "
+                f"opt_state holds {len(found)}")
+        (adam,) = found
+        inner = reference.inner._replace(count=adam.count, v_count=adam.count,
+                                         m=adam.mu, v=adam.nu)
+        return ZeroOptState(scatter_opt_state(geo, inner, params, reference.inner),
+                            reference.qgz)
 
     def update(
         self, geo: StepGeometry, loss_fn: Callable, state: TrainState, batch: Any, *,

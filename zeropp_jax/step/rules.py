@@ -41,7 +41,8 @@ _SAME_MOVE_RTOL = 1e-5
 class UpdateRule(Protocol):
     """What a trainer runs each step (``GradientRule``, ``OneBitAdamRule``).
 
-    ``init`` builds the optimizer state of the float32 units, ``update``
+    ``init`` builds the optimizer state of the float32 units,
+    ``carried_over`` one from an optax state over the model's parameters, ``update``
     is one whole optimizer step under ``jit`` (it calls ``jax.shard_map``
     itself, since where its exchange happens is the rule's business).
     """
@@ -49,6 +50,9 @@ class UpdateRule(Protocol):
     optimizer: Any
 
     def init(self, geo: StepGeometry, params: dict) -> ZeroOptState: ...
+
+    def carried_over(self, geo: StepGeometry, opt_state: Any, params: Any,
+                     reference: ZeroOptState) -> ZeroOptState: ...
 
     def update(
         self, geo: StepGeometry, loss_fn: Callable, state: TrainState, batch: Any, *,

@@ -87,3 +87,11 @@ def check_state(state: Any, form: tuple, method: str, *, placed: bool = True) ->
     if consumed:
         raise ValueError("this TrainState was given to an earlier trainer.step, which "
                          "consumed it (its arrays are donated); pass the state it returned")
+
+
+def steps_taken(step: Any) -> int:
+    """``step`` (the optimizer steps a state has taken) as an int, or ``ValueError``."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"step is the number of optimizer steps taken, an int >= 0; "
+                         f"got {step!r}")
+    return int(step)

@@ -10,6 +10,9 @@ over them) in and out of that form:
   (what :meth:`zeropp_jax.Trainer.init_from` starts from);
 - :func:`scatter_tree` cuts a full tree into unit shards (what
   :meth:`~zeropp_jax.Trainer.init` does with parameters);
+- :func:`scatter_opt_state` does the same with an optimizer's state over
+  the parameters (what ``init(params, opt_state=...)`` carries over from a
+  loop of the user's own);
 - :func:`gather_tree` puts unit shards back together on the host.
 """
 
@@ -19,14 +22,15 @@ import warnings
 from typing import Any, Callable
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeropp_jax.layout import flatten_unit, join_units, split_units, unflatten_unit
-from zeropp_jax.mesh import LOCAL, SHARD_AXES, replicated_on
-from zeropp_jax.step.geometry import StepGeometry
+from zeropp_jax.mesh import LOCAL, NODE, SHARD_AXES, replicated_on
+from zeropp_jax.step.geometry import StepGeometry, padding_mask
 from zeropp_jax.tree_paths import check_unit_trees
 
 
@@ -54,10 +58,10 @@ def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple,
     and one that reduces along a leaf's first axis, e.g. normalizes columns,
     sums the devices' partial results, equal to rounding).
 
-    ``init_fn`` is traced once for its shapes and once per unit, and each
-    unit's program is compiled (one to two seconds per Hugging Face block on
-    a 2-core CPU): NumPy draws or other side effects inside it would repeat
-    per unit and give other values; bind static arguments with
+    ``init_fn`` is traced once (:func:`traced_once`: its Python runs once,
+    so a NumPy draw inside it gives every unit the same values), and each
+    unit's program replays that trace and is compiled (about a second per
+    Hugging Face block on a 2-core CPU); bind static arguments with
     ``functools.partial``.
 
     Args:
@@ -78,7 +82,8 @@ def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple,
     """
     from tqdm import tqdm
 
-    check_unit_trees(jax.eval_shape(init_fn, *args), geometry.layout)
+    init_fn, shapes = traced_once(init_fn, args)
+    check_unit_trees(shapes, geometry.layout)
     auto = _auto_mesh(geometry.mesh)
     args = jax.tree.map(  # a committed argument elsewhere: replicated on the mesh, as init's
         lambda x: jax.device_put(x, NamedSharding(auto, P()))
@@ -94,6 +99,15 @@ def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple,
             x.shape, geometry.param_shardings[unit.name],
             [shard.data for shard in x.addressable_shards])
     return flat
+
+
+def traced_once(fn: Callable[..., Any], args: tuple) -> tuple[Callable[..., Any], Any]:
+    """``fn`` traced once at ``args`` (``jax.make_jaxpr``), as a function of
+    the same arguments that replays the trace (``fn``'s Python does not run
+    again), and the shapes ``fn`` returns."""
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+    replay, out_tree = jax.extend.core.jaxpr_as_fun(closed), jax.tree.structure(shapes)
+    return (lambda *a: jax.tree.unflatten(out_tree, replay(*jax.tree.leaves(a)))), shapes
 
 
 def unit_init_program(geometry: StepGeometry, init_fn: Callable[..., Any], name: str) -> Callable:
@@ -169,10 +183,112 @@ def scatter_tree(geometry: StepGeometry, tree: Any) -> dict:
         return jax.jit(lambda t: placed_units(geometry, t))(replicated_on(tree, geometry.mesh))
 
 
+def scatter_opt_state(geometry: StepGeometry, tree: Any, params: Any, reference: Any) -> Any:
+    """An optimizer's state over the model's parameters, in the trainer's form.
+
+    Every sub-tree of ``tree`` shaped like ``params`` (Adam's ``mu``,
+    ``nu``) is cut into unit shards (:func:`scatter_tree`: each is whole on
+    every device for a moment, as the parameters are in ``init``); the
+    other leaves (counters) are kept. Each leaf then takes its
+    ``reference`` leaf's dtype and placement (a unit broadcast to one copy
+    per node where the reference has one) and, in the padding between and
+    after the leaves, the reference's values.
+
+    Args:
+      geometry: the trainer's geometry.
+      tree: the state, in the structure of ``reference`` but with trees
+        shaped like ``params`` where ``reference`` has unit dicts.
+      params: the parameters (or their shapes), in the trainer's structure.
+      reference: the trainer's own state of that part (placed arrays).
+
+    Returns:
+      ``tree`` in ``reference``'s structure, shapes, dtypes and shardings.
+
+    Raises:
+      ValueError: naming the first entry whose form differs from ``reference``'s.
+    """
+    over_params, treedef = shaped_like(params), jax.tree.structure(params)
+
+    def like(x):
+        return jax.tree.structure(x) == treedef
+
+    for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=like)[0]:
+        if like(x) and not over_params(x) and not jax.tree_util.treedef_is_leaf(treedef):
+            (got, _), (want, _) = (jax.tree_util.tree_flatten_with_path(t) for t in (x, params))
+            key, a, b = next((jax.tree_util.keystr(p), np.shape(a), np.shape(b))
+                             for (p, a), (_, b) in zip(got, want) if np.shape(a) != np.shape(b))
+            raise ValueError(f"optimizer state entry {jax.tree_util.keystr(path)}{key} has "
+                             f"shape {a}, where the parameter has {b}")
+
+    def cut(x):  # a leaf already on the trainer's mesh (the reference's own) stays
+        if over_params(x):
+            return scatter_tree(geometry, x)
+        on_mesh = getattr(getattr(x, "sharding", None), "mesh", None) == geometry.mesh
+        return x if on_mesh else replicated_on(x, geometry.mesh)
+
+    tree = jax.tree.map(cut, tree, is_leaf=over_params)
+    (got, _), (want, _) = jax.tree.flatten_with_path(tree), jax.tree.flatten_with_path(reference)
+    if jax.tree.structure(tree) != jax.tree.structure(reference):
+        names = {u.name for u in geometry.layout.units}
+
+        def is_units(x):
+            return (isinstance(x, dict) and set(x) == names
+                    and all(isinstance(v, jax.Array) for v in x.values()))
+
+        raise ValueError(
+            f"the optimizer state has the form {outline(tree, is_units, 'units')} where the "
+            f"trainer's optimizer has {outline(reference, is_units, 'units')} (units: a tree "
+            "shaped like the parameters): pass the state of the trainer's own optimizer "
+            "over these parameters")
+    for (path, x), (_, ref) in zip(got, want):
+        per_node = ref.ndim and ref.sharding.spec and ref.sharding.spec[0] == NODE
+        if np.shape(x) != ref.shape and not (per_node and np.shape(x) == ref.shape[1:]):
+            raise ValueError(f"optimizer state entry {jax.tree_util.keystr(path)} has shape "
+                             f"{np.shape(x)}; the trainer's optimizer over these parameters "
+                             f"has {ref.shape}")
+    units = {u.name: u for u in geometry.layout.units}
+
+    def fit(path, x, ref):
+        spec = jax.typeof(ref).sharding.spec
+        x = jnp.broadcast_to(jnp.asarray(x).astype(ref.dtype), ref.shape)  # per node
+        x = jax.sharding.reshard(x, spec)
+        name = getattr(path[-1], "key", None) if path else None
+        unit = units.get(name) if isinstance(name, str) else None
+        if unit is not None and ref.ndim and ref.shape[-1] == unit.padded:
+            real = padding_mask(unit, jnp.zeros((), jnp.int32), unit.padded)
+            x = jnp.where(jax.sharding.reshard(jnp.broadcast_to(real, ref.shape), spec), x, ref)
+        return x
+
+    with jax.set_mesh(geometry.mesh):
+        return jax.jit(lambda t, r: jax.tree_util.tree_map_with_path(fit, t, r))(tree, reference)
+
+
+def shaped_like(params: Any) -> Callable[[Any], bool]:
+    """A test of whether a (sub-)tree has ``params``' structure and leaf shapes."""
+    treedef = jax.tree.structure(params)
+    shapes = [np.shape(x) for x in jax.tree.leaves(params)]
+    return lambda x: (jax.tree.structure(x) == treedef
+                      and [np.shape(v) for v in jax.tree.leaves(x)] == shapes)
+
+
+class _Named(str):
+    def __repr__(self):
+        return str(self)
+
+
+def outline(tree: Any, is_part: Callable[[Any], bool], name: str) -> str:
+    """``tree`` written out for an error: each sub-tree ``is_part`` accepts
+    as ``name``, every other leaf as its shape (optax's states by their names)."""
+    return repr(jax.tree.map(lambda x: _Named(name if is_part(x) else str(np.shape(x))),
+                             tree, is_leaf=is_part))
+
+
 def placed_units(geometry: StepGeometry, tree: Any) -> dict:
     """``tree`` (the parameters' structure) as master-parameter units, under
     ``jit`` on the trainer's mesh: each unit flattened, then placed
-    (:meth:`~zeropp_jax.step.geometry.StepGeometry.place_params`)."""
+    (:meth:`~zeropp_jax.step.geometry.StepGeometry.place_params`); ``ValueError``
+    if ``tree`` does not fit the layout (:func:`check_unit_trees`)."""
+    check_unit_trees(tree, geometry.layout)
     trees = split_units(tree, geometry.layout)
     return geometry.place_params(
         {u.name: flatten_unit(trees[u.name], u) for u in geometry.layout.units})
@@ -191,14 +307,22 @@ def gather_tree(geometry: StepGeometry, flat: dict, dtype: Any = "original") -> 
         ``node_replicated``), placed like the master parameters: the state's
         ``params``, or an optimizer state's entry over them (Adam's ``mu``).
       dtype: ``"original"`` gives each leaf its parameter's dtype; ``None``
-        keeps ``flat``'s (float32: a bf16 model's Adam ``nu`` unrounded).
+        keeps ``flat``'s (float32: a bf16 model's Adam ``nu`` unrounded);
+        a dtype casts every leaf to it.
 
     Returns:
       The tree, unpadded, in the structure the trainer was built for.
 
     Raises:
-      ValueError: if ``flat`` is not placed like the master parameters.
+      ValueError: if ``flat`` is not placed like the master parameters, or
+        ``dtype`` is none of those.
     """
+    if dtype is not None and not (isinstance(dtype, str) and dtype == "original"):
+        try:
+            dtype = jnp.dtype(dtype)
+        except TypeError:
+            raise ValueError(f"dtype must be 'original', None (float32 as held) or a dtype "
+                             f"every leaf is cast to; got {dtype!r}") from None
     lead = (geometry.nodes,) if geometry.config.node_replicated else ()
     want = {u.name: lead + u.global_shape for u in geometry.layout.units}
     got = {k: np.shape(v) for k, v in flat.items()} if isinstance(flat, dict) else flat

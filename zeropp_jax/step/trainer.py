@@ -47,7 +47,7 @@ from zeropp_jax.step.geometry import StepGeometry, check_kernel_blocks
 from zeropp_jax.step.adam import OneBitAdam
 from zeropp_jax.step.rules import UpdateRule, check_leaf_uniform, rule_for
 from zeropp_jax.step.schedule import HostSteps, QgzSchedule
-from zeropp_jax.step.state import TrainState, ZeroOptState, check_state
+from zeropp_jax.step.state import TrainState, ZeroOptState, check_state, steps_taken
 from zeropp_jax.step import state_io
 from zeropp_jax.step import wrap as wrap_policy
 
@@ -98,11 +98,16 @@ class Trainer:
         return QgzSchedule.from_config(self.config, self.nodes)
 
     # ------------------------------------------------------------ init
-    def init(self, params: Any) -> TrainState:
-        """The sharded :class:`TrainState` at step 0 of the full parameters
-        ``params`` (the structure the trainer was built for; any float dtypes,
-        stored as float32), the optimizer initialized."""
-        return self._start(state_io.scatter_tree(self.geometry, params))
+    def init(self, params: Any, *, opt_state: Any = None, step: int = 0) -> TrainState:
+        """The sharded :class:`TrainState` of the full parameters ``params`` (the
+        trainer's structure; any float dtypes, stored as float32), the optimizer
+        initialized. To go on from a loop of your own: its ``opt_state``, the
+        trainer's optimizer's over ``params`` (for :func:`~zeropp_jax.onebit_adam`
+        an ``optax.adam`` one), cut into shards (``rule.carried_over``;
+        ``ValueError`` for another form), and ``step``, the steps taken."""
+        state = self._start(state_io.scatter_tree(self.geometry, params), steps_taken(step))
+        return state if opt_state is None else state._replace(opt_state=self.rule.carried_over(
+            self.geometry, opt_state, params, state.opt_state))
 
     def init_from(self, init_fn: Callable[..., Any], *args: Any,
                   progress: bool = False) -> TrainState:
@@ -113,22 +118,22 @@ class Trainer:
         :func:`~zeropp_jax.step.state_io.shard_init`), so a model split into
         units (``wrap=``, ``per_layer=True``) larger than one device trains;
         the values equal ``init(jax.jit(init_fn)(*args))``'s bit for bit.
-        ``init_fn`` (pure: traced once per unit) returns the parameters the
+        ``init_fn`` (traced once) returns the parameters the
         trainer was built for, e.g. ``lambda key: model.init(key, x)["params"]``;
         ``progress`` shows a bar over the units (one compile each).
         """
         return self._start(state_io.shard_init(self.geometry, init_fn, args, progress=progress))
 
-    def _start(self, flat: dict) -> TrainState:
+    def _start(self, flat: dict, step: int = 0) -> TrainState:
         with jax.set_mesh(self.mesh):
-            state = self._init_opt(flat)
-        self._host_steps.record(state.step, 0)
+            state = self._init_opt(flat, step)
+        self._host_steps.record(state.step, step)
         return state
 
     @functools.cached_property
     def _init_opt(self) -> Callable:
-        return jax.jit(lambda flat: TrainState(
-            jnp.zeros((), jnp.int32), flat, self.rule.init(self.geometry, flat)))
+        return jax.jit(lambda flat, step=0: TrainState(
+            jnp.asarray(step, jnp.int32), flat, self.rule.init(self.geometry, flat)))
 
     def abstract_state(self, params_shapes: Any) -> TrainState:
         """The state's shapes and a real state's shardings (so JAX's caches serve its step)."""
@@ -232,12 +237,14 @@ class Trainer:
     def lower(self, state: Any, batch: Any, *, compress: bool | None = None):
         """Lowers the step (for the communication report), without running it.
 
-        ``state`` and ``batch`` may be abstract (``jax.ShapeDtypeStruct`` with
-        shardings, e.g. from :meth:`abstract_state`); ``compress=None`` is
+        ``state`` may be abstract (``jax.ShapeDtypeStruct`` with shardings,
+        from :meth:`abstract_state`), the batch too (global shapes): it is
+        checked and placed as :meth:`shard_batch` does. ``compress=None`` is
         the compressed variant where qgZ is active; ``compress=True`` raises
         ``ValueError`` where it is not, as in :meth:`step`.
         """
         compress = self.schedule.forced(self.qgz_active if compress is None else compress)
+        batch = self.shard_batch(batch)
         with jax.set_mesh(self.mesh):
             return self._step_variants[compress].lower(state, batch)
 
@@ -251,11 +258,8 @@ class Trainer:
             with ``.shape`` and ``.dtype``); placed like :meth:`shard_batch`.
           compress: the qgZ variant, as in :meth:`lower`. Returns the compiled step.
         """
-        state = self.abstract_state(params_shapes)
-        batch = jax.tree.map(
-            lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=self.batch_sharding), batch
-        )
-        return self.lower(state, batch, compress=compress).compile()
+        batch = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype), batch)
+        return self.lower(self.abstract_state(params_shapes), batch, compress=compress).compile()
 
     # ---------------------------------------------------------- export
     def gather_params(self, state_or_params: Any, dtype: Any = "original") -> Any:
@@ -266,7 +270,9 @@ class Trainer:
         Args:
           state_or_params: a :class:`TrainState`, its ``params`` dict, or an
             optax state's entry placed like it (Adam's ``mu``).
-          dtype: ``"original"``, or ``None`` to keep float32 (a moment's).
+          dtype: ``"original"``, ``None`` to keep float32 (a moment's), or a
+            dtype for every leaf. ``ValueError`` for another ``dtype``, or
+            arrays not placed like the master parameters.
         """
         if isinstance(state_or_params, TrainState):
             check_state(state_or_params, self._state_form, "gather_params", placed=False)

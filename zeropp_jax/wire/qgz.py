@@ -312,12 +312,13 @@ def _quantize_with_carry(
       (float32 ``(..., n)``) and ``x - sent``, what compression lost. 1-bit
       runs as one fused kernel (:meth:`Kernels.compress_1bit_ef`), which
       returns the residual: ``sent`` is then ``x - residual``, the decoded
-      value up to the rounding of those two subtractions.
+      value up to the rounding of those two subtractions. Without a carry
+      every width runs :meth:`Kernels.quantize` (no zero carry read, no
+      residual written where only the codes are used).
     """
     x = g if carry is None else g + carry
-    if bits == 1:
-        zeros = jnp.zeros_like(g) if carry is None else carry
-        q, residual = kernels.compress_1bit_ef(g, zeros, block=block, scale_dtype=scale_dtype)
+    if bits == 1 and carry is not None:
+        q, residual = kernels.compress_1bit_ef(g, carry, block=block, scale_dtype=scale_dtype)
         return q, x - residual, residual
     q = kernels.quantize(x, bits=bits, block=block, scale_dtype=scale_dtype)
     sent = kernels.dequantize(q, bits=bits, block=block, dtype=jnp.float32)
