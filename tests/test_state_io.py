@@ -113,7 +113,7 @@ def test_an_optimizers_own_init_carried_over_is_the_trainers_init(optimizer):
 
 
 def test_the_step_goes_on_with_the_schedule():
-    trainer = _trainer("qgz", qgz_warmup_steps=2)
+    trainer = _trainer("qgz", qgz_warmup_steps=2, qgz_target="gradient")
     params, batch = gpt.init_params(TINY, KEY), tiny_batches(batch_size=16).batch_at(0)
     assert int(trainer.step(trainer.init(params), batch)[1]["compressed"]) == 0
     assert int(trainer.step(trainer.init(params, step=2), batch)[1]["compressed"]) == 1
@@ -131,9 +131,20 @@ def test_init_refuses_a_state_or_step_it_cannot_carry_over():
     other = gpt.init_params(dataclasses.replace(TINY, d_model=2 * TINY.d_model), KEY)
     with pytest.raises(ValueError, match="has shape"):
         trainer.init(params, opt_state=optax.adam(1e-3).init(other))
-    for step in (-1, 2.5, True):
-        with pytest.raises(ValueError, match="an int >= 0"):
+    lbfgs = optax.chain(optax.scale_by_lbfgs(), optax.scale(-1e-3))
+    with pytest.raises(ValueError, match="with a history .* cannot be carried over"):
+        zp.make_trainer(gpt_loss(TINY, True), lbfgs, params, mesh=zp.make_mesh(*MESH),
+                        per_layer=True, stacked=("blocks",)).init(params,
+                                                                  opt_state=lbfgs.init(params))
+    for step in (-1, 2.5, True, 2**31):
+        with pytest.raises(ValueError, match=r"an int in \[0, 2\*\*31\)"):
             trainer.init(params, step=step)
+    assert int(trainer.init(params, step=jnp.int32(3)).step) == 3
+    onebit = _trainer("zeropp-max", qgz_warmup_steps=2)  # v would stay 0 when compression starts
+    for state in (None, optax.adam(1e-3).init(params)):
+        with pytest.raises(ValueError, match="past its warm-up of 2 steps"):
+            onebit.init(params, opt_state=state, step=2)
+    onebit.init(params, step=1)
 
 
 def test_init_from_refuses_another_tree_before_running_it():

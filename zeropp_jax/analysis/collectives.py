@@ -292,11 +292,11 @@ def parse_collectives(hlo_text: str, *, mesh_shape: tuple[int, int]) -> list[Col
     nodes, local = check_mesh_shape(mesh_shape)
     comps, entry = parse_module(hlo_text)
     header = hlo_text.lstrip().split("\n", 1)[0]
-    counts = re.findall(r"\b(?:num_partitions|replica_count)=(\d+)", header)
-    devices = max(int(n) for n in counts) if counts else 0
-    if devices > 1 and devices != nodes * local:
+    counts = dict(re.findall(r"\b(num_partitions|replica_count)=(\d+)", header))
+    devices = int(counts.get("num_partitions", 1)) * int(counts.get("replica_count", 1))
+    if counts and devices != nodes * local:
         raise ValueError(f"the program runs on {devices} devices (its HLO header: "
-                         f"num_partitions / replica_count), but mesh_shape {(nodes, local)} has "
+                         f"num_partitions x replica_count), but mesh_shape {(nodes, local)} has "
                          f"{nodes * local}: pass the mesh the program was compiled for")
     contexts = multiplicities(comps, entry)
     kinds = set(COLLECTIVE_KINDS) | {k + "-start" for k in COLLECTIVE_KINDS}

@@ -51,11 +51,14 @@ class GradientRule:
         return ZeroOptState(inner, initial_qgz_state(geo))
 
     def carried_over(self, geo: StepGeometry, opt_state: Any, params: Any,
-                     reference: ZeroOptState) -> ZeroOptState:
+                     reference: ZeroOptState, step: int) -> ZeroOptState:
         """``reference`` (this rule's state at step 0) with the optax state
         ``opt_state`` of ``optimizer`` over the model's ``params`` (from a loop
-        of the user's own) in place of the optimizer's: its trees over the
-        parameters cut into unit shards (:func:`~zeropp_jax.step.state_io.scatter_opt_state`)."""
+        of the user's own; ``None``: ``reference`` as it is) in place of the
+        optimizer's: its trees over the parameters cut into unit shards
+        (:func:`~zeropp_jax.step.state_io.scatter_opt_state`). ``step`` is not read."""
+        if opt_state is None:
+            return reference
         expected = jax.eval_shape(self.optimizer.init, params)
         if jax.tree.structure(opt_state) != jax.tree.structure(expected):
             over_params = shaped_like(params)

@@ -147,21 +147,36 @@ class OneBitAdamRule:
         return ZeroOptState(inner, initial_qgz_state(geo))
 
     def carried_over(self, geo: StepGeometry, opt_state: Any, params: Any,
-                     reference: ZeroOptState) -> ZeroOptState:
+                     reference: ZeroOptState, step: int) -> ZeroOptState:
         """``reference`` (this rule's state at step 0) with Adam's moments and
         count taken from ``opt_state``, an ``optax.adam`` state over the
         model's ``params`` (from a loop of the user's own; its one
         ``optax.ScaleByAdamState``): ``m``, ``v`` from ``mu``, ``nu`` (one
-        copy per node), ``count`` and ``v_count`` from its ``count``."""
+        copy per node), ``count`` and ``v_count`` from its ``count``.
+
+        Raises:
+          ValueError: for another state, or where ``step`` is past the
+            warm-up and Adam has taken no step (``opt_state`` ``None`` or
+            fresh): the compressed steps would freeze ``v`` at zero.
+        """
         def is_adam(x):
             return isinstance(x, optax.ScaleByAdamState)
 
         found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(x)]
-        if len(found) != 1:
+        if opt_state is not None and len(found) != 1:
             raise ValueError(
                 "1-bit Adam carries over an optax Adam state: optax.adam(...).init(params) "
                 "or a later one, holding one optax.ScaleByAdamState (mu, nu, count); "
                 f"opt_state holds {len(found)}")
+        taken = int(found[0].count) if found else 0
+        if step >= geo.config.qgz_warmup_steps and not taken:
+            raise ValueError(
+                f"1-bit Adam at step {step}, past its warm-up of {geo.config.qgz_warmup_steps} "
+                "steps, compresses at once and keeps Adam's second moment as it is, and "
+                "nothing has estimated it: pass opt_state, an optax.adam state that has taken "
+                "steps, or a step within the warm-up")
+        if opt_state is None:
+            return reference
         (adam,) = found
         inner = reference.inner._replace(count=adam.count, v_count=adam.count,
                                          m=adam.mu, v=adam.nu)

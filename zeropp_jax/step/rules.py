@@ -42,7 +42,8 @@ class UpdateRule(Protocol):
     """What a trainer runs each step (``GradientRule``, ``OneBitAdamRule``).
 
     ``init`` builds the optimizer state of the float32 units,
-    ``carried_over`` one from an optax state over the model's parameters, ``update``
+    ``carried_over`` one from an optax state over the model's parameters (or
+    none) at a step, ``update``
     is one whole optimizer step under ``jit`` (it calls ``jax.shard_map``
     itself, since where its exchange happens is the rule's business).
     """
@@ -52,7 +53,7 @@ class UpdateRule(Protocol):
     def init(self, geo: StepGeometry, params: dict) -> ZeroOptState: ...
 
     def carried_over(self, geo: StepGeometry, opt_state: Any, params: Any,
-                     reference: ZeroOptState) -> ZeroOptState: ...
+                     reference: ZeroOptState, step: int) -> ZeroOptState: ...
 
     def update(
         self, geo: StepGeometry, loss_fn: Callable, state: TrainState, batch: Any, *,

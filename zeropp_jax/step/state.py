@@ -6,6 +6,7 @@ Field names and nesting are the checkpoint format's tree paths
 
 from __future__ import annotations
 
+import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -89,9 +90,17 @@ def check_state(state: Any, form: tuple, method: str, *, placed: bool = True) ->
                          "consumed it (its arrays are donated); pass the state it returned")
 
 
+# TrainState.step is int32.
+_INT32_STEPS = 2**31
+
+
 def steps_taken(step: Any) -> int:
     """``step`` (the optimizer steps a state has taken) as an int, or ``ValueError``."""
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise ValueError(f"step is the number of optimizer steps taken, an int >= 0; "
-                         f"got {step!r}")
-    return int(step)
+    try:
+        taken = None if isinstance(step, (bool, np.bool_)) else operator.index(step)
+    except TypeError:
+        taken = None
+    if taken is None or not 0 <= taken < _INT32_STEPS:
+        raise ValueError(f"step is the number of optimizer steps taken, an int in "
+                         f"[0, 2**31); got {step!r}")
+    return taken

@@ -217,8 +217,11 @@ def scatter_opt_state(geometry: StepGeometry, tree: Any, params: Any, reference:
             (got, _), (want, _) = (jax.tree_util.tree_flatten_with_path(t) for t in (x, params))
             key, a, b = next((jax.tree_util.keystr(p), np.shape(a), np.shape(b))
                              for (p, a), (_, b) in zip(got, want) if np.shape(a) != np.shape(b))
-            raise ValueError(f"optimizer state entry {jax.tree_util.keystr(path)}{key} has "
-                             f"shape {a}, where the parameter has {b}")
+            raise ValueError(
+                f"optimizer state entry {jax.tree_util.keystr(path)}{key} has shape {a}, where "
+                f"the parameter has {b}: only entries shaped like the parameters (Adam's mu, "
+                "nu) are cut into shards; a state factored or with a history (Adafactor, "
+                "L-BFGS) cannot be carried over: start it afresh (init(params, step=...))")
 
     def cut(x):  # a leaf already on the trainer's mesh (the reference's own) stays
         if over_params(x):

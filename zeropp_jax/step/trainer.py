@@ -106,8 +106,8 @@ class Trainer:
         an ``optax.adam`` one), cut into shards (``rule.carried_over``;
         ``ValueError`` for another form), and ``step``, the steps taken."""
         state = self._start(state_io.scatter_tree(self.geometry, params), steps_taken(step))
-        return state if opt_state is None else state._replace(opt_state=self.rule.carried_over(
-            self.geometry, opt_state, params, state.opt_state))
+        return state._replace(opt_state=self.rule.carried_over(
+            self.geometry, opt_state, params, state.opt_state, steps_taken(step)))
 
     def init_from(self, init_fn: Callable[..., Any], *args: Any,
                   progress: bool = False) -> TrainState:
