@@ -277,6 +277,14 @@ def test_init_from_takes_a_key_committed_anywhere():
     jax.tree.map(np.testing.assert_array_equal, drawn.params, whole.params)
 
 
+def test_init_from_runs_under_the_trainers_mesh_set_by_the_caller():
+    trainer = _trainer()
+    whole = trainer.init(jax.jit(_init())(KEY))
+    with jax.set_mesh(trainer.mesh):  # an explicit mesh: sharding constraints would be asserts
+        drawn = trainer.init_from(_init(), jax.random.key(7))  # the key made on that mesh
+    jax.tree.map(np.testing.assert_array_equal, drawn.params, whole.params)
+
+
 def test_init_from_warns_of_a_stack_built_by_a_python_loop():
     params = {"w": jnp.zeros((8, 256, 256))}  # 2 MiB: large enough to be warned of
 

@@ -82,16 +82,18 @@ def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple,
     """
     from tqdm import tqdm
 
-    init_fn, shapes = traced_once(init_fn, args)
-    check_unit_trees(shapes, geometry.layout)
     auto = _auto_mesh(geometry.mesh)
     args = jax.tree.map(  # a committed argument elsewhere: replicated on the mesh, as init's
         lambda x: jax.device_put(x, NamedSharding(auto, P()))
         if isinstance(x, jax.Array) and x.committed else x, args)
+    with jax.set_mesh(auto):  # whatever mesh the caller has set (an explicit one would
+        init_fn, shapes = traced_once(init_fn, args)  # make the constraints asserts)
+    check_unit_trees(shapes, geometry.layout)
     flat = {}
     units = geometry.layout.units
     for unit in tqdm(units, desc="init_from", unit="unit", disable=not progress or len(units) < 2):
-        compiled = unit_init_program(geometry, init_fn, unit.name).lower(*args).compile()
+        with jax.set_mesh(auto):
+            compiled = unit_init_program(geometry, init_fn, unit.name).lower(*args).compile()
         _warn_if_formed_whole(compiled, unit)
         x = compiled(*args)
         # The same buffers, labelled with the trainer's (explicit-axes) mesh.
