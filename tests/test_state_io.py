@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import zeropp_jax as zp
+from zeropp_jax.checkpoint import Checkpointer
 from zeropp_jax.models import gpt
 from zeropp_jax.step.state_io import unit_init_program
 
@@ -283,6 +284,37 @@ def test_init_from_runs_under_the_trainers_mesh_set_by_the_caller():
     with jax.set_mesh(trainer.mesh):  # an explicit mesh: sharding constraints would be asserts
         drawn = trainer.init_from(_init(), jax.random.key(7))  # the key made on that mesh
     jax.tree.map(np.testing.assert_array_equal, drawn.params, whole.params)
+
+
+def test_the_trainer_runs_on_its_own_mesh_whatever_mesh_the_caller_has_set(tmp_path):
+    batch = tiny_batches(batch_size=16).batch_at(0)
+    outside = _trainer()
+    want, _ = outside.step(outside.init_from(_init(), KEY), batch)
+    trainer = _trainer()  # fresh: nothing cached from outside the context
+    with jax.set_mesh(jax.make_mesh((8,), ("data",))):
+        shapes = jax.eval_shape(_init(), KEY)  # carrying the caller's mesh
+        assert trainer.abstract_state(shapes) is not None
+        state, _ = trainer.step(trainer.init_from(_init(), KEY), batch)
+        trainer.evaluate(state, batch)
+        with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+            ckpt.save(1, state, trainer)
+            state = ckpt.restore(trainer)
+        got = trainer.gather_params(state)
+    jax.tree.map(np.testing.assert_array_equal, got, outside.gather_params(want))
+
+
+def test_what_runs_compiled_programs_refuses_disable_jit_and_transfers_explicitly():
+    trainer = _trainer()
+    state = trainer.init_from(_init(), KEY)
+    with jax.disable_jit():
+        for call in (lambda: trainer.init_from(_init(), KEY), lambda: trainer.gather_params(state),
+                     lambda: trainer.step(state, tiny_batches(batch_size=16).batch_at(0))):
+            with pytest.raises(RuntimeError, match="does not run under jax.disable_jit"):
+                call()
+    params, key = jax.jit(_init())(KEY), jax.random.key(7)
+    with jax.transfer_guard("disallow"):  # the step count and the key moved explicitly
+        trainer.init(params, step=3)
+        trainer.init_from(_init(), key)
 
 
 def test_init_from_warns_of_a_stack_built_by_a_python_loop():

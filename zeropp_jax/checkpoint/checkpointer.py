@@ -228,10 +228,9 @@ class Checkpointer:
             )
         meta = describe_checkpoint(trainer, step, extra_metadata, state.opt_state.inner)
         stored = keys.to_data(state)  # a typed PRNG key (optax.add_noise) as its uint32 data
-        meta["checksums"] = checksum.checksums_of_finite(
-            {storage.PARAMS: stored.params, storage.OPT: stored.opt_state},
-            f"step {step}",
-        )
+        with jax.set_mesh(trainer.mesh):  # whatever mesh the caller has set
+            meta["checksums"] = checksum.checksums_of_finite(
+                {storage.PARAMS: stored.params, storage.OPT: stored.opt_state}, f"step {step}")
         if not storage.save_items(self._manager, step, stored, meta):
             raise RuntimeError(f"Orbax declined to save step {step} in {self.directory}")
 
@@ -294,7 +293,8 @@ class Checkpointer:
         state is built (and a conversion announced); it may refuse the
         checkpoint by raising :class:`CheckpointMismatchError`."""
         self.wait()
-        return self._newest_good(step, lambda s: self._restore_step(trainer, s, check))
+        with jax.set_mesh(trainer.mesh):  # whatever mesh the caller has set
+            return self._newest_good(step, lambda s: self._restore_step(trainer, s, check))
 
     def read_params(self, step: int | None = None) -> tuple[dict, dict]:
         """``(units, metadata)``: the stored (padded) units to host numpy, float32 ``([L,] padded)``."""

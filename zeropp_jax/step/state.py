@@ -61,6 +61,7 @@ def check_state(state: Any, form: tuple, method: str, *, placed: bool = True) ->
     (its arrays donated), another trainer's (``form``: its tree structure, leaf
     shapes and mesh), or, with ``placed``, host copies and another mesh's
     arrays (``gather_params`` takes those: it only reads the values)."""
+    compiled_here(f"trainer.{method}")
     if not isinstance(state, TrainState):
         raise TypeError(f"trainer.{method} takes the TrainState that trainer.init (or a "
                         f"step, or a checkpoint's restore) returned, not a {type(state).__name__}")
@@ -88,6 +89,15 @@ def check_state(state: Any, form: tuple, method: str, *, placed: bool = True) ->
     if consumed:
         raise ValueError("this TrainState was given to an earlier trainer.step, which "
                          "consumed it (its arrays are donated); pass the state it returned")
+
+
+def compiled_here(what: str) -> None:
+    """Raises ``RuntimeError`` under ``jax.disable_jit()``: ``what`` runs its own
+    compiled, sharded programs (a ``shard_map`` step, placement by ``out_shardings``),
+    which JAX cannot run op by op."""
+    if jax.config.jax_disable_jit:
+        raise RuntimeError(f"{what} runs its own compiled programs over the mesh and does not "
+                           "run under jax.disable_jit(); call it outside that context")
 
 
 # TrainState.step is int32.

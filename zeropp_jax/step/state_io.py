@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from zeropp_jax.layout import flatten_unit, join_units, split_units, unflatten_unit
 from zeropp_jax.mesh import LOCAL, NODE, SHARD_AXES, replicated_on
 from zeropp_jax.step.geometry import StepGeometry, padding_mask
+from zeropp_jax.step.state import compiled_here
 from zeropp_jax.tree_paths import check_unit_trees
 
 
@@ -82,10 +83,11 @@ def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple,
     """
     from tqdm import tqdm
 
+    compiled_here("trainer.init_from")
     auto = _auto_mesh(geometry.mesh)
-    args = jax.tree.map(  # a committed argument elsewhere: replicated on the mesh, as init's
-        lambda x: jax.device_put(x, NamedSharding(auto, P()))
-        if isinstance(x, jax.Array) and x.committed else x, args)
+    args = jax.tree.map(  # replicated on the mesh, as init's (explicitly: no implicit transfer)
+        lambda x: jax.device_put(x, NamedSharding(auto, P())) if isinstance(x, jax.Array) else x,
+        args)
     with jax.set_mesh(auto):  # whatever mesh the caller has set (an explicit one would
         init_fn, shapes = traced_once(init_fn, args)  # make the constraints asserts)
     check_unit_trees(shapes, geometry.layout)
@@ -288,6 +290,12 @@ def outline(tree: Any, is_part: Callable[[Any], bool], name: str) -> str:
                              tree, is_leaf=is_part))
 
 
+def unsharded(shapes: Any) -> Any:
+    """``shapes`` (anything with ``.shape`` and ``.dtype``) as ``jax.ShapeDtypeStruct``s
+    without shardings (those a caller's mesh gave would pin them to that mesh)."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), shapes)
+
+
 def placed_units(geometry: StepGeometry, tree: Any) -> dict:
     """``tree`` (the parameters' structure) as master-parameter units, under
     ``jit`` on the trainer's mesh: each unit flattened, then placed
@@ -322,6 +330,7 @@ def gather_tree(geometry: StepGeometry, flat: dict, dtype: Any = "original") -> 
       ValueError: if ``flat`` is not placed like the master parameters, or
         ``dtype`` is none of those.
     """
+    compiled_here("trainer.gather_params")
     if dtype is not None and not (isinstance(dtype, str) and dtype == "original"):
         try:
             dtype = jnp.dtype(dtype)

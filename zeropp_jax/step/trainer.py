@@ -131,15 +131,16 @@ class Trainer:
         return state
 
     @functools.cached_property
-    def _init_opt(self) -> Callable:
-        return jax.jit(lambda flat, step=0: TrainState(
-            jnp.asarray(step, jnp.int32), flat, self.rule.init(self.geometry, flat)))
+    def _init_opt(self) -> Callable:  # the step static: no transfer of a host int
+        return jax.jit(lambda flat, step: TrainState(jnp.asarray(step, jnp.int32), flat,
+                                                     self.rule.init(self.geometry, flat)),
+                       static_argnums=1)
 
     def abstract_state(self, params_shapes: Any) -> TrainState:
         """The state's shapes and a real state's shardings (so JAX's caches serve its step)."""
-        with jax.set_mesh(self.mesh):
-            shapes = jax.eval_shape(
-                lambda p: self._init_opt(state_io.placed_units(self.geometry, p)), params_shapes)
+        with jax.set_mesh(self.mesh):  # shapes made under another mesh: without its shardings
+            shapes = jax.eval_shape(lambda p: self._init_opt(
+                state_io.placed_units(self.geometry, p), 0), state_io.unsharded(params_shapes))
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=(
             self.geometry.sharding(s.sharding.spec if s.sharding else P()))), shapes)
 
@@ -183,9 +184,8 @@ class Trainer:
     def _step_variants(self) -> dict[bool, Callable]:
         """The compressed and full-precision steps (each jitted lazily; the state is donated)."""
         def update(state: TrainState, batch: Any, *, compress: bool):
-            return self.rule.update(
-                self.geometry, self.loss_fn, state, batch, compress=compress, key=self.key
-            )
+            return self.rule.update(self.geometry, self.loss_fn, state, batch,
+                                    compress=compress, key=self.key)
 
         return {
             compress: jax.jit(functools.partial(update, compress=compress), donate_argnums=0)
