@@ -303,7 +303,7 @@ def test_the_trainer_runs_on_its_own_mesh_whatever_mesh_the_caller_has_set(tmp_p
     jax.tree.map(np.testing.assert_array_equal, got, outside.gather_params(want))
 
 
-def test_what_runs_compiled_programs_refuses_disable_jit_and_transfers_explicitly():
+def test_what_runs_compiled_programs_refuses_disable_jit_and_init_transfers_explicitly():
     trainer = _trainer()
     state = trainer.init_from(_init(), KEY)
     with jax.disable_jit():
@@ -311,10 +311,9 @@ def test_what_runs_compiled_programs_refuses_disable_jit_and_transfers_explicitl
                      lambda: trainer.step(state, tiny_batches(batch_size=16).batch_at(0))):
             with pytest.raises(RuntimeError, match="does not run under jax.disable_jit"):
                 call()
-    params, key = jax.jit(_init())(KEY), jax.random.key(7)
-    with jax.transfer_guard("disallow"):  # the step count and the key moved explicitly
+    params = jax.jit(_init())(KEY)
+    with jax.transfer_guard("disallow"):  # the step count is no implicit transfer
         trainer.init(params, step=3)
-        trainer.init_from(_init(), key)
 
 
 def test_init_from_warns_of_a_stack_built_by_a_python_loop():

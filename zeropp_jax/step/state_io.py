@@ -85,9 +85,9 @@ def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple,
 
     compiled_here("trainer.init_from")
     auto = _auto_mesh(geometry.mesh)
-    args = jax.tree.map(  # replicated on the mesh, as init's (explicitly: no implicit transfer)
-        lambda x: jax.device_put(x, NamedSharding(auto, P())) if isinstance(x, jax.Array) else x,
-        args)
+    args = jax.tree.map(  # a committed argument elsewhere: replicated on the mesh, as init's
+        lambda x: jax.device_put(x, NamedSharding(auto, P()))
+        if isinstance(x, jax.Array) and x.committed else x, args)
     with jax.set_mesh(auto):  # whatever mesh the caller has set (an explicit one would
         init_fn, shapes = traced_once(init_fn, args)  # make the constraints asserts)
     check_unit_trees(shapes, geometry.layout)
