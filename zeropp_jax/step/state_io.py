@@ -213,11 +213,11 @@ def scatter_opt_state(geometry: StepGeometry, tree: Any, params: Any, reference:
     """
     over_params, treedef = shaped_like(params), jax.tree.structure(params)
 
-    def like(x):
-        return jax.tree.structure(x) == treedef
+    def like(x):  # the parameters' structure (a bare leaf would match every counter)
+        return jax.tree.structure(x) == treedef and not jax.tree_util.treedef_is_leaf(treedef)
 
     for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=like)[0]:
-        if like(x) and not over_params(x) and not jax.tree_util.treedef_is_leaf(treedef):
+        if like(x) and not over_params(x):
             (got, _), (want, _) = (jax.tree_util.tree_flatten_with_path(t) for t in (x, params))
             key, a, b = next((jax.tree_util.keystr(p), np.shape(a), np.shape(b))
                              for (p, a), (_, b) in zip(got, want) if np.shape(a) != np.shape(b))
@@ -234,7 +234,6 @@ def scatter_opt_state(geometry: StepGeometry, tree: Any, params: Any, reference:
         return x if on_mesh else replicated_on(x, geometry.mesh)
 
     tree = jax.tree.map(cut, tree, is_leaf=over_params)
-    (got, _), (want, _) = jax.tree.flatten_with_path(tree), jax.tree.flatten_with_path(reference)
     if jax.tree.structure(tree) != jax.tree.structure(reference):
         names = {u.name for u in geometry.layout.units}
 
@@ -247,6 +246,7 @@ def scatter_opt_state(geometry: StepGeometry, tree: Any, params: Any, reference:
             f"trainer's optimizer has {outline(reference, is_units, 'units')} (units: a tree "
             "shaped like the parameters): pass the state of the trainer's own optimizer "
             "over these parameters")
+    (got, _), (want, _) = jax.tree.flatten_with_path(tree), jax.tree.flatten_with_path(reference)
     for (path, x), (_, ref) in zip(got, want):
         per_node = ref.ndim and ref.sharding.spec and ref.sharding.spec[0] == NODE
         if np.shape(x) != ref.shape and not (per_node and np.shape(x) == ref.shape[1:]):

@@ -105,9 +105,10 @@ class Trainer:
         trainer's optimizer's over ``params`` (for :func:`~zeropp_jax.onebit_adam`
         an ``optax.adam`` one), cut into shards (``rule.carried_over``;
         ``ValueError`` for another form), and ``step``, the steps taken."""
-        state = self._start(state_io.scatter_tree(self.geometry, params), steps_taken(step))
+        step = steps_taken(step)
+        state = self._start(state_io.scatter_tree(self.geometry, params), step)
         return state._replace(opt_state=self.rule.carried_over(
-            self.geometry, opt_state, params, state.opt_state, steps_taken(step)))
+            self.geometry, opt_state, params, state.opt_state, step))
 
     def init_from(self, init_fn: Callable[..., Any], *args: Any,
                   progress: bool = False) -> TrainState:
@@ -118,8 +119,8 @@ class Trainer:
         :func:`~zeropp_jax.step.state_io.shard_init`), so a model split into
         units (``wrap=``, ``per_layer=True``) larger than one device trains;
         the values equal ``init(jax.jit(init_fn)(*args))``'s bit for bit.
-        ``init_fn`` (traced once) returns the parameters the
-        trainer was built for, e.g. ``lambda key: model.init(key, x)["params"]``;
+        ``init_fn`` (traced once) returns the parameters the trainer was built
+        for, e.g. ``lambda key: model.init(key, x)["params"]``;
         ``progress`` shows a bar over the units (one compile each).
         """
         return self._start(state_io.shard_init(self.geometry, init_fn, args, progress=progress))
@@ -244,9 +245,8 @@ class Trainer:
         ``ValueError`` where it is not, as in :meth:`step`.
         """
         compress = self.schedule.forced(self.qgz_active if compress is None else compress)
-        batch = self.shard_batch(batch)
         with jax.set_mesh(self.mesh):
-            return self._step_variants[compress].lower(state, batch)
+            return self._step_variants[compress].lower(state, self.shard_batch(batch))
 
     def compile_from_shapes(self, params_shapes: Any, batch: Any, *, compress: bool | None = None):
         """Compiles the step from shapes alone: nothing is allocated or run.
@@ -258,8 +258,8 @@ class Trainer:
             with ``.shape`` and ``.dtype``); placed like :meth:`shard_batch`.
           compress: the qgZ variant, as in :meth:`lower`. Returns the compiled step.
         """
-        batch = jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype), batch)
-        return self.lower(self.abstract_state(params_shapes), batch, compress=compress).compile()
+        return self.lower(self.abstract_state(params_shapes), state_io.unsharded(batch),
+                          compress=compress).compile()
 
     # ---------------------------------------------------------- export
     def gather_params(self, state_or_params: Any, dtype: Any = "original") -> Any:

@@ -213,8 +213,9 @@ def gather_encode(
     nodes' codes for the whole of ``x``; the two hops take in codes for
     ``2 (nodes - 1) / nodes`` of ``x``: the same bytes for two nodes, fewer
     beyond) or side by side (the second of its two hops, after
-    :func:`cross_node_reduce`'s halves). Every node decodes the same bits, so all hold the same values;
-    the new carry is ``x + carry`` less what this node's codes decode to.
+    :func:`cross_node_reduce`'s halves). Every node decodes the same bits,
+    so all hold the same values; the new carry is ``x + carry`` less what
+    this node's codes decode to.
 
     Args:
       x, carry: float32 ``(..., r)`` (``carry`` may be ``None``).
