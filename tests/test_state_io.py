@@ -13,7 +13,8 @@ import pytest
 import zeropp_jax as zp
 from zeropp_jax.checkpoint import Checkpointer
 from zeropp_jax.models import gpt
-from zeropp_jax.step.state_io import unit_init_program
+from zeropp_jax.step import state_io
+from zeropp_jax.step.state_io import init_groups, init_program
 
 from _util import MESH, TINY, gpt_loss, optimizer, tiny_batches
 
@@ -24,9 +25,9 @@ def _init(cfg=TINY):
     return functools.partial(gpt.init_params, cfg)
 
 
-def _trainer(preset="zero3", per_layer=True, cfg=TINY, **overrides):
+def _trainer(preset="zero3", per_layer=True, cfg=TINY, stacked=None, **overrides):
     config = zp.ZeroConfig.from_preset(preset, **overrides)
-    stacked = ("blocks",) if per_layer else ()
+    stacked = (("blocks",) if per_layer else ()) if stacked is None else stacked
     return zp.make_trainer(gpt_loss(cfg, per_layer), optimizer(config),
                            jax.eval_shape(_init(cfg), KEY), mesh=zp.make_mesh(*MESH),
                            config=config, per_layer=per_layer, stacked=stacked)
@@ -51,12 +52,26 @@ def test_init_from_never_forms_a_stacked_unit_whole():
     cfg = gpt.GPTConfig(vocab_size=64, seq_len=8, n_layers=8, d_model=128, n_heads=2)
     trainer = _trainer(cfg=cfg)
     (blocks,) = [u for u in trainer.layout.units if u.stack is not None]
-    memory = unit_init_program(trainer.geometry, _init(cfg), blocks.name).lower(
+    memory = init_program(trainer.geometry, _init(cfg), (blocks,)).lower(
         KEY).compile().memory_analysis()
     whole = 4 * int(np.prod(blocks.global_shape))
     # One layer of eight per device, and room to put it in place.
     assert memory.temp_size_in_bytes < whole / 2, (memory.temp_size_in_bytes, whole)
     assert memory.output_size_in_bytes == whole // trainer.n_devices
+
+
+def test_init_from_draws_small_units_together_with_the_same_values(monkeypatch):
+    trainer = _trainer(per_layer=True, stacked=())
+    names = lambda groups: [[u.name for u in g] for g in groups]  # noqa: E731
+    assert names(init_groups(trainer.layout)) == [["blocks", "embed", "ln_f"]]
+    assert names(init_groups(_trainer().layout)) == [["blocks"], ["embed", "ln_f"]]  # a stack alone
+    together = trainer.init_from(_init(), KEY)
+    monkeypatch.setattr(state_io, "_GROUP_BYTES", 0)  # no more than the largest unit, blocks
+    assert names(init_groups(trainer.layout)) == [["blocks"], ["embed", "ln_f"]]
+    apart = trainer.init_from(_init(), KEY)
+    for a, b in zip(jax.tree.leaves(together), jax.tree.leaves(apart)):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _own_loop(optimizer, params, steps, start=0, opt_state=None):

@@ -6,7 +6,8 @@ tree in the model's own structure (its parameters, or an optimizer's moments
 over them) in and out of that form:
 
 - :func:`shard_init` runs an init function so that each device only ever
-  holds its own shards plus one unit's worth of work, never the whole model
+  holds its own shards plus a unit's worth of work (or a group of small units',
+  256 MiB at most), never the whole model
   (what :meth:`zeropp_jax.Trainer.init_from` starts from);
 - :func:`scatter_tree` cuts a full tree into unit shards (what
   :meth:`~zeropp_jax.Trainer.init` does with parameters);
@@ -37,10 +38,11 @@ from zeropp_jax.tree_paths import check_unit_trees
 
 def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple, *,
                progress: bool = False) -> dict:
-    """Master parameter shards of ``init_fn(*args)``, unit by unit.
+    """Master parameter shards of ``init_fn(*args)``, a few units at a time.
 
-    Each unit is its own jitted program over ``init_fn`` (XLA drops the other
-    units' work), compiled for a copy of the mesh whose axes are ``Auto``, so
+    Each group of units (:func:`init_groups`: a stacked unit alone, small
+    ones together) is its own jitted program over ``init_fn`` (XLA drops the
+    other units' work), compiled for a copy of the mesh whose axes are ``Auto``, so
     that XLA's partitioner splits the unit's random draws over the devices
     (JAX's default ``jax_threefry_partitionable`` draws the same values
     however they are split). Every leaf is drawn split along its first axis
@@ -61,9 +63,8 @@ def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple,
 
     ``init_fn`` is traced once (:func:`traced_once`: its Python runs once,
     so a NumPy draw inside it gives every unit the same values), and each
-    unit's program replays that trace and is compiled (about a second per
-    Hugging Face block on a 2-core CPU); bind static arguments with
-    ``functools.partial``.
+    group's program replays that trace and is compiled (about a second each
+    on a 2-core CPU); bind static arguments with ``functools.partial``.
 
     Args:
       geometry: the trainer's geometry (mesh, layout, config).
@@ -92,16 +93,19 @@ def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple,
         init_fn, shapes = traced_once(init_fn, args)  # make the constraints asserts)
     check_unit_trees(shapes, geometry.layout)
     flat = {}
-    units = geometry.layout.units
-    for unit in tqdm(units, desc="init_from", unit="unit", disable=not progress or len(units) < 2):
-        with jax.set_mesh(auto):
-            compiled = unit_init_program(geometry, init_fn, unit.name).lower(*args).compile()
-        _warn_if_formed_whole(compiled, unit)
-        x = compiled(*args)
-        # The same buffers, labelled with the trainer's (explicit-axes) mesh.
-        flat[unit.name] = jax.make_array_from_single_device_arrays(
-            x.shape, geometry.param_shardings[unit.name],
-            [shard.data for shard in x.addressable_shards])
+    with tqdm(total=len(geometry.layout.units), desc="init_from", unit="unit",
+              disable=not progress or len(geometry.layout.units) < 2) as bar:
+        for group in init_groups(geometry.layout):
+            with jax.set_mesh(auto):
+                compiled = init_program(geometry, init_fn, group).lower(*args).compile()
+            if len(group) == 1:
+                _warn_if_formed_whole(compiled, group[0])
+            for name, x in compiled(*args).items():
+                # The same buffers, labelled with the trainer's (explicit-axes) mesh.
+                flat[name] = jax.make_array_from_single_device_arrays(
+                    x.shape, geometry.param_shardings[name],
+                    [shard.data for shard in x.addressable_shards])
+            bar.update(len(group))
     return flat
 
 
@@ -114,11 +118,41 @@ def traced_once(fn: Callable[..., Any], args: tuple) -> tuple[Callable[..., Any]
     return (lambda *a: jax.tree.unflatten(out_tree, replay(*jax.tree.leaves(a)))), shapes
 
 
-def unit_init_program(geometry: StepGeometry, init_fn: Callable[..., Any], name: str) -> Callable:
-    """The jitted program of :func:`shard_init` for unit ``name`` (``.lower`` it
-    to read its memory): ``(*args) -> ([L,] U)``, on an ``Auto`` copy of the mesh."""
+def init_groups(layout: Any) -> list[tuple[Any, ...]]:
+    """The units :func:`shard_init` draws together, one program a group.
+
+    A stacked unit is drawn alone (split over the devices); consecutive
+    unstacked units (blocks, embeddings: each formed whole for a moment) are
+    drawn together while their float32 sizes sum to at most the largest
+    unit's or ``_GROUP_BYTES``, whichever is more: a group forms little more
+    at once than the largest unit alone does, and a model of many small
+    blocks compiles a few programs, not one a block.
+    """
+    budget = max(_GROUP_BYTES, *(4 * int(np.prod(u.global_shape)) for u in layout.units))
+    groups, size = [], 0
+    for unit in layout.units:
+        n = 4 * int(np.prod(unit.global_shape))
+        if unit.stack is None and groups and groups[-1][-1].stack is None and size + n <= budget:
+            groups[-1] += (unit,)
+            size += n
+        else:
+            groups.append((unit,))
+            size = n
+    return groups
+
+
+# Unstacked units drawn by one init program may sum to this many float32 bytes
+# (or the largest unit's, if more): small next to an accelerator's memory, and
+# a program a group instead of one a block (each compile about a second).
+_GROUP_BYTES = 2**28
+
+
+def init_program(geometry: StepGeometry, init_fn: Callable[..., Any],
+                 units: tuple[Any, ...]) -> Callable:
+    """The jitted program of :func:`shard_init` for ``units`` (one group of
+    :func:`init_groups`; ``.lower`` it to read its memory): ``(*args) ->
+    {name: ([L,] U)}``, on an ``Auto`` copy of the mesh."""
     auto = _auto_mesh(geometry.mesh)
-    unit = next(u for u in geometry.layout.units if u.name == name)
     # Each leaf drawn split along its first axis (a stacked unit's layers): with
     # node_replicated every node forms the whole unit, split over local only.
     first_axis = NamedSharding(auto, P(LOCAL if geometry.config.node_replicated else SHARD_AXES))
@@ -129,13 +163,17 @@ def unit_init_program(geometry: StepGeometry, init_fn: Callable[..., Any], name:
         return jax.lax.with_sharding_constraint(x, first_axis)
 
     def program(*args):
-        tree = jax.tree.map(split, split_units(init_fn(*args), geometry.layout)[name])
-        x = flatten_unit(tree, unit)
-        if geometry.config.node_replicated:
-            x = jnp.broadcast_to(x, (geometry.nodes,) + x.shape)
-        return x
+        trees = split_units(init_fn(*args), geometry.layout)
+        out = {}
+        for unit in units:
+            x = flatten_unit(jax.tree.map(split, trees[unit.name]), unit)
+            if geometry.config.node_replicated:
+                x = jnp.broadcast_to(x, (geometry.nodes,) + x.shape)
+            out[unit.name] = x
+        return out
 
-    return jax.jit(program, out_shardings=NamedSharding(auto, geometry.param_specs()[name]))
+    specs = geometry.param_specs()
+    return jax.jit(program, out_shardings={u.name: NamedSharding(auto, specs[u.name]) for u in units})
 
 
 def _auto_mesh(mesh: Mesh) -> Mesh:

@@ -120,8 +120,8 @@ class Trainer:
         units (``wrap=``, ``per_layer=True``) larger than one device trains;
         the values equal ``init(jax.jit(init_fn)(*args))``'s bit for bit.
         ``init_fn`` (traced once) returns the parameters the trainer was built
-        for, e.g. ``lambda key: model.init(key, x)["params"]``;
-        ``progress`` shows a bar over the units (one compile each).
+        for, e.g. ``lambda key: model.init(key, x)["params"]``; ``progress``
+        shows a bar over the units (a compile a stacked unit or small group).
         """
         return self._start(state_io.shard_init(self.geometry, init_fn, args, progress=progress))
 
