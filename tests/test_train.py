@@ -434,6 +434,27 @@ def _mlp():
     return params, batch, loss
 
 
+def test_make_trainer_warns_of_a_feature_the_mesh_leaves_idle():
+    import warnings
+
+    from zeropp_jax.step.geometry import IdleOnMeshWarning
+
+    params, _, loss = _mlp()
+
+    def warned(shape, config):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            zp.make_trainer(loss, optax.sgd(0.1), params, mesh=mesh_of(*shape), config=config)
+        return [str(w.message) for w in caught if w.category is IdleOnMeshWarning]
+
+    (one_node,) = warned((1, 8), zp.ZeroConfig(qgz="1bit"))
+    assert one_node.startswith("qgZ (1bit) compresses only what crosses nodes, and this mesh has one node")
+    (one_device,) = warned((8, 1), zp.ZeroConfig(hpz=True))
+    assert "one device per node: it is the whole model on every device" in one_device
+    assert warned((2, 4), zp.ZeroConfig(qgz="1bit", hpz=True)) == []
+    assert warned((1, 8), zp.ZeroConfig()) == []
+
+
 def test_compress_true_needs_active_qgz():
     """``step(compress=True)`` / ``lower(compress=True)`` where qgZ has nothing
     to compress (one node, or qgz off) is an error, not a silent variant."""

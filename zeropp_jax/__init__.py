@@ -31,6 +31,9 @@ from zeropp_jax.step.prefetch import scan_layers as scan_layers
 from zeropp_jax.mesh import make_mesh as make_mesh
 from zeropp_jax.step.adam import OneBitAdam as OneBitAdam
 from zeropp_jax.step.adam import onebit_adam as onebit_adam
+from zeropp_jax.step.leaf_masks import adamw as adamw
+from zeropp_jax.step.leaf_masks import masked as masked
+from zeropp_jax.step.leaf_masks import multi_transform as multi_transform
 from zeropp_jax.mesh import parse_mesh_shape as parse_mesh_shape
 from zeropp_jax.nnx_model import nnx_loss as nnx_loss
 from zeropp_jax.wire.quantization import Quantized as Quantized

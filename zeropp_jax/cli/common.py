@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import warnings
 from typing import Any, Callable
 
 # argparse value types, re-exported for the commands (common.positive_int, ...)
@@ -19,6 +20,7 @@ from zeropp_jax.cli.flags import (  # noqa: F401
 )
 from zeropp_jax.config import ZeroConfig
 from zeropp_jax.config_checks import idle_fields
+from zeropp_jax.step.geometry import IdleOnMeshWarning
 
 # Global-norm clipping of the CLI's optimizer.
 CLIP_NORM = 1.0
@@ -360,10 +362,12 @@ def build_trainer(args: argparse.Namespace, mesh, model_cfg, params_or_shapes) -
         warmup=args.lr_warmup,
         qgz_target=config.qgz_target,
     )
-    return zp.make_trainer(
-        loss, optimizer, params_or_shapes, mesh=mesh, config=config,
-        per_layer=True, stacked=("blocks",),
-    )
+    with warnings.catch_warnings():  # guards.start_warnings says it with the flags to use
+        warnings.simplefilter("ignore", IdleOnMeshWarning)
+        return zp.make_trainer(
+            loss, optimizer, params_or_shapes, mesh=mesh, config=config,
+            per_layer=True, stacked=("blocks",),
+        )
 
 
 def make_optimizer(

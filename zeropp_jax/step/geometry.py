@@ -40,6 +40,10 @@ from zeropp_jax.wire.kernels import Kernels, select
 DATA_AXES = (NODE, LOCAL)
 
 
+class IdleOnMeshWarning(UserWarning):
+    """A feature the config switches on that the trainer's mesh leaves idle."""
+
+
 @dataclasses.dataclass(frozen=True)
 class StepGeometry:
     """Mesh, layout and config of one trainer, and everything derived from them.
@@ -99,6 +103,21 @@ class StepGeometry:
     def qgz_active(self) -> bool:
         """qgZ compresses only where something crosses nodes."""
         return self.config.qgz != "off" and self.nodes > 1
+
+    @property
+    def idle_on_mesh(self) -> list[str]:
+        """What the config switches on that this mesh gives nothing to do
+        (``make_trainer`` warns of each, as an :class:`IdleOnMeshWarning`)."""
+        out = []
+        if self.config.qgz != "off" and self.nodes == 1:
+            out.append(f"qgZ ({self.config.qgz}) compresses only what crosses nodes, and this "
+                       "mesh has one node: no step is compressed (a mesh of 2 or more nodes "
+                       "uses it; qgz='off' says so)")
+        if self.config.hpz and self.local == 1 and self.nodes > 1:
+            out.append("hpZ's secondary partition is split over the devices of a node, and "
+                       "this mesh has one device per node: it is the whole model on every "
+                       "device (hpz=False saves that memory; a mesh with local >= 2 splits it)")
+        return out
 
     @property
     def error_feedback(self) -> bool:

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from zeropp_jax.step.accumulate import accumulate, square_sum_or_nan, step_metrics
 from zeropp_jax.step.geometry import DATA_AXES, StepGeometry, node_level_once
 from zeropp_jax.step.state_io import outline, scatter_opt_state, shaped_like
+from zeropp_jax.step.leaf_masks import UnitLeaves, units_extra_args
 from zeropp_jax.step.state import TrainState, ZeroOptState, initial_qgz_state
 from zeropp_jax.wire import dither
 from zeropp_jax.wire.qgz import QgzState, cross_node_reduce
@@ -86,7 +87,7 @@ class GradientRule:
         )(state.params, state.opt_state.qgz.carry, batch, state.step, key)  # key: an argument,
         # not closed over (a key placed on the mesh cannot be, on its explicit axes)
         with jax.named_scope("optimizer"):
-            params, inner = _optimizer_step(self.optimizer, geo.mesh, grads,
+            params, inner = _optimizer_step(self.optimizer, geo, grads,
                                             state.opt_state.inner, state.params)
         # a non-finite step's RMS (NaN) would open qgz_min_grad_rms's gate
         grad_rms = jnp.where(jnp.isnan(metrics["grad_rms"]), state.opt_state.qgz.grad_rms,
@@ -118,7 +119,7 @@ def _sharded_like_units(inner: Any, params: dict) -> Any:
     return jax.tree_util.tree_map_with_path(place, inner)
 
 
-def _optimizer_step(optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh,
+def _optimizer_step(optimizer: optax.GradientTransformation, geo: StepGeometry,
                     grads: dict, inner: Any, params: dict) -> tuple[dict, Any]:
     """``optimizer``'s update applied: new ``(params, inner)``, each placed as it came.
 
@@ -128,14 +129,18 @@ def _optimizer_step(optimizer: optax.GradientTransformation, mesh: jax.sharding.
     (``optax.tree.vdot`` in prodigy, D-Adaptation, L-BFGS, mechanize) leaves
     XLA to choose where to reduce, which an explicitly sharded operand would
     refuse. Element-wise optimizers (Adam and most others) compile to the
-    same program either way.
+    same program either way. An optimizer that takes extra arguments gets
+    ``zeropp_units`` (:class:`~zeropp_jax.step.leaf_masks.UnitLeaves`), for
+    per-leaf masks (:func:`zeropp_jax.masked`).
     """
+    extra = units_extra_args(optimizer, UnitLeaves.of(geo.layout))
+
     def step(grads, inner, params):
-        updates, inner = optimizer.update(grads, inner, params)
+        updates, inner = optimizer.update(grads, inner, params, **extra)
         return optax.apply_updates(params, updates), inner
 
     placed = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, (params, inner))
-    return jax.sharding.auto_axes(step, axes=mesh.axis_names, out_sharding=placed)(
+    return jax.sharding.auto_axes(step, axes=geo.mesh.axis_names, out_sharding=placed)(
         grads, inner, params)
 
 

@@ -10,6 +10,7 @@ Two rules implement :class:`UpdateRule`:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, Callable, Protocol
 
@@ -22,6 +23,7 @@ from zeropp_jax.config import ZeroConfig
 from zeropp_jax.layout import ParamLayout, split_units
 from zeropp_jax.step.geometry import StepGeometry
 from zeropp_jax.step.gradient_rule import GradientRule
+from zeropp_jax.step.leaf_masks import UnitLeaves, units_extra_args
 from zeropp_jax.step.adam import OneBitAdam
 from zeropp_jax.step.onebit_adam import OneBitAdamRule
 from zeropp_jax.step.state import TrainState, ZeroOptState
@@ -101,7 +103,10 @@ def check_leaf_uniform(
     ``layout``, the optimizer also runs on a stand-in of what the trainer
     gives it (a dict of the units, each ``(k,)``, ``(1, k)`` when stacked, for
     a unit of ``k`` leaves: the same elements, so the same global norm), and
-    must move every element as it moves the model's leaves: a choice by rank that
+    must move every element as it moves the model's leaves (its update gets
+    ``zeropp_units``, each element's leaf, so :func:`zeropp_jax.masked` and its
+    kin, which choose per leaf there, pass; leaves of one unit moved
+    differently are refused otherwise): a choice by rank that
     is the same for every leaf (``x.ndim >= 2`` on a model of matrices)
     would hold for none of the flat units, per-leaf norms that do not cancel
     there (``optax.novograd``) would be taken per unit, and a mask or labels
@@ -138,7 +143,7 @@ def check_leaf_uniform(
     first = jax.tree_util.keystr(paths[0])
     if moves is None:
         if layout is not None:  # the units may move where the leaves do not
-            _check_on_units(optimizer, layout, {u.name: (first, None) for u in layout.units})
+            _check_on_units(optimizer, layout, ones, {u.name: (first, None) for u in layout.units})
         warnings.warn(
             "make_trainer could not check that the optimizer treats every parameter leaf "
             f"alike: it moved no leaf in {_PROBE_STEPS} stand-in steps (gradients 1.0): a "
@@ -153,46 +158,80 @@ def check_leaf_uniform(
     groups = ({"": list(range(len(paths)))} if layout is None else {
         name: jax.tree.leaves(sub) for name, sub in split_units(
             jax.tree.unflatten(treedef, list(range(len(paths)))), layout).items()})
-    for name, members in groups.items():
-        odd = [i for i in members if moves[i] != moves[members[0]]]
-        if odd:
-            a, b = (jax.tree_util.keystr(paths[i]) for i in (members[0], odd[0]))
-            within = f", both in unit {name!r}" if layout is not None else ""
-            raise ValueError(
-                "the optimizer treats parameter leaves differently (a per-leaf mask or "
-                "label, or a rule by a leaf's rank, like optax.contrib.muon's for matrices): "
-                f"on a stand-in step it moves {a} by {moves[members[0]]:.6g} and {b} by "
-                f"{moves[odd[0]]:.6g}{within}. The trainer runs the optimizer on flat units, "
-                "where such a choice would silently hold for a whole unit: use one setting "
-                "for every leaf of a unit (a label per top-level key with per_layer=True, "
-                "whose units are the top-level keys; e.g. optax.adamw without mask), or "
-                "train without the trainer. An optimizer that draws noise per leaf "
-                "(optax.add_noise) differs there too: pass check_optimizer=False for it"
-            )
+    odd = next(((name, m[0], i) for name, m in groups.items() for i in m
+                if moves[i] != moves[m[0]]), None)
     if layout is not None:
-        _check_on_units(optimizer, layout, {
+        wanted = {name: moves[m] for name, m in groups.items()}
+        if _moves_on_units(optimizer, layout, ones, wanted):
+            return  # the same per-leaf moves on the units: alike, or masks that hold there
+    if odd:
+        name, i, j = odd
+        a, b = (jax.tree_util.keystr(paths[k]) for k in (i, j))
+        within = f", both in unit {name!r}" if layout is not None else ""
+        raise ValueError(
+            "the optimizer treats parameter leaves differently (a per-leaf mask or "
+            "label, or a rule by a leaf's rank, like optax.contrib.muon's for matrices): "
+            f"on a stand-in step it moves {a} by {moves[i]:.6g} and {b} by "
+            f"{moves[j]:.6g}{within}. The trainer runs the optimizer on flat units, "
+            "where optax's masks and labels would silently hold for a whole unit: use "
+            "zeropp_jax.masked, zeropp_jax.multi_transform or zeropp_jax.adamw (optax's "
+            "arguments; they choose per leaf inside the trainer), or one setting for every "
+            "leaf of a unit, or train without the trainer. An optimizer that draws noise per "
+            "leaf (optax.add_noise) differs there too: pass check_optimizer=False for it"
+        )
+    if layout is not None:
+        _check_on_units(optimizer, layout, ones, {
             name: (jax.tree_util.keystr(paths[m[0]]), float(moves[m[0]])) if m else (first, None)
             for name, m in groups.items()})
 
 
+def _units_stand_in(optimizer: optax.GradientTransformation, layout: ParamLayout,
+                    ones: Any) -> tuple[dict, dict]:
+    """The trainer's units as a stand-in (a dict by unit name, each ``(k,)`` or
+    ``(1, k)`` when stacked, ``k`` the unit's leaves) and the extra arguments of
+    its update (``zeropp_units``, each leaf one element of its unit, the
+    model's stand-in ``ones`` the tree a mask reads)."""
+    units = {u.name: jnp.ones((len(u.leaves),) if u.stack is None else (1, len(u.leaves)),
+                              jnp.float32) for u in layout.units}
+    one_each = dataclasses.replace(layout, units=tuple(dataclasses.replace(
+        u, leaves=tuple(dataclasses.replace(s, offset=i, size=1) for i, s in enumerate(u.leaves)),
+        padded=len(u.leaves), stack=None if u.stack is None else 1) for u in layout.units))
+    return units, units_extra_args(optimizer, UnitLeaves(ones, one_each))
+
+
+def _moves_on_units(optimizer: optax.GradientTransformation, layout: ParamLayout, ones: Any,
+                    wanted: dict) -> bool:
+    """Whether the units' stand-in step moves each element as the model's
+    moved its leaf (``wanted``: unit name -> the moves of its leaves); a
+    failure or a difference is left to :func:`_check_on_units` to report."""
+    units, extra = _units_stand_in(optimizer, layout, ones)
+    try:
+        moves = _stand_in_moves(optimizer, units, extra)
+    except Exception:  # noqa: BLE001 - reported with its cause by _check_on_units
+        return False
+    order = jax.tree.leaves({name: name for name in units})  # the units' leaf order
+    return moves is not None and np.allclose(
+        moves, np.concatenate([wanted[n] for n in order]), rtol=_SAME_MOVE_RTOL, atol=0)
+
+
 def _check_on_units(optimizer: optax.GradientTransformation, layout: ParamLayout,
-                    expected: dict) -> None:
+                    ones: Any, expected: dict) -> None:
     """Refuses an optimizer that moves the trainer's units (a stand-in: a
     dict by unit name, each ``(k,)`` or ``(1, k)`` when stacked, ``k`` the
     unit's leaves) otherwise than the model's leaves: ``expected`` maps each
     unit to ``(leaf, move)``, a leaf of it and how far the model's stand-in
     step moved it (``None``: no leaf moved in the stand-in's steps)."""
-    units = {u.name: jnp.ones((len(u.leaves),) if u.stack is None else (1, len(u.leaves)),
-                              jnp.float32) for u in layout.units}
+    units, extra = _units_stand_in(optimizer, layout, ones)
     try:
-        moves = _stand_in_moves(optimizer, units)
+        moves = _stand_in_moves(optimizer, units, extra)
     except Exception as e:  # re-raised with what was being checked
         raise ValueError(
             "the optimizer fails on the trainer's units: the trainer runs it on a dict of "
             f"flat float32 units ({sorted(units)}), not on the model's tree, and a stand-in "
             f"step there raised {type(e).__name__}: {e}. A mask or labels given as a pytree "
-            "of the parameters cannot apply to the units: give one setting for every leaf "
-            "(e.g. optax.adamw without mask), or train without the trainer") from e
+            "of the parameters cannot apply to the units: use zeropp_jax.masked, "
+            "zeropp_jax.multi_transform or zeropp_jax.adamw (they choose per leaf inside the "
+            "trainer), or one setting for every leaf, or train without the trainer") from e
     if moves is None and all(move is None for _, move in expected.values()):
         return
     order = jax.tree.leaves({name: name for name in units})  # the units' leaf order
@@ -212,12 +251,13 @@ def _check_on_units(optimizer: optax.GradientTransformation, layout: ParamLayout
             "like x.ndim >= 2 on a model of matrices, optax.contrib.muon there, "
             "optax.centralize, the per-leaf norms of optax.novograd or "
             "scale_by_param_block_norm), which the trainer would apply to whole flat units "
-            "instead, silently; use one setting for every leaf (e.g. optax.adamw without "
-            "mask), check_optimizer=False to train it per unit knowingly, or train without "
+            "instead, silently; use one setting for every leaf, or a mask through "
+            "zeropp_jax.masked (decided per leaf), check_optimizer=False to train it per unit knowingly, or train without "
             "the trainer")
 
 
-def _stand_in_moves(optimizer: optax.GradientTransformation, ones: Any) -> np.ndarray | None:
+def _stand_in_moves(optimizer: optax.GradientTransformation, ones: Any,
+                    extra: dict | None = None) -> np.ndarray | None:
     """How far the first stand-in step that moves anything moves each leaf.
 
     ``ones``: the stand-in parameters (float32 ones: one element per leaf of
@@ -226,7 +266,7 @@ def _stand_in_moves(optimizer: optax.GradientTransformation, ones: Any) -> np.nd
     ``_PROBE_STEPS`` moved any.
     """
     def probe(state):  # every element's move in one array: one transfer a step
-        updates, state = optimizer.update(ones, state, ones)
+        updates, state = optimizer.update(ones, state, ones, **(extra or {}))
         leaves = jax.tree.leaves(updates)
         return jnp.concatenate([u.reshape(-1).astype(jnp.float32) for u in leaves]), state
 

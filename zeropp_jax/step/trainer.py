@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -43,7 +44,7 @@ from zeropp_jax.step.accumulate import check_loss_arguments
 # global_batch_size_check: re-exported (the CLI imports it from here).
 from zeropp_jax.step.batch import global_batch_size_check, place_batch  # noqa: F401
 from zeropp_jax.step.evaluate import evaluate
-from zeropp_jax.step.geometry import StepGeometry, check_kernel_blocks
+from zeropp_jax.step.geometry import IdleOnMeshWarning, StepGeometry, check_kernel_blocks
 from zeropp_jax.step.adam import OneBitAdam
 from zeropp_jax.step.rules import UpdateRule, check_leaf_uniform, rule_for
 from zeropp_jax.step.schedule import HostSteps, QgzSchedule
@@ -328,9 +329,10 @@ def make_trainer(
       loss_fn: ``loss_fn(params, batch) -> scalar``, the mean loss over the
         micro-batch it is given, or ``-> (scalar, aux)`` (metrics["aux"]).
       optimizer: an optax ``GradientTransformation`` that treats every
-        parameter leaf alike (it runs on flat units; a per-leaf mask or label
-        is refused: :func:`~zeropp_jax.step.rules.check_leaf_uniform`); with
-        ``config.qgz_target="momentum"``, :func:`zeropp_jax.onebit_adam`.
+        parameter leaf alike (it runs on flat units), per-leaf masks and labels
+        through :func:`zeropp_jax.masked` / ``multi_transform`` / ``adamw``
+        (optax's own are refused: :func:`~zeropp_jax.step.rules.check_leaf_uniform`);
+        with ``config.qgz_target="momentum"``, :func:`zeropp_jax.onebit_adam`.
       params: the parameter pytree, or its shapes (``jax.eval_shape``).
       mesh: a ``(node, local)`` mesh from :func:`zeropp_jax.make_mesh`.
       config: a :class:`ZeroConfig` (default: ``zero3``). The model computes in
@@ -405,6 +407,8 @@ def make_trainer(
     if check_optimizer and not isinstance(optimizer, OneBitAdam):
         check_leaf_uniform(optimizer, params, layout)
     geometry = StepGeometry(mesh, config, layout)
+    for message in geometry.idle_on_mesh:
+        warnings.warn(message, IdleOnMeshWarning, stacklevel=2)
     check_kernel_blocks(geometry)
     if rng is not None and not isinstance(rng, jax.Array):
         if not is_int(rng):
