@@ -105,21 +105,6 @@ class StepGeometry:
         return self.config.qgz != "off" and self.nodes > 1
 
     @property
-    def idle_on_mesh(self) -> list[str]:
-        """What the config switches on that this mesh gives nothing to do
-        (``make_trainer`` warns of each, as an :class:`IdleOnMeshWarning`)."""
-        out = []
-        if self.config.qgz != "off" and self.nodes == 1:
-            out.append(f"qgZ ({self.config.qgz}) compresses only what crosses nodes, and this "
-                       "mesh has one node: no step is compressed (a mesh of 2 or more nodes "
-                       "uses it; qgz='off' says so)")
-        if self.config.hpz and self.local == 1 and self.nodes > 1:
-            out.append("hpZ's secondary partition is split over the devices of a node, and "
-                       "this mesh has one device per node: it is the whole model on every "
-                       "device (hpz=False saves that memory; a mesh with local >= 2 splits it)")
-        return out
-
-    @property
     def error_feedback(self) -> bool:
         return self.qgz_active and self.config.qgz_error_feedback
 
@@ -389,6 +374,21 @@ def layer_by_layer(geo: StepGeometry, unit: UnitLayout) -> bool:
     cross-node gradient traffic can run per layer in the backward (hpZ's
     reduce-scatter; 1-bit Adam's full-precision all-reduce)."""
     return geo.config.grad_accum == 1 and (unit.stack or 0) >= 2
+
+
+def idle_on_mesh(geo: StepGeometry) -> list[str]:
+    """What ``geo``'s config switches on that its mesh gives nothing to do
+    (``make_trainer`` warns of each, as an :class:`IdleOnMeshWarning`)."""
+    out = []
+    if geo.config.qgz != "off" and geo.nodes == 1:
+        out.append(f"qgZ ({geo.config.qgz}) compresses only what crosses nodes, and this "
+                   "mesh has one node: no step is compressed (a mesh of 2 or more nodes "
+                   "uses it; qgz='off' says so)")
+    if geo.config.hpz and geo.local == 1 and geo.nodes > 1:
+        out.append("hpZ's secondary partition is split over the devices of a node, and "
+                   "this mesh has one device per node: it is the whole model on every "
+                   "device (hpz=False saves that memory; a mesh with local >= 2 splits it)")
+    return out
 
 
 def check_kernel_blocks(geo: StepGeometry) -> None:

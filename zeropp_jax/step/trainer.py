@@ -44,7 +44,9 @@ from zeropp_jax.step.accumulate import check_loss_arguments
 # global_batch_size_check: re-exported (the CLI imports it from here).
 from zeropp_jax.step.batch import global_batch_size_check, place_batch  # noqa: F401
 from zeropp_jax.step.evaluate import evaluate
-from zeropp_jax.step.geometry import IdleOnMeshWarning, StepGeometry, check_kernel_blocks
+from zeropp_jax.step.geometry import (
+    IdleOnMeshWarning, StepGeometry, check_kernel_blocks, idle_on_mesh,
+)
 from zeropp_jax.step.adam import OneBitAdam
 from zeropp_jax.step.rules import UpdateRule, check_leaf_uniform, rule_for
 from zeropp_jax.step.schedule import HostSteps, QgzSchedule
@@ -407,7 +409,7 @@ def make_trainer(
     if check_optimizer and not isinstance(optimizer, OneBitAdam):
         check_leaf_uniform(optimizer, params, layout)
     geometry = StepGeometry(mesh, config, layout)
-    for message in geometry.idle_on_mesh:
+    for message in idle_on_mesh(geometry):
         warnings.warn(message, IdleOnMeshWarning, stacklevel=2)
     check_kernel_blocks(geometry)
     if rng is not None and not isinstance(rng, jax.Array):
