@@ -36,11 +36,15 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.config import KernelConfig, default_config
+from pallas_kernels.config import KernelConfig, default_config, is_pow2
+from pallas_kernels.references import quantization
 from pallas_kernels.references.quantization import Quantized
 
 # ---------------------------------------------------------------------------
-# Argument checks (trace time; ValueError with a hint, like the reference).
+# Argument checks (trace time; ValueError with a hint). The kernels take the
+# reference's (pallas_kernels.references.quantization: check_bits with the
+# kernel's widths, check_n, check_float_input, check_quantized), and its
+# block check with their own rule added (check_block below).
 # ---------------------------------------------------------------------------
 
 
@@ -61,40 +65,17 @@ def out_struct(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtype
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def check_bits(bits, allowed) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or bits not in allowed:
-        raise ValueError(f"bits must be one of {tuple(allowed)}, got {bits!r}.")
-    return int(bits)
-
-
 def check_block(block) -> int:
-    if (
-        isinstance(block, bool)
-        or not isinstance(block, (int, np.integer))
-        or block < 8
-        or block & (block - 1)
-    ):
+    """``block`` as an int: the reference's (an int, a positive multiple of 8)
+    that is also a power of two, since Triton tiles are; else ValueError."""
+    block = quantization.check_block(block)
+    if not is_pow2(block):
         raise ValueError(
             f"the Pallas kernels need block to be a power of two >= 8 (Triton tiles are powers "
             f"of two), got {block!r}; use 64, 256, 2048, ... or the jnp reference "
             "(pallas_kernels.references.quantization) for other block sizes."
         )
-    return int(block)
-
-
-def check_float_input(x: jax.Array, what: str) -> None:
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"{what} must be a floating array, got dtype {x.dtype}; cast it first.")
-    if x.ndim < 1:
-        raise ValueError(f"{what} must have at least one axis (..., n), got a scalar.")
-
-
-def check_n(n: int, block: int, what: str) -> None:
-    if n % block:
-        raise ValueError(
-            f"the last axis of {what} has length {n}, not a multiple of block={block}; "
-            f"pad it to {-(-n // block) * block}."
-        )
+    return block
 
 
 def get_config(config: KernelConfig | None, kernel: str, bits: int) -> KernelConfig:

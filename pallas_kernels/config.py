@@ -14,7 +14,8 @@ DECODING_KERNELS = ("dequantize", "dequantize_sum")
 """The kernels whose int8 / int4 decoding follows ``KernelConfig.decode``."""
 
 
-def _is_pow2(v) -> bool:
+def is_pow2(v) -> bool:
+    """Whether ``v`` is a Python int (not a bool) that is a power of two (1, 2, 4, ...)."""
     return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
 
 
@@ -71,12 +72,12 @@ class KernelConfig:
     decode: str = "convert"
 
     def __post_init__(self):
-        if not _is_pow2(self.tile_elems) or self.tile_elems < 8:
+        if not is_pow2(self.tile_elems) or self.tile_elems < 8:
             raise ValueError(
                 f"tile_elems must be a power of two >= 8 (Triton tiles are powers of two), "
                 f"got {self.tile_elems!r}; try 8192."
             )
-        if not _is_pow2(self.num_warps) or self.num_warps > 32:
+        if not is_pow2(self.num_warps) or self.num_warps > 32:
             raise ValueError(
                 f"num_warps must be a power of two in [1, 32], got {self.num_warps!r}; try 4 or 8."
             )

@@ -31,6 +31,7 @@ bits 4 and 8 whenever the products and partial sums are exact.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +39,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend, _common
 from pallas_kernels.config import KernelConfig
-from pallas_kernels.references.quantization import Quantized
+from pallas_kernels.references.quantization import Quantized, check_bits, check_block
+from pallas_kernels.references.quantization import check_quantized, ordered_chunk_sum
 from pallas_kernels.references.quantization import dequantize as _dequantize
-from pallas_kernels.references.quantization import ordered_chunk_sum
 
 __all__ = ["dequantize_sum", "dequantize_sum_kernel", "dequantize_sum_reference"]
 
@@ -63,17 +64,9 @@ def dequantize_sum_reference(q: Quantized, *, bits: int, block: int) -> jax.Arra
     Returns:
       float32 ``(..., m)``.
     """
-    _check_chunk_axis(jnp.shape(q.values))
+    check_quantized(q, bits=check_bits(bits), block=check_block(block), dtype=jnp.float32,
+                    chunk_axis=True)
     return ordered_chunk_sum(_dequantize(q, bits=bits, block=block, dtype=jnp.float32))
-
-
-def _check_chunk_axis(shape: tuple[int, ...]) -> None:
-    """``q.values`` must be ``(..., k, bytes)``: a chunk axis before the bytes."""
-    if len(shape) < 2:
-        raise ValueError(
-            f"q.values must be (..., k, bytes) with a chunk axis, got shape {shape}; "
-            "add one with values[None] for a single chunk."
-        )
 
 
 def dequantize_sum_kernel(values_ref, scales_ref, out_ref, *, bits, k, decode="convert"):
@@ -121,27 +114,16 @@ def dequantize_sum(
       >>> q = Quantized(values=recv_values, scales=recv_scales)  # doctest: +SKIP
       >>> g_slice = dequantize_sum(q, bits=1, block=256)  # (m,) float32  # doctest: +SKIP
     """
-    bits = _common.check_bits(bits, _BITS)
+    bits = check_bits(bits, _BITS)
     block = _common.check_block(block)
     config = _common.get_config(config, "dequantize_sum", bits)
-    values, scales = jnp.asarray(q.values), jnp.asarray(q.scales)
-    want = jnp.int8 if bits == 8 else jnp.uint8
-    if values.dtype != want:
-        raise ValueError(f"for bits={bits}, q.values must be {jnp.dtype(want)}, got {values.dtype}.")
-    _check_chunk_axis(values.shape)
+    values, scales, _ = check_quantized(q, bits=bits, block=block, dtype=jnp.float32,
+                                        chunk_axis=True)
     *lead, k, nbytes = values.shape
     lead = tuple(lead)
     m = nbytes * 8 // bits
-    _common.check_n(m, block, "each dequantized chunk")
     nb = m // block
-    if scales.shape != (*lead, k, nb) or not jnp.issubdtype(scales.dtype, jnp.floating):
-        raise ValueError(
-            f"q.scales must be floating {(*lead, k, nb)} for values {values.shape}, bits={bits}, "
-            f"block={block}; got {scales.dtype} {scales.shape}."
-        )
-    rows = 1
-    for d in lead:
-        rows *= d
+    rows = math.prod(lead)
     if rows * k * nb == 0:
         return dequantize_sum_reference(q, bits=bits, block=block)
 

@@ -26,7 +26,7 @@ from pallas_kernels import _backend, _common
 from pallas_kernels.config import KernelConfig
 from pallas_kernels.references.dither import block_scales, check_dither_input
 from pallas_kernels.references.dither import quantize_dithered as quantize_dithered_reference
-from pallas_kernels.references.quantization import Quantized, check_scale_dtype
+from pallas_kernels.references.quantization import Quantized, check_n, check_scale_dtype
 
 __all__ = ["quantize_dithered", "quantize_dithered_kernel", "quantize_dithered_reference"]
 
@@ -69,7 +69,7 @@ def quantize_dithered(
     scale_dtype = check_scale_dtype(scale_dtype)
     config = _common.get_config(config, "quantize_dithered", 1)
     x, xi = check_dither_input(x, xi)
-    _common.check_n(x.shape[-1], block, "x")
+    check_n(x.shape[-1], block, "x")
     nb = _common.num_blocks(x.shape, block)
     if nb == 0:
         return quantize_dithered_reference(x, xi, block=block, scale_dtype=scale_dtype)

@@ -47,7 +47,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _backend, _common
 from pallas_kernels.config import KernelConfig
-from pallas_kernels.references.quantization import Quantized, check_scale_dtype, stored_scale
+from pallas_kernels.references.quantization import (
+    Quantized, check_float_input, check_n, check_scale_dtype, finite_blocks, stored_scale,
+)
 from pallas_kernels.references.quantization import dequantize as _dequantize
 from pallas_kernels.references.quantization import quantize as _quantize
 
@@ -95,11 +97,11 @@ def compress_1bit_ef_kernel(
 ):
     """One tile: ``g``, ``carry`` ``(tb, block)`` -> signs, scales, new carry."""
     x = g_ref[...].astype(jnp.float32) + carry_ref[...]  # (tb, block) or split
-    bad = _common.row_reduce(jnp.max, jnp.where(jnp.isfinite(x), 0, 1))
+    finite = finite_blocks(x, block_axes=x.ndim - 1)  # not by max: Triton's drops NaN
     # 1/block is a power of two: the product is the exactly rounded quotient,
     # like the reference's |x| / block, with no division instruction.
     scale = _common.row_reduce(jnp.sum, jnp.abs(x) * (1.0 / block))  # (tb, 1[, 1])
-    s = jnp.where(bad == 0, stored_scale(scale, scale_dtype), jnp.nan)  # as the reference
+    s = jnp.where(finite, stored_scale(scale, scale_dtype), jnp.nan)  # as the reference
     positive = x >= 0
     values_ref[...] = _common.pack_codes(positive.astype(jnp.int32), 1)
     scales_ref[...] = s.astype(scale_dtype)  # (tb, 1[, 1]), per_block
@@ -142,10 +144,9 @@ def compress_1bit_ef(
     block = _common.check_block(block)
     scale_dtype = check_scale_dtype(scale_dtype)
     config = _common.get_config(config, "compress_1bit_ef", 1)
-    g, carry = jnp.asarray(g), jnp.asarray(carry)
-    _common.check_float_input(g, "g")
+    g, carry = check_float_input(g, "g"), jnp.asarray(carry)
     check_carry(g, carry)
-    _common.check_n(g.shape[-1], block, "g")
+    check_n(g.shape[-1], block, "g")
     nb = _common.num_blocks(g.shape, block)
     if nb == 0:
         return compress_1bit_ef_reference(g, carry, block=block, scale_dtype=scale_dtype)

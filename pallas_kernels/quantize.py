@@ -33,7 +33,10 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _backend, _common
 from pallas_kernels.config import KernelConfig
 from pallas_kernels.references import quantization
-from pallas_kernels.references.quantization import Quantized, check_scale_dtype, stored_scale
+from pallas_kernels.references.quantization import (
+    QMAX, Quantized, check_bits, check_float_input, check_n, check_scale_dtype, finite_blocks,
+    stored_scale,
+)
 from pallas_kernels.references.quantization import dequantize as dequantize_reference
 from pallas_kernels.references.quantization import quantize as quantize_reference
 
@@ -46,18 +49,15 @@ __all__ = [
     "dequantize_reference",
 ]
 
-_QMAX = {8: 127, 4: 7}
 _BITS = (8, 4)
 
 
 def quantize_kernel(x_ref, values_ref, scales_ref, *, bits, scale_dtype, interpret):
     """One tile: ``x`` ``(tb, block)`` (or split) -> codes, scales ``(tb, 1)`` (or split)."""
-    qmax = _QMAX[bits]
+    qmax = QMAX[bits]  # the reference's, as is INV_QMAX below
     x = x_ref[...].astype(jnp.float32)  # exact up-cast, as the reference
-    # Non-finite detection does not rely on max propagating NaN (Triton's max
-    # ignores NaN): any inf/NaN in the block marks the block.
-    bad = _common.row_reduce(jnp.max, jnp.where(jnp.isfinite(x), 0, 1))
-    finite = bad == 0
+    # Not by max propagating NaN (Triton's max ignores NaN): any inf/NaN marks the block.
+    finite = finite_blocks(x, block_axes=x.ndim - 1)  # (tb, 1) or (tb, 1, 1)
     absmax = _common.row_reduce(jnp.max, jnp.abs(x))  # (tb, 1) or (tb, 1, 1)
     # The reference's scale: one multiply by float32(1 / qmax), rounded on
     # scale_dtype's grid by integer arithmetic (portable on every backend).
@@ -112,13 +112,12 @@ def quantize(
       >>> q = quantize(x, bits=8, block=256)  # doctest: +SKIP
       >>> x_hat = dequantize(q, bits=8, block=256, dtype=jnp.bfloat16)  # doctest: +SKIP
     """
-    bits = _common.check_bits(bits, _BITS)
+    bits = check_bits(bits, _BITS)
     block = _common.check_block(block)
     scale_dtype = check_scale_dtype(scale_dtype)
     config = _common.get_config(config, "quantize", bits)
-    x = jnp.asarray(x)
-    _common.check_float_input(x, "x")
-    _common.check_n(x.shape[-1], block, "x")
+    x = check_float_input(x, "x")
+    check_n(x.shape[-1], block, "x")
     nb = _common.num_blocks(x.shape, block)
     if nb == 0:
         return quantize_reference(x, bits=bits, block=block, scale_dtype=scale_dtype)
@@ -183,7 +182,7 @@ def dequantize(
     Returns:
       ``dtype`` array ``(..., n)``.
     """
-    bits = _common.check_bits(bits, _BITS)
+    bits = check_bits(bits, _BITS)
     block = _common.check_block(block)
     config = _common.get_config(config, "dequantize", bits)
     values, scales, dtype = quantization.check_quantized(q, bits=bits, block=block, dtype=dtype)

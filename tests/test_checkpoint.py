@@ -412,6 +412,24 @@ def test_every_checkpoint_unreadable_is_an_error(runs, tmp_path):
         Checkpointer(directory).restore(trainer("zero3", 2, 4))
 
 
+def test_latest_step_warns_of_the_unreadable_steps_it_skips(tmp_path):
+    """As :meth:`Checkpointer.restore` does: a loop that resumes from
+    ``latest_step()`` would otherwise report an older step without a sign."""
+    import re
+
+    tr = trainer("zero3", 2, 4)
+    state = tr.init(params())
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(0, state, tr)
+        ckpt.save(1, state._replace(step=state.step + 1), tr)
+    (tmp_path / "1" / "meta" / "metadata").write_text("{ not json")
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.warns(UserWarning, match=re.escape(f"skipping unreadable checkpoint "
+                                                       f"{tmp_path / '1'}: ")):
+            assert ckpt.latest_step() == 0
+        assert ckpt.all_steps() == [0, 1]  # nothing moved aside by a look
+
+
 # --- errors ---------------------------------------------------------------------
 
 

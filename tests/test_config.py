@@ -93,6 +93,19 @@ def test_every_preset_still_builds_and_replaces():
         assert config.replace(grad_accum=2).grad_accum == 2
 
 
+def test_presets_are_read_only():
+    """``zp.PRESETS["zeropp"]["qwz_bits"] = 4`` would have changed every later
+    ``from_preset("zeropp")`` in the process."""
+    import zeropp_jax as zp
+
+    with pytest.raises(TypeError):
+        zp.PRESETS["zeropp"]["qwz_bits"] = 4
+    with pytest.raises(TypeError):
+        zp.PRESETS["mine"] = dict(PRESETS["zeropp"], qwz_bits=4)
+    assert ZeroConfig.from_preset("zeropp").qwz_bits == 8
+    assert ZeroConfig.from_preset("zeropp", qwz_bits=4).qwz_bits == 4
+
+
 def test_a_config_named_after_a_preset_it_has_nothing_of_is_warned_of():
     with pytest.warns(UserWarning, match=r"from_preset\('zeropp'"):
         ZeroConfig(preset="zeropp")

@@ -218,6 +218,34 @@ def test_adams_betas_are_read_back_through_weight_decay_and_a_bf16_momentum(tmp_
     assert adam.mu["blocks"].dtype == jax.numpy.bfloat16 and int(adam.count) == 0
 
 
+def test_an_optimizer_that_rejects_the_beta_probe_is_named_with_its_error(tmp_path):
+    """An optimizer that refuses the probe's ``(4,)`` tree (here one keyed by
+    the unit names) converts with 1-bit Adam's betas, and the notice says why
+    they could not be read; an error that is no rejection (a bug) is raised."""
+    from zeropp_jax.checkpoint.convert import optax_adam_betas
+
+    adam = optax.adam(3e-3)
+
+    def init(params):
+        if "probe" in params:
+            raise KeyError("no label for 'probe'")
+        return adam.init(params)
+
+    labelled = optax.GradientTransformation(init, adam.update)
+    assert optax_adam_betas(labelled) is None
+    onebit_dir = _init_checkpoint(tmp_path / "onebit", trainer("zeropp-max"))
+    with pytest.warns(UserWarning, match=r"could not read b1 and b2 back from the trainer's optax "
+                                         r"optimizer \(its update of a \(4,\) probe tree raised "
+                                         r"KeyError: .no label for 'probe'.\); converting"):
+        Checkpointer(onebit_dir).restore(trainer("zero3", labelled))
+
+    def buggy(params):
+        raise ZeroDivisionError("a bug in the optimizer")
+
+    with pytest.raises(ZeroDivisionError, match="a bug in the optimizer"):
+        optax_adam_betas(optax.GradientTransformation(buggy, adam.update))
+
+
 def test_conversion_is_refused_where_it_does_not_fit(tmp_path):
     onebit_dir = _init_checkpoint(tmp_path / "onebit", trainer("zeropp-max"))
     clipped_sgd = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))

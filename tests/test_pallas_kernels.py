@@ -603,6 +603,54 @@ def test_argument_errors():
         pk.dequantize_sum(q._replace(scales=q.scales[:, :1]), bits=4, block=16, interpret=True)
 
 
+def _error(f, *args, **kwargs) -> str:
+    with pytest.raises(ValueError) as refused:
+        f(*args, **kwargs)
+    return str(refused.value)
+
+
+def test_kernels_refuse_what_their_references_refuse_in_the_same_words():
+    """The argument checks are the references' (one copy each), so a kernel
+    and its reference cannot drift apart on what they accept; the kernels
+    add only their own limits (power-of-two blocks, their bit widths)."""
+    from pallas_kernels.references import dither as dither_ref
+
+    x = jnp.ones((2, 48), jnp.float32)
+    q8 = qz.quantize(x, bits=8, block=16)
+    for bad in (dict(x=x.astype(jnp.int32)), dict(x=x[0, 0]), dict(block=32), dict(block=12),
+                dict(scale_dtype=jnp.float16)):
+        kwargs = {**dict(bits=8, block=16), **bad}
+        y = kwargs.pop("x", x)
+        assert _error(pk.quantize, y, interpret=True, **kwargs) == _error(
+            pk.quantize_reference, y, **kwargs), list(bad)
+    assert _error(pk.quantize_dithered, x.astype(jnp.int32), x, block=16, interpret=True) == \
+        _error(dither_ref.quantize_dithered, x.astype(jnp.int32), x, block=16)
+    assert _error(pk.dequantize, q8, bits=4, block=16, interpret=True) == _error(
+        qz.dequantize, q8, bits=4, block=16, dtype=jnp.float32)
+    for bad in (q8._replace(scales=q8.scales[:, :1]), qz.quantize(x[0], bits=8, block=16)):
+        assert _error(pk.dequantize_sum, bad, bits=8, block=16, interpret=True) == _error(
+            pk.dequantize_sum_reference, bad, bits=8, block=16)
+    # the kernels' own limits, worded as the reference's
+    assert _error(pk.quantize, x, bits=1, block=16, interpret=True) == \
+        "bits must be one of (8, 4), got 1."
+    assert "power of two" in _error(pk.dequantize_sum, q8, bits=8, block=24, interpret=True)
+    assert qz.QMAX == {8: 127, 4: 7} and not hasattr(pk.quantize, "_QMAX")
+
+
+@pytest.mark.parametrize("shape, block_axes", [((5, 16), 1), ((5, 2, 8), 2)])
+def test_finite_blocks_finds_nan_and_inf_without_a_nan_propagating_max(shape, block_axes):
+    """One test of a block's finiteness for the kernels and the dither
+    reference: a count of non-finite elements, which a max that drops NaN
+    (Triton's) cannot miss; the same blocks as XLA's NaN-propagating max."""
+    xb = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape)
+    xb = xb.at[1, 0].set(jnp.nan).at[3, -1].set(jnp.inf).at[4, 0].set(-jnp.inf)
+    finite = qz.finite_blocks(xb, block_axes)
+    assert finite.shape == (shape[0],) + (1,) * block_axes and finite.dtype == jnp.bool_
+    np.testing.assert_array_equal(finite.reshape(-1), [True, False, True, False, False])
+    flat = jnp.abs(xb.reshape(shape[0], -1))
+    np.testing.assert_array_equal(finite.reshape(-1), jnp.isfinite(jnp.max(flat, axis=-1)))
+
+
 def _lower_for_gpu(f, *args):
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 

@@ -416,6 +416,40 @@ def test_blocks_of_a_model_applied_to_part_of_the_trained_tree_are_found():
                         mesh=zp.make_mesh(2, 4), wrap=(Block,), example_batch=batch)
 
 
+def test_blocks_not_found_beside_blocks_found_are_named_in_a_warning():
+    """One block's parameters reach it as a copy the loss made (here scaled):
+    it cannot be its own unit and is gathered whole with the rest, which a
+    warning names; the block found is still wrapped."""
+    import flax.linen as nn
+
+    Block = _tanh_block()
+
+    class Enc(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = Block()(x)
+            return Block()(h)
+
+    enc = Enc()
+    batch = _linen_batch()
+    params = {"enc": enc.init(jax.random.key(0), batch["x"])["params"]}
+
+    def loss(p, b):
+        enc_p = dict(p["enc"], Block_1=jax.tree.map(lambda w: 0.5 * w, p["enc"]["Block_1"]))
+        return jnp.mean((enc.apply({"params": enc_p}, b["x"]).sum(1) - b["y"]) ** 2)
+
+    with pytest.warns(UserWarning, match=r"called Block blocks whose parameters were not found "
+                                         r"as a sub-dict .*\(at \['Block_1'\] of the variables.*"
+                                         r"stay in the 'rest' unit, gathered whole"):
+        paths, _ = wrap_policy.discover(loss, params, batch, (Block,))
+    assert paths == [("enc", "Block_0")]
+    with warnings.catch_warnings():  # every block found: nothing to say
+        warnings.simplefilter("error", UserWarning)
+        assert wrap_policy.discover(
+            lambda p, b: jnp.mean(enc.apply({"params": p["enc"]}, b["x"])), params, batch,
+            (Block,))[0] == [("enc", "Block_0"), ("enc", "Block_1")]
+
+
 def test_nn_scan_blocks_refresh_hpz_secondary_once_per_step():
     """A stacked unit that runs through ``zp.layer`` (here ``nn.scan``'s, under
     the wrap policy) forms each layer's hpZ secondary in the forward and keeps

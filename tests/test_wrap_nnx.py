@@ -662,3 +662,16 @@ def test_a_block_applied_only_by_another_method_is_named_in_a_warning():
                                          "method fwd.*only __call__"):
         paths, _ = wrap_nnx.discover(loss_fn, params, BATCH, (TwoWayBlock,))
     assert paths == [("blocks", 0)] and TwoWayBlock.__dict__["fwd"] is fwd
+
+
+def test_a_block_applied_only_by_another_method_is_warned_of_where_it_has_no_path():
+    """Its parameters lie in two sub-trees (one layer shared with block 0),
+    so it has no path to name; the warning that it stays in the rest unit
+    is still given, by class and method."""
+    model = BypassNet(TwoWayBlock, nnx.Rngs(0, dropout=1))
+    model.blocks[1].lin = model.blocks[0].lin
+    params, loss_fn = zp.nnx_loss(model, criterion)
+    with pytest.warns(UserWarning, match=r"a TwoWayBlock \(at a path not known\) is applied only "
+                                         r"by its method fwd.*stay in the rest unit"):
+        paths, _ = wrap_nnx.discover(loss_fn, params, BATCH, (TwoWayBlock,))
+    assert paths == [("blocks", 0)]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from typing import Any, ClassVar
 
 import jax.numpy as jnp
@@ -75,7 +76,7 @@ _COMPACT_ONEBIT_ADAM = dict(
     scale_dtype="bfloat16", qgz_code="hadamard", qgz_share="auto",
 )
 
-PRESETS: dict[str, dict[str, Any]] = {
+PRESETS = types.MappingProxyType({name: types.MappingProxyType(fields) for name, fields in {
     "zero3": dict(qwz_bits=0, hpz=False, qgz="off"),
     "qwz": dict(qwz_bits=8, hpz=False, qgz="off"),
     "hpz": dict(qwz_bits=0, hpz=True, qgz="off"),
@@ -85,7 +86,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # traffic crosses nodes, only the momentum codes (and refresh steps); no
     # qwZ (its gathers stay inside the node, where it only added loss noise).
     "zeropp-max": dict(qwz_bits=0, hpz=False, node_replicated=True, **_COMPACT_ONEBIT_ADAM),
-}
+}.items()})  # read-only, each preset's fields too: no caller can change a preset for the others
 
 # Every shard is a multiple of this many elements, whatever is quantized: the
 # base every block is a multiple of (eight 1-bit codes fill one byte).

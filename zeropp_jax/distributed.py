@@ -42,6 +42,7 @@ import signal
 import socket
 import sys
 import threading
+import warnings
 
 ENV_COORDINATOR = "ZEROPP_COORDINATOR"
 ENV_NUM_PROCESSES = "ZEROPP_NUM_PROCESSES"
@@ -64,17 +65,29 @@ PREEMPTED_EXIT = 128 + int(signal.SIGTERM)
 INTERRUPTED_EXIT = 128 + int(signal.SIGINT)
 
 
+# PreemptionNotice's warning without JAX's preemption service ({}: why).
+_NO_SYNC = (
+    "this multi-process run has no preemption sync point (JAX's preemption service: {}): "
+    "JAX catches no SIGTERM, so a preemption notice ends the processes without a checkpoint; "
+    "call jax.config.update('jax_enable_preemption_service', True) before "
+    "zeropp_jax.distributed.initialize to checkpoint and stop on one")
+
 # The process counts SLURM and Open MPI set (srun, mpirun).
 _CLUSTER_SIZE_VARIABLES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 
 
 def _cluster_environment() -> bool:
-    """Whether a multi-process launcher JAX can auto-detect started us."""
+    """Whether a multi-process launcher JAX can auto-detect started us; a
+    ``ValueError`` names a process count that is set but not an integer."""
     def size(name):
+        text = os.environ.get(name, "1")
         try:
-            return int(os.environ.get(name, "1"))
+            return int(text)
         except ValueError:
-            return 1
+            raise ValueError(  # not one process: under srun -n 4, four copies of the run
+                f"{name} must be the run's number of processes, an integer, got {text!r}: "
+                "fix or unset it, or give --coordinator, --num-processes and --process-id"
+            ) from None
 
     return any(size(name) > 1 for name in _CLUSTER_SIZE_VARIABLES)
 
@@ -116,7 +129,8 @@ def initialize(
 
     Raises:
       ValueError: if only some of the three explicit values are given, or
-        they are inconsistent (see :func:`resolve`), or (process 0) the
+        they are inconsistent (see :func:`resolve`), or ``SLURM_NTASKS`` or
+        ``OMPI_COMM_WORLD_SIZE`` is not an integer, or (process 0) the
         coordinator's port is in use on this host, where JAX's coordinator
         would crash and leave the others waiting.
     """
@@ -304,7 +318,7 @@ def _install_excepthook() -> None:
             "failed; exiting now so that the other processes stop too",
             file=sys.stderr,
         )
-        exit_now(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
+        exit_now(INTERRUPTED_EXIT if issubclass(exc_type, KeyboardInterrupt) else 1)
 
     sys.excepthook = excepthook
 
@@ -314,9 +328,12 @@ def _interactive() -> bool:
 
 
 def _use_gloo_on_cpu(jax) -> None:
-    """CPU devices need a collectives library to talk across processes."""
+    """CPU devices need a collectives library to talk across processes: gloo
+    (JAX 0.10's default), unless ``jax_cpu_collectives_implementation`` names
+    another (``"mpi"``, by ``jax.config.update`` or the environment)."""
     platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms.split(",")[0] in ("", "cpu"):
+    chosen = jax.config.jax_cpu_collectives_implementation
+    if platforms.split(",")[0] in ("", "cpu") and chosen in (None, "", "none"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
@@ -343,6 +360,10 @@ class PreemptionNotice:
     checkpoint and exits with :attr:`exit_status` (:data:`PREEMPTED_EXIT`
     after SIGTERM, :data:`INTERRUPTED_EXIT` after Ctrl-C).
 
+    With JAX's preemption service off (``jax_enable_preemption_service``)
+    a multi-process run catches no SIGTERM: entering the block warns that a
+    notice ends the processes without a checkpoint, and :meth:`reached` is ``False``.
+
     Attributes:
       received: the first signal noted (``signal.SIGTERM`` or
         ``signal.SIGINT``), else ``None``.
@@ -350,6 +371,7 @@ class PreemptionNotice:
 
     def __init__(self) -> None:
         self._multi = False
+        self._sync = False  # multi-process, with JAX's preemption sync point
         self.received: signal.Signals | None = None
         self._interrupted = False  # a Ctrl-C was noted
         self._previous: dict = {}
@@ -358,6 +380,9 @@ class PreemptionNotice:
         import jax
 
         self._multi = jax.process_count() > 1
+        self._sync = self._multi and bool(jax.config.jax_enable_preemption_service)
+        if self._multi and not self._sync:
+            warnings.warn(_NO_SYNC.format("jax_enable_preemption_service is off"), stacklevel=2)
         if not self._multi and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
@@ -387,17 +412,19 @@ class PreemptionNotice:
         """Whether to checkpoint and stop before step ``step`` (``step``
         steps done): a SIGTERM was received (by any process), or a Ctrl-C
         (one process)."""
-        if not self._multi:
-            return self.received is not None
+        if not self._sync:  # one process, or no preemption service (warned)
+            return not self._multi and self.received is not None
         from jax.experimental import multihost_utils
 
         try:
-            if multihost_utils.reached_preemption_sync_point(step):
-                self.received = signal.SIGTERM
-                return True
+            reached = multihost_utils.reached_preemption_sync_point(step)
+        except RuntimeError as e:  # only JAX's "not initialized"; a lost peer's error is raised
+            if type(e) is not RuntimeError or "sync manager has not been initialized" not in str(e):
+                raise
+            self._sync = False  # the service was off at jax.distributed.initialize, on now
+            warnings.warn(_NO_SYNC.format("it was off when jax.distributed started"), stacklevel=2)
             return False
-        except RuntimeError:
-            # JAX's preemption service is off, so JAX does not catch SIGTERM
-            # either: the signal ends the process as it would any program.
-            self._multi = False
-            return False
+        if reached:
+            self.received = signal.SIGTERM
+        return reached
+

@@ -28,7 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.references.packing import pack_bits
-from pallas_kernels.references.quantization import Quantized, check_block, check_n, check_scale_dtype
+from pallas_kernels.references.quantization import (
+    Quantized, check_block, check_float_input, check_n, check_scale_dtype, finite_blocks,
+)
 
 __all__ = ["block_scales", "check_dither_input", "quantize_dithered"]
 
@@ -44,22 +46,23 @@ def block_scales(xb: jax.Array, scale_dtype, block_axes: int = 1) -> jax.Array:
     NaN. A finite block whose max|x| lies above ``scale_dtype``'s largest
     finite value (bfloat16 rounds up past 3.39e38) gets an infinite scale
     and decodes to +-inf; so may a float32 scale above about 1.7e38, where
-    the receiver's ``s * (+-1 - xi)`` overflows. Plain ``jnp`` that the Pallas kernel calls too: non-finite values
-    are found with ``isfinite`` (GPU max reductions may drop NaN), and the
-    bfloat16 round-up is integer arithmetic on the float32 bits (Triton has
-    no bfloat16 ``nextafter``): adding ``0xFFFF`` and clearing the low 16 bits
-    is the ceiling on bfloat16's grid for a finite value >= 0.
+    the receiver's ``s * (+-1 - xi)`` overflows. Plain ``jnp`` that the
+    Pallas kernel calls too: non-finite blocks are found by
+    :func:`~pallas_kernels.references.quantization.finite_blocks` (GPU max
+    reductions may drop NaN), and the bfloat16 round-up is integer
+    arithmetic on the float32 bits (Triton has no bfloat16 ``nextafter``):
+    adding ``0xFFFF`` and clearing the low 16 bits is the ceiling on
+    bfloat16's grid for a finite value >= 0.
     """
-    bad = jnp.where(jnp.isfinite(xb), 0, 1)
+    finite = finite_blocks(xb, block_axes)
     absmax = jnp.abs(xb)
     for axis in range(-1, -1 - block_axes, -1):
-        bad = jnp.max(bad, axis=axis, keepdims=True)
         absmax = jnp.max(absmax, axis=axis, keepdims=True)
     if jnp.dtype(scale_dtype) == jnp.dtype(jnp.bfloat16):
         bits = jax.lax.bitcast_convert_type(absmax, jnp.uint32)
         bits = (bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000)
         absmax = jax.lax.bitcast_convert_type(bits, jnp.float32)  # exact in bfloat16
-    return jnp.where(bad == 0, absmax, jnp.nan).astype(scale_dtype)
+    return jnp.where(finite, absmax, jnp.nan).astype(scale_dtype)
 
 
 def check_dither_input(x, xi):
@@ -67,9 +70,7 @@ def check_dither_input(x, xi):
 
     Shared by the reference and the Pallas kernel; raises ValueError otherwise.
     """
-    x, xi = jnp.asarray(x), jnp.asarray(xi)
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim < 1:
-        raise ValueError(f"x must be a floating array (..., n), got {x.dtype} {x.shape}.")
+    x, xi = check_float_input(x, "x"), jnp.asarray(xi)
     if xi.dtype != jnp.float32 or xi.shape != x.shape:
         raise ValueError(
             f"xi must be float32 with x's shape {x.shape} (from uniform_noise), "

@@ -96,15 +96,19 @@ __all__ = [
     "check_block",
     "check_scale_dtype",
     "check_n",
+    "check_float_input",
     "check_quantized",
+    "finite_blocks",
     "ordered_chunk_sum",
     "stored_scale",
+    "QMAX",
     "INV_QMAX",
 ]
 
 _VALID_BITS = (1, 4, 8)
-_QMAX = {8: 127, 4: 7}
-INV_QMAX = {bits: np.float32(1.0 / qmax) for bits, qmax in _QMAX.items()}
+QMAX = {8: 127, 4: 7}
+"""The largest code per bit width of the absmax codes: codes lie in ``[-qmax, qmax]``."""
+INV_QMAX = {bits: np.float32(1.0 / qmax) for bits, qmax in QMAX.items()}
 """``float32(1 / qmax)`` per bit width: ``scale = max|x| * INV_QMAX[bits]``."""
 _VALID_SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 _F32_INF_BITS = np.uint32(0x7F800000)  # float32 +inf's bits
@@ -128,10 +132,10 @@ class Quantized(NamedTuple):
 # --------------------------------------------------------------------------
 
 
-def check_bits(bits) -> int:
-    """``bits`` as an int: 1, 4 or 8, else ValueError."""
-    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or bits not in _VALID_BITS:
-        raise ValueError(f"bits must be one of {_VALID_BITS}, got {bits!r}.")
+def check_bits(bits, allowed: tuple[int, ...] = _VALID_BITS) -> int:
+    """``bits`` as an int: one of ``allowed`` (1, 4 or 8; a kernel takes fewer), else ValueError."""
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or bits not in allowed:
+        raise ValueError(f"bits must be one of {tuple(allowed)}, got {bits!r}.")
     return int(bits)
 
 
@@ -173,6 +177,35 @@ def check_n(n: int, block: int, what: str = "x") -> None:
             f"the last axis of {what} has length n={n}, which is not a multiple of block={block}; "
             f"pad it to {padded} or choose a block that divides n."
         )
+
+
+def check_float_input(x: jax.typing.ArrayLike, what: str = "x") -> jax.Array:
+    """``x`` as an array: floating ``(..., n)`` (at least one axis), else a
+    ValueError naming ``what``. Shared by the references and the kernels."""
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(
+            f"{what} must be a floating array (float32, bfloat16 or float16), got dtype "
+            f"{x.dtype}; cast it first."
+        )
+    if x.ndim < 1:
+        raise ValueError(f"{what} must have at least one axis (..., n), got a scalar.")
+    return x
+
+
+def finite_blocks(xb: jax.Array, block_axes: int = 1) -> jax.Array:
+    """bool ``(..., 1)``: whether each block of ``xb`` ``(..., block)`` holds no inf or NaN.
+
+    ``block_axes``: how many trailing axes make one block (a kernel's split
+    tiles ``(tb, bytes, per_byte)`` have 2), reduced one at a time, innermost
+    first, with ``keepdims``. Plain ``jnp`` that the Pallas kernels call too:
+    it counts non-finite elements with ``isfinite`` instead of relying on a
+    max that propagates NaN (Triton's max ignores NaN).
+    """
+    bad = jnp.where(jnp.isfinite(xb), 0, 1)
+    for axis in range(-1, -1 - block_axes, -1):
+        bad = jnp.max(bad, axis=axis, keepdims=True)
+    return bad == 0
 
 
 def stored_scale(scale: jax.Array, scale_dtype) -> jax.Array:
@@ -239,14 +272,7 @@ def quantize(
     bits = check_bits(bits)
     block = check_block(block)
     scale_dtype = check_scale_dtype(scale_dtype)
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(
-            f"quantize expects a floating array (float32, bfloat16 or float16), got dtype {x.dtype}; "
-            "cast it first."
-        )
-    if x.ndim < 1:
-        raise ValueError("quantize expects an array with at least one axis (..., n), got a scalar.")
+    x = check_float_input(x)
     n = x.shape[-1]
     check_n(n, block)
     lead = x.shape[:-1]
@@ -254,6 +280,8 @@ def quantize(
     # Exact up-cast: bfloat16 and float16 are both subsets of float32.
     xb = x.astype(jnp.float32).reshape(*lead, n // block, block)
     absmax = jnp.max(jnp.abs(xb), axis=-1)  # (..., nb); NaN if the block has a NaN, inf if inf
+    # XLA's max propagates NaN, so this is finite_blocks(xb) without a second
+    # reduction (the kernels, on Triton, whose max drops NaN, call finite_blocks)
     finite = jnp.isfinite(absmax)
 
     if bits == 1:
@@ -263,7 +291,7 @@ def quantize(
         values = pack_bits(xb >= 0).reshape(*lead, n // 8)
         return Quantized(values=values, scales=scale)
 
-    qmax = _QMAX[bits]
+    qmax = QMAX[bits]
     scale = jnp.where(finite, stored_scale(absmax * INV_QMAX[bits], scale_dtype), jnp.nan)
     # Codes come from the scale as stored (rounded to scale_dtype), so the
     # error bound holds against what the receiver sees.
@@ -286,8 +314,18 @@ def quantize(
     return Quantized(values=values, scales=scale)
 
 
-def check_quantized(q: Quantized, *, bits: int, block: int, dtype: Any):
-    """Validates a payload for dequantization (shared with the Pallas kernel).
+def check_quantized(q: Quantized, *, bits: int, block: int, dtype: Any,
+                    chunk_axis: bool = False):
+    """Validates a payload for dequantization (shared with the Pallas kernels).
+
+    Args:
+      q: the payload: values ``(..., bytes)``, scales ``(..., n // block)``.
+      bits: 1, 4 or 8 (checked by the caller).
+      block: elements per scale (checked by the caller).
+      dtype: the floating output dtype.
+      chunk_axis: ``q`` holds ``k`` chunks, values ``(..., k, bytes)`` and
+        scales ``(..., k, m // block)``, summed over ``k`` by the qgZ
+        receivers (:func:`ordered_chunk_sum`): the chunk axis is required.
 
     Returns:
       ``(values, scales, dtype)`` as arrays and a ``jnp.dtype``.
@@ -305,12 +343,17 @@ def check_quantized(q: Quantized, *, bits: int, block: int, dtype: Any):
             f"for bits={bits}, q.values must be {jnp.dtype(want)}, got {values.dtype}; "
             "were bits passed the same as to quantize?"
         )
+    if chunk_axis and values.ndim < 2:
+        raise ValueError(
+            f"q.values must be (..., k, bytes) with a chunk axis, got shape {values.shape}; "
+            "add one with values[None] for a single chunk."
+        )
     if values.ndim < 1:
         raise ValueError("q.values must have at least one axis, got a scalar.")
     if not jnp.issubdtype(scales.dtype, jnp.floating):
         raise ValueError(f"q.scales must be floating, got {scales.dtype}.")
     n = values.shape[-1] * (8 // bits)
-    check_n(n, block, what="the dequantized array")
+    check_n(n, block, what="each dequantized chunk" if chunk_axis else "the dequantized array")
     lead = values.shape[:-1]
     if scales.shape != (*lead, n // block):
         raise ValueError(

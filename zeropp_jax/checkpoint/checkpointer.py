@@ -166,15 +166,10 @@ class Checkpointer:
         """The newest step whose checkpoint looks complete, or ``None``.
 
         The check is cheap (metadata readable, items present); a checkpoint
-        whose array data is corrupted is only found by :meth:`restore`.
+        whose array data is corrupted is only found by :meth:`restore`. A
+        newer step that fails it is skipped with a warning, as in :meth:`restore`.
         """
-        for step in reversed(self.all_steps()):
-            try:
-                self._check_files(step)
-                return step
-            except CheckpointError:
-                continue
-        return None
+        return self._first_readable(self._check_files, stacklevel=3)[0]
 
     def step_path(self, step: int) -> str:
         return os.path.join(self.directory, str(int(step)))
@@ -313,28 +308,33 @@ class Checkpointer:
         if step is not None:
             self._require_step(int(step))
             return fn(int(step))
-        steps = list(reversed(self.all_steps()))
-        if not steps:
+        if not self.all_steps():
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        bad: list[tuple[int, Exception]] = []
-        for s in steps:
+        step, result, bad = self._first_readable(fn, stacklevel=4)
+        if step is None:
+            raise CheckpointError(
+                f"no readable checkpoint in {self.directory}: "
+                + "; ".join(f"step {s}: {e}" for s, e in bad)
+            )
+        if bad and quarantine and not self.read_only:
+            self._quarantine([b for b, _ in bad])
+        return result
+
+    def _first_readable(self, fn, *, stacklevel: int) -> tuple[int | None, object, list]:
+        """``(step, fn(step), skipped)``: the newest step ``fn`` reads (``None``
+        if none), each newer one warned of and in ``skipped`` as ``(step, error)``;
+        a :class:`CheckpointMismatchError` (readable, not for this trainer) is raised."""
+        skipped: list[tuple[int, Exception]] = []
+        for s in reversed(self.all_steps()):
             try:
-                result = fn(s)
+                return s, fn(s), skipped
             except CheckpointMismatchError:
                 raise
             except CheckpointError as e:
-                warnings.warn(
-                    f"skipping unreadable checkpoint {self.step_path(s)}: {e}", stacklevel=3
-                )
-                bad.append((s, e))
-                continue
-            if bad and quarantine and not self.read_only:
-                self._quarantine([b for b, _ in bad])
-            return result
-        raise CheckpointError(
-            f"no readable checkpoint in {self.directory}: "
-            + "; ".join(f"step {s}: {e}" for s, e in bad)
-        )
+                warnings.warn(f"skipping unreadable checkpoint {self.step_path(s)}: {e}",
+                              stacklevel=stacklevel)
+                skipped.append((s, e))
+        return None, None, skipped
 
     def _quarantine(self, steps: list[int]) -> None:
         """Renames unreadable step directories so Orbax no longer lists them."""

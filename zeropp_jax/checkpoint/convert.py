@@ -120,23 +120,35 @@ def optax_adam_betas(optimizer: optax.GradientTransformation) -> tuple[float, fl
     nothing to add). ``tolerance`` is how far the read betas may be off:
     the probe's float32 arithmetic, or the rounding of a moment kept in a
     coarser dtype (``optax.adam(mu_dtype=jnp.bfloat16)``). ``None`` where
-    the optimizer does not run on such a tree (e.g. it labels the unit names).
+    the optimizer does not run on such a tree (e.g. it labels the unit names)
+    or holds no single Adam there.
+
+    Raises:
+      Exception: what the optimizer raises on the probe if not a
+        ``TypeError``, ``ValueError`` or ``KeyError`` (the ways an optimizer
+        refuses a tree it does not take): a bug, not a refusal.
     """
+    probed = _probe_adam(optimizer)
+    return None if isinstance(probed, str) else probed
+
+
+def _probe_adam(optimizer: optax.GradientTransformation) -> tuple[float, float, float] | str:
+    """:func:`optax_adam_betas`, or why they could not be read (for the notice)."""
     x = {"probe": jnp.ones((4,), jnp.float32)}
     zeros = jax.tree.map(jnp.zeros_like, x)
     try:
         state = optimizer.init(zeros)
         _, first = optimizer.update(x, state, zeros)
         _, second = optimizer.update(zeros, first, zeros)
-    except Exception as e:  # noqa: BLE001 - any optimizer may reject the probe
-        log.info("optax Adam probe failed: %s: %s", type(e).__name__, e)
-        return None
+    except (TypeError, ValueError, KeyError) as e:  # it rejects the probe's tree
+        first_line = (str(e).splitlines() or [""])[0]  # pytree errors run to many lines
+        return f"its update of a (4,) probe tree raised {type(e).__name__}: {first_line}"
     if len(_adam_states(first)) != 1:
-        return None
+        return f"the probe's state has {len(_adam_states(first))} ScaleByAdamState"
     (a,), (b,) = _adam_states(first), _adam_states(second)
     mu, nu = float(a.mu["probe"][0]), float(a.nu["probe"][0])
     if mu == 0 or nu == 0:
-        return None
+        return "a gradient of ones left the probe's Adam moments at zero"
     # a ratio of two values each rounded to its dtype: off by up to ~2 ulps
     tolerance = max([_BETA_TOLERANCE] + [2 * float(jnp.finfo(m["probe"].dtype).eps)
                                          for m in (a.mu, a.nu)])
@@ -153,8 +165,9 @@ def _onebit_hyper(meta: dict, trainer: Trainer, where: str) -> tuple[dict, list[
             meta, trainer, where, f"the trainer's optax state has {len(prefixes)} "
             "ScaleByAdamState (optax.adam and the like) where the conversion needs exactly one.")
     stored = meta.get("optimizer") or {}
-    probed = optax_adam_betas(trainer.optimizer)
-    betas, tolerance = (probed[:2], probed[2]) if probed else (None, 0.0)
+    probed = _probe_adam(trainer.optimizer)
+    failed = probed if isinstance(probed, str) else None
+    betas, tolerance = (None, 0.0) if failed else (probed[:2], probed[2])
     notices = []
     if stored.get("name") == "onebit_adam":
         hyper = {k: float(stored[k]) for k in ("b1", "b2", "eps")}
@@ -165,11 +178,11 @@ def _onebit_hyper(meta: dict, trainer: Trainer, where: str) -> tuple[dict, list[
     else:
         raise qgz_target_mismatch(
             meta, trainer, where, "the checkpoint does not record 1-bit Adam's b1, b2 and "
-            "eps, and the trainer's optax Adam's could not be read back.")
+            f"eps, and the trainer's optax Adam's could not be read back ({failed}).")
     if betas is None:
         notices.append(f"{where}: could not read b1 and b2 back from the trainer's optax "
-                       f"optimizer; converting with 1-bit Adam's {hyper} and taking them "
-                       "to be the same")
+                       f"optimizer ({failed}); converting with 1-bit Adam's {hyper} and "
+                       "taking them to be the same")
     elif max(abs(betas[0] - hyper["b1"]), abs(betas[1] - hyper["b2"])) > tolerance:
         raise qgz_target_mismatch(
             meta, trainer, where, f"the checkpoint's 1-bit Adam has b1={hyper['b1']}, "

@@ -62,15 +62,22 @@ def with_device_count(xla_flags: str, count: int | None) -> str:
     return " ".join(flags)
 
 
+# The coordinator's port is drawn from these, below Linux's default range of
+# ephemeral ports (those the kernel hands to outgoing connections).
+_COORDINATOR_PORTS = range(20000, 32768)
+_LINUX_DEFAULT_EPHEMERAL = (32768, 60999)  # net.ipv4.ip_local_port_range's default
+
+
 def free_port(host: str = HOST) -> int:
     """A TCP port that is free now, for the coordinator to bind.
 
-    Taken outside the kernel's ephemeral range where possible: the processes
-    need a few seconds to start, and meanwhile an ephemeral port could be
-    handed to another connection (gloo opens many).
+    Taken from :data:`_COORDINATOR_PORTS` outside the kernel's ephemeral
+    range where possible: the processes need a few seconds to start, and
+    meanwhile an ephemeral port could be handed to another connection (gloo
+    opens many).
     """
     low, high = _ephemeral_range()
-    candidates = [p for p in range(20000, 32768) if not low <= p <= high]
+    candidates = [p for p in _COORDINATOR_PORTS if not low <= p <= high]
     for port in random.sample(candidates, min(len(candidates), 50)):
         if distributed.bind_error(host, port) is None:
             return port
@@ -80,12 +87,14 @@ def free_port(host: str = HOST) -> int:
 
 
 def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range, from ``/proc``; where that cannot
+    be read (not Linux, a sandbox), :data:`_LINUX_DEFAULT_EPHEMERAL`."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             low, high = map(int, f.read().split())
         return low, high
     except (OSError, ValueError):
-        return 32768, 60999
+        return _LINUX_DEFAULT_EPHEMERAL
 
 
 def process_env(

@@ -55,6 +55,7 @@ block defines in ``setup`` cannot be read from outside it in the step (its
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -188,7 +189,8 @@ def discover(
       layer).
 
     Raises:
-      ValueError: if no instance of ``classes`` is called with parameters.
+      ValueError: if no instance of ``classes`` is called with parameters
+        found in ``params``. Where some are, a warning names the others.
     """
     import flax.linen as nn
 
@@ -231,6 +233,16 @@ def discover(
             "(not a copy or cast the loss made of them), and under a lifted transform "
             "(nn.scan, nn.remat) only at their path from the root of the tree, so pass the "
             "tree the model's apply reads its 'params' from, or use per_layer=False") from e
+    if elsewhere:  # some found, these not: their parameters gathered whole, unsaid
+        warnings.warn(
+            f"wrap: loss_fn also called {classes[0].__name__} blocks whose parameters were "
+            f"not found as a sub-dict of the tree given to make_trainer (at "
+            f"{sorted(set(elsewhere))} of the variables their model was applied to): those "
+            f"in that tree stay in the {REMAINDER!r} unit, gathered whole before the loss. "
+            "Blocks are found in nested dicts (not tuples or lists), by their parameters "
+            "themselves (not a copy or cast the loss made of them), and under a lifted "
+            "transform (nn.scan, nn.remat) only at their path from the root of the tree",
+            stacklevel=2)
     return found, stacked
 
 

@@ -292,10 +292,14 @@ def discover(
 
         def record_method(method, module, args, kwargs):
             if not depth():
-                with contextlib.suppress(ValueError):  # a path for the warning only
+                called = (type(module).__name__, method.__name__)
+                try:  # a path for the warning only
                     block = _block_path(module, where, inputs)
+                except ValueError:  # not placeable: __call__ would have been refused
+                    unplaced.setdefault(called)
+                else:
                     if block is not None:
-                        other.setdefault(block[0], (type(module).__name__, method.__name__))
+                        other.setdefault(block[0], called)
             return method(module, *args, **kwargs)
 
         with contextlib.ExitStack() as stack:  # a patch that fails undoes the others
@@ -305,14 +309,17 @@ def discover(
             return stack.pop_all()
 
     other: dict[tuple, tuple[str, str]] = {}  # path -> (class, method) of other calls
+    unplaced: dict[tuple[str, str], None] = {}  # (class, method) of those with no path
     trace_calls(loss_fn, params, example_batch, extra_args, intercepting, classes, found)
-    for path, (name, method) in other.items():
-        if path not in found:
-            warnings.warn(
-                f"wrap: the {name} at {_show(path)} is applied only by its method {method}, "
-                "which the wrap policy does not wrap (only __call__): its parameters stay in "
-                "the rest unit, gathered whole before the loss. Call the block itself to make "
-                "it its own unit", stacklevel=2)
+    applied = [(f"the {name} at {_show(path)}", method)
+               for path, (name, method) in other.items() if path not in found]
+    applied += [(f"a {name} (at a path not known)", method) for name, method in unplaced]
+    for block, method in applied:
+        warnings.warn(
+            f"wrap: {block} is applied only by its method {method}, which the wrap policy "
+            "does not wrap (only __call__): its parameters stay in the rest unit, gathered "
+            "whole before the loss. Call the block itself to make it its own unit",
+            stacklevel=2)
     return found, stacked
 
 

@@ -226,8 +226,7 @@ def _exchange_sum(x: jax.Array, axis: str) -> jax.Array:
     """
     size = jax.lax.axis_size(axis)
     chunks = jnp.reshape(x, x.shape[:-1] + (size, -1))
-    received = _on_chunks(  # row j: device j's partial sum of this device's chunk
-        lambda c: jax.lax.all_to_all(c, axis, c.ndim - 2, c.ndim - 2, tiled=True), chunks)
+    received = all_to_all_chunks(chunks, axis)  # row j: device j's partial sum of our chunk
     return jnp.sum(received.astype(jnp.float32), axis=-2).astype(x.dtype)
 
 
@@ -308,7 +307,23 @@ def decode_gathered(
     payload: Any, *, bits: int, block: int, out_dtype: Any,
     kernels: kernels_lib.Kernels = kernels_lib.XLA,
 ) -> jax.Array:
-    """The values of a gathered payload of :func:`encode_for_gather`, in ``out_dtype``."""
+    """The values of a gathered payload of :func:`encode_for_gather`, in ``out_dtype``.
+
+    Args:
+      payload: with ``bits`` 0, an ``out_dtype`` array ``(..., n)``; else a
+        ``Quantized`` pair: values int8 ``(..., n)`` (``bits`` 8) or uint8
+        ``(..., n // 2)`` (``bits`` 4), scales ``(..., n // block)``
+        (float32 or bfloat16). Leading axes (a gather's device axis, a
+        stacked unit's layer axis) ride along.
+      bits: 0, 8 or 4, as given to :func:`encode_for_gather`.
+      block: elements per scale, as given to :func:`encode_for_gather`.
+      out_dtype: the result's dtype (with ``bits`` 0 the payload is in it
+        already and is returned as it is).
+      kernels: the dequantization kernels (XLA reference or Pallas).
+
+    Returns:
+      ``out_dtype`` ``(..., n)``. Local: touches no mesh axis.
+    """
     if bits == 0:
         return payload
     return kernels.dequantize(payload, bits=bits, block=block, dtype=out_dtype)

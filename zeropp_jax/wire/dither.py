@@ -79,11 +79,18 @@ def mix32(x: jax.Array) -> jax.Array:
 
 
 def stream_key(*ids: Any) -> jax.Array:
-    """A uint32 key from integers (Python ints or int scalars, traced or not).
+    """uint32 keys from integers, elementwise over their broadcast shape.
 
     ``stream_key(seed, step, unit, local)`` names one device's noise for one
-    step; different tuples give unrelated streams. Python ints are taken
-    modulo ``2**32``.
+    step; different tuples give unrelated streams.
+
+    Args:
+      *ids: Python ints (taken modulo ``2**32``) or integer arrays, traced or
+        not, of shapes that broadcast together: ``stream_key(key, senders)``
+        with ``senders`` uint32 ``(nodes,)`` gives one key per sender.
+
+    Returns:
+      uint32 array of the ids' broadcast shape (``()`` for scalars).
     """
     key = jnp.uint32(0x9E3779B9)
     for i in ids:
