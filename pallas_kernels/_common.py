@@ -67,15 +67,17 @@ def out_struct(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtype
 
 def check_block(block) -> int:
     """``block`` as an int: the reference's (an int, a positive multiple of 8)
-    that is also a power of two, since Triton tiles are; else ValueError."""
-    block = quantization.check_block(block)
-    if not is_pow2(block):
+    that is also a power of two, since Triton tiles are; else ValueError
+    (for an int of 8 or more, naming the powers of two around it)."""
+    if isinstance(block, (int, np.integer)) and not isinstance(block, bool) and block >= 8 \
+            and not is_pow2(int(block)):
+        lower = 1 << (int(block).bit_length() - 1)
         raise ValueError(
             f"the Pallas kernels need block to be a power of two >= 8 (Triton tiles are powers "
-            f"of two), got {block!r}; use 64, 256, 2048, ... or the jnp reference "
+            f"of two), got {block!r}; try {lower} or {2 * lower}, or the jnp reference "
             "(pallas_kernels.references.quantization) for other block sizes."
         )
-    return block
+    return quantization.check_block(block)
 
 
 def get_config(config: KernelConfig | None, kernel: str, bits: int) -> KernelConfig:

@@ -26,17 +26,19 @@ def two_processes(monkeypatch):
     jax.config.update("jax_enable_preemption_service", before)
 
 
-def test_without_the_preemption_service_entering_the_notice_warns_once(two_processes):
-    """Decided once, on entering: a SIGTERM will end the processes without a
-    checkpoint, said up front (not found out at a step and kept quiet)."""
+def test_the_option_turned_off_after_initialize_keeps_the_sync(two_processes, monkeypatch):
+    """JAX reads ``jax_enable_preemption_service`` at ``jax.distributed.initialize``
+    only: turned off later, JAX still catches SIGTERM, so the sync point stays
+    in use (nothing warned, the notice reached)."""
+    answers = iter([False, True])
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point",
+                        lambda step: next(answers))
     jax.config.update("jax_enable_preemption_service", False)
-    with pytest.warns(UserWarning, match=r"jax_enable_preemption_service is off.*without a "
-                                         r"checkpoint.*jax_enable_preemption_service', True"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         with distributed.PreemptionNotice() as notice:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")
-                assert not any(notice.reached(step) for step in range(3))
-    assert notice.received is None
+            assert not notice.reached(0)
+            assert notice.reached(1) and notice.received == signal.SIGTERM
 
 
 def test_an_error_of_the_sync_point_is_raised_and_the_sync_stays_on(two_processes, monkeypatch):
@@ -74,8 +76,8 @@ def test_a_service_off_at_initialize_is_warned_of_at_the_first_step(two_processe
 
     monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", sync_point)
     with distributed.PreemptionNotice() as notice:
-        with pytest.warns(UserWarning, match="off when jax.distributed started.*without a "
-                                             "checkpoint"):
+        with pytest.warns(UserWarning, match=r"off when jax.distributed started.*without a "
+                                             r"checkpoint.*jax_enable_preemption_service', True"):
             assert not notice.reached(0)
         assert not notice.reached(1) and calls == [0]
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -617,8 +618,8 @@ def test_kernels_refuse_what_their_references_refuse_in_the_same_words():
 
     x = jnp.ones((2, 48), jnp.float32)
     q8 = qz.quantize(x, bits=8, block=16)
-    for bad in (dict(x=x.astype(jnp.int32)), dict(x=x[0, 0]), dict(block=32), dict(block=12),
-                dict(scale_dtype=jnp.float16)):
+    for bad in (dict(x=x.astype(jnp.int32)), dict(x=x[0, 0]), dict(block=32), dict(block=4),
+                dict(block=16.0), dict(scale_dtype=jnp.float16)):
         kwargs = {**dict(bits=8, block=16), **bad}
         y = kwargs.pop("x", x)
         assert _error(pk.quantize, y, interpret=True, **kwargs) == _error(
@@ -634,7 +635,9 @@ def test_kernels_refuse_what_their_references_refuse_in_the_same_words():
     assert _error(pk.quantize, x, bits=1, block=16, interpret=True) == \
         "bits must be one of (8, 4), got 1."
     assert "power of two" in _error(pk.dequantize_sum, q8, bits=8, block=24, interpret=True)
-    assert qz.QMAX == {8: 127, 4: 7} and not hasattr(pk.quantize, "_QMAX")
+    assert "power of two >= 8 (Triton tiles are powers of two), got 36; try 32 or 64," in \
+        _error(pk.quantize, x, bits=8, block=36, interpret=True)  # not the reference's 32 or 40
+    assert qz.QMAX == {8: 127, 4: 7} and not hasattr(sys.modules["pallas_kernels.quantize"], "_QMAX")
 
 
 @pytest.mark.parametrize("shape, block_axes", [((5, 16), 1), ((5, 2, 8), 2)])

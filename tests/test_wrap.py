@@ -438,16 +438,22 @@ def test_blocks_not_found_beside_blocks_found_are_named_in_a_warning():
         enc_p = dict(p["enc"], Block_1=jax.tree.map(lambda w: 0.5 * w, p["enc"]["Block_1"]))
         return jnp.mean((enc.apply({"params": enc_p}, b["x"]).sum(1) - b["y"]) ** 2)
 
-    with pytest.warns(UserWarning, match=r"called Block blocks whose parameters were not found "
-                                         r"as a sub-dict .*\(at \['Block_1'\] of the variables.*"
+    with pytest.warns(UserWarning, match=r"called Block blocks with parameters it made from "
+                                         r"the tree .*\(at \['Block_1'\] of the variables.*"
                                          r"stay in the 'rest' unit, gathered whole"):
         paths, _ = wrap_policy.discover(loss, params, batch, (Block,))
     assert paths == [("enc", "Block_0")]
-    with warnings.catch_warnings():  # every block found: nothing to say
-        warnings.simplefilter("error", UserWarning)
-        assert wrap_policy.discover(
-            lambda p, b: jnp.mean(enc.apply({"params": p["enc"]}, b["x"])), params, batch,
-            (Block,))[0] == [("enc", "Block_0"), ("enc", "Block_1")]
+    teacher = jax.tree.map(lambda w: w + 1.0, params["enc"])  # a frozen model, closed over
+
+    def distill(p, b):
+        student = enc.apply({"params": p["enc"]}, b["x"])
+        return jnp.mean((student - jax.lax.stop_gradient(enc.apply({"params": teacher}, b["x"]))) ** 2)
+
+    for quiet in (distill, lambda p, b: jnp.mean(enc.apply({"params": p["enc"]}, b["x"]))):
+        with warnings.catch_warnings():  # every block of the trained tree found: nothing to say
+            warnings.simplefilter("error", UserWarning)
+            assert wrap_policy.discover(quiet, params, batch, (Block,))[0] == [
+                ("enc", "Block_0"), ("enc", "Block_1")]
 
 
 def test_nn_scan_blocks_refresh_hpz_secondary_once_per_step():

@@ -65,9 +65,10 @@ PREEMPTED_EXIT = 128 + int(signal.SIGTERM)
 INTERRUPTED_EXIT = 128 + int(signal.SIGINT)
 
 
-# PreemptionNotice's warning without JAX's preemption service ({}: why).
+# PreemptionNotice's warning without JAX's preemption service.
 _NO_SYNC = (
-    "this multi-process run has no preemption sync point (JAX's preemption service: {}): "
+    "this multi-process run has no preemption sync point (JAX's preemption service was off "
+    "when jax.distributed started): "
     "JAX catches no SIGTERM, so a preemption notice ends the processes without a checkpoint; "
     "call jax.config.update('jax_enable_preemption_service', True) before "
     "zeropp_jax.distributed.initialize to checkpoint and stop on one")
@@ -360,9 +361,10 @@ class PreemptionNotice:
     checkpoint and exits with :attr:`exit_status` (:data:`PREEMPTED_EXIT`
     after SIGTERM, :data:`INTERRUPTED_EXIT` after Ctrl-C).
 
-    With JAX's preemption service off (``jax_enable_preemption_service``)
-    a multi-process run catches no SIGTERM: entering the block warns that a
-    notice ends the processes without a checkpoint, and :meth:`reached` is ``False``.
+    With JAX's preemption service off when ``jax.distributed`` started
+    (``jax_enable_preemption_service``) a multi-process run catches no
+    SIGTERM: the first :meth:`reached` warns that a notice ends the processes
+    without a checkpoint, and it is ``False`` from then on.
 
     Attributes:
       received: the first signal noted (``signal.SIGTERM`` or
@@ -380,9 +382,9 @@ class PreemptionNotice:
         import jax
 
         self._multi = jax.process_count() > 1
-        self._sync = self._multi and bool(jax.config.jax_enable_preemption_service)
-        if self._multi and not self._sync:
-            warnings.warn(_NO_SYNC.format("jax_enable_preemption_service is off"), stacklevel=2)
+        # JAX reads jax_enable_preemption_service at jax.distributed.initialize
+        # only: its sync point says (at the first step) whether it is there.
+        self._sync = self._multi
         if not self._multi and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
@@ -412,7 +414,7 @@ class PreemptionNotice:
         """Whether to checkpoint and stop before step ``step`` (``step``
         steps done): a SIGTERM was received (by any process), or a Ctrl-C
         (one process)."""
-        if not self._sync:  # one process, or no preemption service (warned)
+        if not self._sync:  # one process, or no preemption service (warned at the first step)
             return not self._multi and self.received is not None
         from jax.experimental import multihost_utils
 
@@ -422,7 +424,7 @@ class PreemptionNotice:
             if type(e) is not RuntimeError or "sync manager has not been initialized" not in str(e):
                 raise
             self._sync = False  # the service was off at jax.distributed.initialize, on now
-            warnings.warn(_NO_SYNC.format("it was off when jax.distributed started"), stacklevel=2)
+            warnings.warn(_NO_SYNC, stacklevel=2)
             return False
         if reached:
             self.received = signal.SIGTERM

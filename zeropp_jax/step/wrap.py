@@ -206,6 +206,8 @@ def discover(
         path = _located(params, tuple(context.module.scope.path), inner, where)
         if path is None and jax.tree.leaves(inner):  # e.g. a frozen model's, closed over
             elsewhere.append("/".join(map(str, context.module.scope.path)))
+            if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(inner)):
+                derived.append(elsewhere[-1])  # made from the traced parameters: a copy or cast
         if path is not None and path not in found:
             found.append(path)
             outer = subtree(params, path)
@@ -220,6 +222,7 @@ def discover(
         return nn.intercept_methods(record)
 
     elsewhere: list[str] = []  # scope paths of called blocks whose parameters were not found
+    derived: list[str] = []  # those of them whose parameters the loss made from params
     try:
         trace_calls(loss_fn, params, example_batch, extra_args, intercepting, classes, found)
     except NeverCalled as e:
@@ -233,11 +236,11 @@ def discover(
             "(not a copy or cast the loss made of them), and under a lifted transform "
             "(nn.scan, nn.remat) only at their path from the root of the tree, so pass the "
             "tree the model's apply reads its 'params' from, or use per_layer=False") from e
-    if elsewhere:  # some found, these not: their parameters gathered whole, unsaid
+    if derived:  # some found, these made from params (not a frozen model's): gathered whole
         warnings.warn(
-            f"wrap: loss_fn also called {classes[0].__name__} blocks whose parameters were "
-            f"not found as a sub-dict of the tree given to make_trainer (at "
-            f"{sorted(set(elsewhere))} of the variables their model was applied to): those "
+            f"wrap: loss_fn also called {classes[0].__name__} blocks with parameters it made "
+            f"from the tree given to make_trainer, not found as a sub-dict of it (at "
+            f"{sorted(set(derived))} of the variables their model was applied to): those "
             f"in that tree stay in the {REMAINDER!r} unit, gathered whole before the loss. "
             "Blocks are found in nested dicts (not tuples or lists), by their parameters "
             "themselves (not a copy or cast the loss made of them), and under a lifted "
