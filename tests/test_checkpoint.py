@@ -693,3 +693,27 @@ def test_reads_left_in_flight_by_a_failed_restore_print_nothing(monkeypatch, cap
     assert [u.exc_value for u in passed_on] == [other]
     # the same message from elsewhere is not a late read
     assert not storage.is_late_read_callback(unraisable(RuntimeError("Event loop is closed")))
+
+
+def test_a_python_without_threadings_exit_hook_warns_and_uses_atexit(monkeypatch, tmp_path):
+    import atexit
+    import threading
+
+    from zeropp_jax.checkpoint import checkpointer
+
+    registered = []
+    monkeypatch.delattr(threading, "_register_atexit")
+    monkeypatch.setattr(atexit, "register", registered.append)
+
+    class Manager:
+        waited = False
+
+        def wait_until_finished(self):
+            Manager.waited = True
+
+    manager = Manager()
+    with pytest.warns(UserWarning, match=r"no _register_atexit: a save .*Checkpointer.wait\(\)"):
+        checkpointer._finish_at_exit(manager)
+    (finish,) = registered
+    finish()
+    assert Manager.waited

@@ -68,8 +68,8 @@ INTERRUPTED_EXIT = 128 + int(signal.SIGINT)
 # PreemptionNotice's warning without JAX's preemption service.
 _NO_SYNC = (
     "this multi-process run has no preemption sync point (JAX's preemption service was off "
-    "when jax.distributed started): "
-    "JAX catches no SIGTERM, so a preemption notice ends the processes without a checkpoint; "
+    "when jax.distributed started): JAX catches no SIGTERM, so a preemption notice ends the "
+    "processes without a checkpoint; "
     "call jax.config.update('jax_enable_preemption_service', True) before "
     "zeropp_jax.distributed.initialize to checkpoint and stop on one")
 
@@ -382,9 +382,7 @@ class PreemptionNotice:
         import jax
 
         self._multi = jax.process_count() > 1
-        # JAX reads jax_enable_preemption_service at jax.distributed.initialize
-        # only: its sync point says (at the first step) whether it is there.
-        self._sync = self._multi
+        self._sync = self._multi  # JAX read its option at initialize: the first step tells
         if not self._multi and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:

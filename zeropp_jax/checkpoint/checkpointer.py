@@ -10,6 +10,7 @@ Adam's (and back) by :mod:`~zeropp_jax.checkpoint.convert`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -91,7 +92,14 @@ def _finish_at_exit(manager: ocp.CheckpointManager) -> None:
         if alive is not None:
             alive.wait_until_finished()
 
-    threading._register_atexit(finish)
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # a Python without it: atexit runs after the pool is gone
+        warnings.warn("this Python's threading has no _register_atexit: a save still "
+                      "running at exit may be lost; call Checkpointer.wait() before exit",
+                      stacklevel=3)
+        atexit.register(finish)
+    else:
+        register(finish)
 
 
 @contextlib.contextmanager
