@@ -435,3 +435,19 @@ def test_evaluate_takes_a_loss_key_committed_anywhere():
     state = trainer.init_from(_init(), KEY)
     batch = tiny_batches(batch_size=16).batch_at(0)
     assert float(trainer.evaluate(state, batch)["loss"]) == float(trainer.step(state, batch)[1]["loss"])
+
+
+def test_gather_params_compiles_once_per_trainer_form(caplog):
+    """An eval or export loop's repeated ``gather_params`` reuses its programs
+    (it compiled one per unit at every call)."""
+    import logging
+
+    for preset in ("zero3", "zeropp-max"):
+        trainer = _trainer(preset)
+        state = trainer.init_from(_init(), KEY)
+        first = trainer.gather_params(state)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING), jax.log_compiles():
+            again = trainer.gather_params(state)
+        assert not [r for r in caplog.records if "Compiling" in r.getMessage()], preset
+        jax.tree.map(np.testing.assert_array_equal, first, again)

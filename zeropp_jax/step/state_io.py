@@ -19,6 +19,7 @@ over them) in and out of that form:
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable
 
@@ -382,13 +383,19 @@ def gather_tree(geometry: StepGeometry, flat: dict, dtype: Any = "original") -> 
         raise ValueError("expected the units' arrays placed like the master parameters "
                          "(state.params, or an optimizer state's entry over them), shaped "
                          f"{want}; got {got if isinstance(got, dict) else type(got).__name__}")
-    if geometry.config.node_replicated:  # every node's row is the same: node 0's
-        whole = jax.jit(jax.sharding.auto_axes(lambda x: x[0], out_sharding=P()))
-    else:
-        whole = jax.jit(lambda x: x, out_shardings=geometry.sharding(P()))
+    whole = _whole_program(geometry.sharding(P()), geometry.config.node_replicated)
     trees = {}
     with jax.set_mesh(geometry.mesh):
         for u in geometry.layout.units:
             host = np.asarray(whole(flat[u.name]).addressable_data(0))
             trees[u.name] = unflatten_unit(host, u, dtype)
     return join_units(trees, geometry.layout)
+
+
+@functools.lru_cache(maxsize=None)  # one program per mesh and form: no compile per call
+def _whole_program(replicated: NamedSharding, node_rows: bool) -> Callable:
+    """A unit whole on every device (``replicated``): node 0's row where
+    ``node_rows`` (``node_replicated``: every node's is the same)."""
+    if node_rows:
+        return jax.jit(jax.sharding.auto_axes(lambda x: x[0], out_sharding=P()))
+    return jax.jit(lambda x: x, out_shardings=replicated)
