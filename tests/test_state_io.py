@@ -451,3 +451,21 @@ def test_gather_params_compiles_once_per_trainer_form(caplog):
             again = trainer.gather_params(state)
         assert not [r for r in caplog.records if "Compiling" in r.getMessage()], preset
         jax.tree.map(np.testing.assert_array_equal, first, again)
+
+
+def test_a_replay_cut_to_some_outputs_does_only_their_work():
+    from zeropp_jax.step.traced import traced_once
+
+    def fn(x):
+        heavy = x
+        for _ in range(20):
+            heavy = jnp.sin(heavy) * 1.5
+        return {"a": x * 2.0, "b": heavy}
+
+    x = jnp.arange(4.0)
+    replay, shapes = traced_once(fn, (x,))
+    whole, cut = replay(x), replay(x, keep=frozenset({0}))  # leaf 0 is "a"
+    np.testing.assert_array_equal(cut["a"], whole["a"])
+    np.testing.assert_array_equal(cut["b"], np.zeros(4))  # not computed
+    count = lambda **kw: len(jax.make_jaxpr(lambda v: replay(v, **kw))(x).eqns)  # noqa: E731
+    assert count(keep=frozenset({0})) < 5 < 40 < count()

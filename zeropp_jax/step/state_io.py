@@ -34,6 +34,7 @@ from zeropp_jax.layout import flatten_unit, join_units, split_units, unflatten_u
 from zeropp_jax.mesh import LOCAL, NODE, SHARD_AXES, replicated_on
 from zeropp_jax.step.geometry import StepGeometry, padding_mask
 from zeropp_jax.step.state import compiled_here
+from zeropp_jax.step.traced import traced_once
 from zeropp_jax.tree_paths import check_unit_trees
 
 
@@ -64,8 +65,10 @@ def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple,
 
     ``init_fn`` is traced once (:func:`traced_once`: its Python runs once,
     so a NumPy draw inside it gives every unit the same values), and each
-    group's program replays that trace and is compiled (about a second each
-    on a 2-core CPU); bind static arguments with ``functools.partial``.
+    group's program replays the part of that trace its units need
+    (:func:`~zeropp_jax.step.traced.traced_once`'s ``keep``) and is compiled
+    (about a second each on a 2-core CPU); bind static arguments with
+    ``functools.partial``.
 
     Args:
       geometry: the trainer's geometry (mesh, layout, config).
@@ -91,14 +94,18 @@ def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple,
         lambda x: jax.device_put(x, NamedSharding(auto, P()))
         if isinstance(x, jax.Array) and x.committed else x, args)
     with jax.set_mesh(auto):  # whatever mesh the caller has set (an explicit one would
-        init_fn, shapes = traced_once(init_fn, args)  # make the constraints asserts)
+        replay, shapes = traced_once(init_fn, args)  # make the constraints asserts)
     check_unit_trees(shapes, geometry.layout)
+    leaf_ids = split_units(jax.tree.unflatten(  # each unit's leaves' places in the output
+        jax.tree.structure(shapes), range(len(jax.tree.leaves(shapes)))), geometry.layout)
     flat = {}
     with tqdm(total=len(geometry.layout.units), desc="init_from", unit="unit",
               disable=not progress or len(geometry.layout.units) < 2) as bar:
         for group in init_groups(geometry.layout):
-            with jax.set_mesh(auto):
-                compiled = init_program(geometry, init_fn, group).lower(*args).compile()
+            keep = frozenset(i for u in group for i in jax.tree.leaves(leaf_ids[u.name]))
+            with jax.set_mesh(auto):  # the trace cut to the group's leaves' work
+                compiled = init_program(geometry, functools.partial(replay, keep=keep),
+                                        group).lower(*args).compile()
             if len(group) == 1:
                 _warn_if_formed_whole(compiled, group[0])
             for name, x in compiled(*args).items():
@@ -108,15 +115,6 @@ def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple,
                     [shard.data for shard in x.addressable_shards])
             bar.update(len(group))
     return flat
-
-
-def traced_once(fn: Callable[..., Any], args: tuple) -> tuple[Callable[..., Any], Any]:
-    """``fn`` traced once at ``args`` (``jax.make_jaxpr``), as a function of
-    the same arguments that replays the trace (``fn``'s Python does not run
-    again), and the shapes ``fn`` returns."""
-    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
-    replay, out_tree = jax.extend.core.jaxpr_as_fun(closed), jax.tree.structure(shapes)
-    return (lambda *a: jax.tree.unflatten(out_tree, replay(*jax.tree.leaves(a)))), shapes
 
 
 def init_groups(layout: Any) -> list[tuple[Any, ...]]:
