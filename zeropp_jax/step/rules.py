@@ -271,7 +271,7 @@ def _stand_in_moves(optimizer: optax.GradientTransformation, ones: Any,
         return jnp.concatenate([u.reshape(-1).astype(jnp.float32) for u in leaves]), state
 
     state = optimizer.init(ones)
-    for _ in range(_PROBE_EAGER_STEPS):  # most optimizers move at once: nothing compiled
+    for _ in range(_PROBE_EAGER_STEPS):  # most move at once: eager (op by op), no loop compiled
         moves, state = probe(state)
         moves = np.asarray(moves)
         if np.any(moves != 0):
