@@ -139,3 +139,12 @@ def test_a_loops_optax_adamw_state_carries_over_into_zp_adamw():
     want = _plain(optax.adamw(LR, weight_decay=0.5, mask=no_decay_for_biases_and_norms),
                   steps=4)[0]
     assert_trees_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_an_extra_args_transform_without_keywords_is_named():
+    """optax's protocol: a GradientTransformationExtraArgs takes **extra_args
+    (the trainer passes zeropp_units through optax.chain to every one)."""
+    strict = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(),
+                                                   lambda u, s, p=None: (u, s))
+    with pytest.raises(ValueError, match=r"must take \*\*extra_args in its update"):
+        _trainer(optax.chain(strict, optax.adam(LR)))

@@ -68,6 +68,8 @@ def test_init_from_draws_small_units_together_with_the_same_values(monkeypatch):
     together = trainer.init_from(_init(), KEY)
     monkeypatch.setattr(state_io, "_GROUP_BYTES", 0)  # no more than the largest unit, blocks
     assert names(init_groups(trainer.layout)) == [["blocks"], ["embed", "ln_f"]]
+    # a stack (split over the devices) sets no budget: embed, the largest unstacked, alone
+    assert names(init_groups(_trainer().layout)) == [["blocks"], ["embed"], ["ln_f"]]
     apart = trainer.init_from(_init(), KEY)
     for a, b in zip(jax.tree.leaves(together), jax.tree.leaves(apart)):
         assert a.sharding == b.sharding

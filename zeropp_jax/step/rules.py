@@ -23,7 +23,7 @@ from zeropp_jax.config import ZeroConfig
 from zeropp_jax.layout import ParamLayout, split_units
 from zeropp_jax.step.geometry import StepGeometry
 from zeropp_jax.step.gradient_rule import GradientRule
-from zeropp_jax.step.leaf_masks import UnitLeaves, units_extra_args
+from zeropp_jax.step.leaf_masks import UNITS_ARG, UnitLeaves, units_extra_args
 from zeropp_jax.step.adam import OneBitAdam
 from zeropp_jax.step.onebit_adam import OneBitAdamRule
 from zeropp_jax.step.state import TrainState, ZeroOptState
@@ -228,7 +228,11 @@ def _check_on_units(optimizer: optax.GradientTransformation, layout: ParamLayout
         raise ValueError(
             "the optimizer fails on the trainer's units: the trainer runs it on a dict of "
             f"flat float32 units ({sorted(units)}), not on the model's tree, and a stand-in "
-            f"step there raised {type(e).__name__}: {e}. A mask or labels given as a pytree "
+            f"step there raised {type(e).__name__}: {e}. "
+            + (f"A transform that is a GradientTransformationExtraArgs must take **extra_args "
+               f"in its update (optax's protocol; the trainer passes {UNITS_ARG}=): add them, "
+               "or make it a plain optax.GradientTransformation. " if UNITS_ARG in str(e) else "")
+            + "A mask or labels given as a pytree "
             "of the parameters cannot apply to the units: use zeropp_jax.masked, "
             "zeropp_jax.multi_transform or zeropp_jax.adamw (they choose per leaf inside the "
             "trainer), or one setting for every leaf, or train without the trainer") from e

@@ -123,11 +123,13 @@ def init_groups(layout: Any) -> list[tuple[Any, ...]]:
     A stacked unit is drawn alone (split over the devices); consecutive
     unstacked units (blocks, embeddings: each formed whole for a moment) are
     drawn together while their float32 sizes sum to at most the largest
-    unit's or ``_GROUP_BYTES``, whichever is more: a group forms little more
-    at once than the largest unit alone does, and a model of many small
-    blocks compiles a few programs, not one a block.
+    unstacked unit's or ``_GROUP_BYTES``, whichever is more: a group forms
+    no more at once than that unit alone does (a stacked unit, split over
+    the devices, does not count), and a model of many small blocks compiles
+    a few programs, not one a block.
     """
-    budget = max(_GROUP_BYTES, *(4 * int(np.prod(u.global_shape)) for u in layout.units))
+    budget = max([_GROUP_BYTES] + [4 * int(np.prod(u.global_shape))
+                                   for u in layout.units if u.stack is None])
     groups, size = [], 0
     for unit in layout.units:
         n = 4 * int(np.prod(unit.global_shape))
@@ -141,7 +143,7 @@ def init_groups(layout: Any) -> list[tuple[Any, ...]]:
 
 
 # Unstacked units drawn by one init program may sum to this many float32 bytes
-# (or the largest unit's, if more): small next to an accelerator's memory, and
+# (or the largest unstacked unit's, if more): small next to an accelerator's memory, and
 # a program a group instead of one a block (each compile about a second).
 _GROUP_BYTES = 2**28
 
