@@ -141,10 +141,19 @@ def test_a_loops_optax_adamw_state_carries_over_into_zp_adamw():
     assert_trees_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_an_extra_args_transform_without_keywords_is_named():
-    """optax's protocol: a GradientTransformationExtraArgs takes **extra_args
-    (the trainer passes zeropp_units through optax.chain to every one)."""
-    strict = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(),
-                                                   lambda u, s, p=None: (u, s))
-    with pytest.raises(ValueError, match=r"must take \*\*extra_args in its update"):
-        _trainer(optax.chain(strict, optax.adam(LR)))
+def test_the_masks_hold_under_wrappers_that_pass_no_extra_arguments():
+    """Under a hand-written wrapper that calls update(updates, state, params)
+    and an optax one that forwards its extra arguments to a function of its own."""
+    def plain_wrapper(inner):
+        return optax.GradientTransformation(inner.init, lambda u, s, p=None: inner.update(u, s, p))
+
+    def conditional(inner):
+        return optax.conditionally_transform(inner, lambda count: count >= 0,
+                                             forward_extra_args=True)
+
+    for wrap in (plain_wrapper, conditional):
+        def build(adamw):
+            return wrap(adamw(LR, weight_decay=0.5, mask=no_decay_for_biases_and_norms))
+
+        assert_trees_close(_trained(_trainer(build(zp.adamw))), _plain(build(optax.adamw))[0],
+                           rtol=1e-4, atol=1e-5)

@@ -264,6 +264,8 @@ def test_start_warnings_name_a_qgz_that_no_step_of_the_run_uses():
 
     assert guards.start_warnings(trainer("1bit", 2, 100), 300) == []
     assert guards.start_warnings(trainer("off", 1, 0), 3) == []
+    (hpz_one_node,) = guards.start_warnings(trainer("off", 1, 0, hpz=True), 3)
+    assert hpz_one_node.startswith("one node: hpZ's per-layer gathers stay inside a node")
     (one_node,) = guards.start_warnings(trainer("1bit", 1, 100), 300)
     assert one_node.startswith("one node: qgZ (1bit) compresses only what crosses nodes")
     (short,) = guards.start_warnings(trainer("int4", 2, 100), 100)

@@ -451,6 +451,8 @@ def test_make_trainer_warns_of_a_feature_the_mesh_leaves_idle():
     assert one_node.startswith("qgZ (1bit) compresses only what crosses nodes, and this mesh has one node")
     (one_device,) = warned((8, 1), zp.ZeroConfig(hpz=True))
     assert "one device per node: it is the whole model on every device" in one_device
+    (hpz_one_node,) = warned((1, 8), zp.ZeroConfig(hpz=True))
+    assert "only adds a copy of the master shards" in hpz_one_node
     assert warned((2, 4), zp.ZeroConfig(qgz="1bit", hpz=True)) == []
     assert warned((1, 8), zp.ZeroConfig()) == []
 

@@ -130,6 +130,9 @@ def start_warnings(trainer, steps: int) -> list[str]:
         out.append("one device per node: hpZ's secondary partition (split over the devices "
                    "of a node) is the whole model on every device (--no-hpz saves that "
                    "memory; a mesh with LOCAL >= 2 splits it)")
+    if trainer.config.hpz and trainer.nodes == 1:
+        out.append("one node: hpZ's per-layer gathers stay inside a node anyway, so its "
+                   "secondary partition only adds a copy of the master shards (--no-hpz saves it)")
     if qgz != "off" and trainer.nodes == 1:
         out.append(f"one node: qgZ ({qgz}) compresses only what crosses nodes, so no step of "
                    "this run is compressed (--mesh NODESxLOCAL with NODES >= 2 for it)")

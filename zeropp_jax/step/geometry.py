@@ -384,6 +384,10 @@ def idle_on_mesh(geo: StepGeometry) -> list[str]:
         out.append(f"qgZ ({geo.config.qgz}) compresses only what crosses nodes, and this "
                    "mesh has one node: no step is compressed (a mesh of 2 or more nodes "
                    "uses it; qgz='off' says so)")
+    if geo.config.hpz and geo.nodes == 1:
+        out.append("hpZ keeps the per-layer gathers inside a node, and this mesh has one "
+                   "node, where they are anyway: its secondary partition only adds a copy of "
+                   "the master shards (hpz=False saves it)")
     if geo.config.hpz and geo.local == 1 and geo.nodes > 1:
         out.append("hpZ's secondary partition is split over the devices of a node, and "
                    "this mesh has one device per node: it is the whole model on every "

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from zeropp_jax.step.accumulate import accumulate, square_sum_or_nan, step_metrics
 from zeropp_jax.step.geometry import DATA_AXES, StepGeometry, node_level_once
 from zeropp_jax.step.state_io import outline, scatter_opt_state, shaped_like
-from zeropp_jax.step.leaf_masks import UnitLeaves, units_extra_args
+from zeropp_jax.step.leaf_masks import UnitLeaves, units_in_view
 from zeropp_jax.step.state import TrainState, ZeroOptState, initial_qgz_state
 from zeropp_jax.wire import dither
 from zeropp_jax.wire.qgz import QgzState, cross_node_reduce
@@ -129,14 +129,15 @@ def _optimizer_step(optimizer: optax.GradientTransformation, geo: StepGeometry,
     (``optax.tree.vdot`` in prodigy, D-Adaptation, L-BFGS, mechanize) leaves
     XLA to choose where to reduce, which an explicitly sharded operand would
     refuse. Element-wise optimizers (Adam and most others) compile to the
-    same program either way. An optimizer that takes extra arguments gets
-    ``zeropp_units`` (:class:`~zeropp_jax.step.leaf_masks.UnitLeaves`), for
-    per-leaf masks (:func:`zeropp_jax.masked`).
+    same program either way. The update is traced in view of the units
+    (:func:`~zeropp_jax.step.leaf_masks.units_in_view`), for per-leaf masks
+    (:func:`zeropp_jax.masked`).
     """
-    extra = units_extra_args(optimizer, UnitLeaves.of(geo.layout))
+    units = UnitLeaves.of(geo.layout)
 
     def step(grads, inner, params):
-        updates, inner = optimizer.update(grads, inner, params, **extra)
+        with units_in_view(units):
+            updates, inner = optimizer.update(grads, inner, params)
         return optax.apply_updates(params, updates), inner
 
     placed = jax.tree.map(lambda x: jax.typeof(x).sharding.spec, (params, inner))

@@ -8,10 +8,12 @@ per leaf, from the model's tree, and apply the choice element by element:
 
 - in a loop of the user's own they give optax's results, leaf by leaf (the
   inner transform sees zeros where it is not chosen);
-- in the trainer, ``update`` gets the extra argument ``zeropp_units``, a
-  :class:`UnitLeaves` (``optax.chain``, ``MultiSteps``, ``inject_hyperparams``
-  and the other wrappers that take extra arguments pass it on), by which a
-  leaf's choice becomes a bool mask over the elements of its unit.
+- in the trainer, the optimizer's update is traced inside
+  :func:`units_in_view` (a :class:`UnitLeaves`: where each leaf lies in the
+  units), so under any wrapper (``optax.chain``, ``MultiSteps``,
+  ``inject_hyperparams``, ...) a leaf's choice becomes a bool mask over the
+  elements of its unit. The view is read while ``update`` is traced, so it
+  is a constant of the compiled step.
 
 A mask or labels function is called on the parameters' shapes
 (``jax.ShapeDtypeStruct``\\ s in the model's structure): it may read paths,
@@ -23,9 +25,10 @@ stateful transform of ``multi_transform``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-import inspect
-from typing import Any, Callable, Hashable, Mapping
+from typing import Any, Callable, Hashable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -34,13 +37,14 @@ import optax
 from zeropp_jax.layout import ParamLayout
 from zeropp_jax.tree_paths import join_units, split_units
 
-UNITS_ARG = "zeropp_units"
+# The units' view while the trainer traces its optimizer's update (None elsewhere).
+_UNITS: contextvars.ContextVar = contextvars.ContextVar("zeropp_units", default=None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class UnitLeaves:
-    """Where the model's leaves lie in the trainer's units: the extra argument
-    ``zeropp_units`` of an optimizer's ``update`` in the trainer.
+    """Where the model's leaves lie in the trainer's units (what
+    :func:`units_in_view` shows the per-leaf transforms).
 
     Attributes:
       tree: the model's parameters as ``jax.ShapeDtypeStruct`` (each leaf's
@@ -77,19 +81,16 @@ class UnitLeaves:
         return out
 
 
-def takes_units(optimizer: optax.GradientTransformation) -> bool:
-    """Whether ``optimizer.update`` takes the ``zeropp_units`` extra argument
-    (by name or as any keyword: ``optax.chain``'s, ``MultiSteps``')."""
+@contextlib.contextmanager
+def units_in_view(units: UnitLeaves) -> Iterator[None]:
+    """While the trainer traces its optimizer's ``update`` on ``units``' flat
+    dict: :func:`masked`, :func:`multi_transform` and :func:`adamw` apply
+    their per-leaf choices to each unit's elements."""
+    token = _UNITS.set(units)
     try:
-        parameters = inspect.signature(optimizer.update).parameters.values()
-    except (TypeError, ValueError):  # no signature to read: a builtin
-        return False
-    return any(p.kind is p.VAR_KEYWORD or p.name == UNITS_ARG for p in parameters)
-
-
-def units_extra_args(optimizer: optax.GradientTransformation, units: UnitLeaves) -> dict:
-    """``{"zeropp_units": units}`` for an optimizer that takes it, else ``{}``."""
-    return {UNITS_ARG: units} if takes_units(optimizer) else {}
+        yield
+    finally:
+        _UNITS.reset(token)
 
 
 def masked(inner: optax.GradientTransformation, mask: Any) -> optax.GradientTransformationExtraArgs:
@@ -178,7 +179,7 @@ def _update_chosen(inner: optax.GradientTransformationExtraArgs, flags_of: Calla
                    updates: Any, inner_state: Any, params: Any, extra_args: dict):
     """``inner``'s update on the chosen leaves (elements, in the trainer), the
     incoming ``updates`` elsewhere; ``inner`` sees zeros where not chosen."""
-    units = extra_args.get(UNITS_ARG)
+    units = _UNITS.get()
     if units is None:  # the model's own tree: a static choice per leaf
         flags = flags_of(_shapes(updates))
         keep = lambda f, x: x if f else jnp.zeros_like(x)  # noqa: E731

@@ -10,6 +10,7 @@ Two rules implement :class:`UpdateRule`:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Any, Callable, Protocol
@@ -23,7 +24,7 @@ from zeropp_jax.config import ZeroConfig
 from zeropp_jax.layout import ParamLayout, split_units
 from zeropp_jax.step.geometry import StepGeometry
 from zeropp_jax.step.gradient_rule import GradientRule
-from zeropp_jax.step.leaf_masks import UNITS_ARG, UnitLeaves, units_extra_args
+from zeropp_jax.step.leaf_masks import UnitLeaves, units_in_view
 from zeropp_jax.step.adam import OneBitAdam
 from zeropp_jax.step.onebit_adam import OneBitAdamRule
 from zeropp_jax.step.state import TrainState, ZeroOptState
@@ -103,10 +104,10 @@ def check_leaf_uniform(
     ``layout``, the optimizer also runs on a stand-in of what the trainer
     gives it (a dict of the units, each ``(k,)``, ``(1, k)`` when stacked, for
     a unit of ``k`` leaves: the same elements, so the same global norm), and
-    must move every element as it moves the model's leaves (its update gets
-    ``zeropp_units``, each element's leaf, so :func:`zeropp_jax.masked` and its
-    kin, which choose per leaf there, pass; leaves of one unit moved
-    differently are refused otherwise): a choice by rank that
+    must move every element as it moves the model's leaves (its update is
+    traced in view of the units, each element one leaf, so
+    :func:`zeropp_jax.masked` and its kin, which choose per leaf there, pass;
+    leaves of one unit moved differently are refused otherwise): a choice by rank that
     is the same for every leaf (``x.ndim >= 2`` on a model of matrices)
     would hold for none of the flat units, per-leaf norms that do not cancel
     there (``optax.novograd``) would be taken per unit, and a mask or labels
@@ -160,10 +161,14 @@ def check_leaf_uniform(
             jax.tree.unflatten(treedef, list(range(len(paths)))), layout).items()})
     odd = next(((name, m[0], i) for name, m in groups.items() for i in m
                 if moves[i] != moves[m[0]]), None)
+    expected = {name: (jax.tree_util.keystr(paths[m[0]]), float(moves[m[0]])) if m
+                else (first, None) for name, m in groups.items()}
     if layout is not None:
-        wanted = {name: moves[m] for name, m in groups.items()}
-        if _moves_on_units(optimizer, layout, ones, wanted):
+        matched = _moves_on_units(optimizer, layout, ones, {n: moves[m] for n, m in groups.items()})
+        if matched is True:
             return  # the same per-leaf moves on the units: alike, or masks that hold there
+        if matched is not False:  # it failed on the units: said with its cause
+            _check_on_units(optimizer, layout, ones, expected)
     if odd:
         name, i, j = odd
         a, b = (jax.tree_util.keystr(paths[k]) for k in (i, j))
@@ -176,39 +181,37 @@ def check_leaf_uniform(
             "where optax's masks and labels would silently hold for a whole unit: use "
             "zeropp_jax.masked, zeropp_jax.multi_transform or zeropp_jax.adamw (optax's "
             "arguments; they choose per leaf inside the trainer), or one setting for every "
-            "leaf of a unit, or train without the trainer. An optimizer that draws noise per "
+            "leaf of a unit, or train without the trainer (a rule by rank, or per-leaf norms, "
+            "inside those is still taken per unit). An optimizer that draws noise per "
             "leaf (optax.add_noise) differs there too: pass check_optimizer=False for it"
         )
     if layout is not None:
-        _check_on_units(optimizer, layout, ones, {
-            name: (jax.tree_util.keystr(paths[m[0]]), float(moves[m[0]])) if m else (first, None)
-            for name, m in groups.items()})
+        _check_on_units(optimizer, layout, ones, expected)
 
 
-def _units_stand_in(optimizer: optax.GradientTransformation, layout: ParamLayout,
-                    ones: Any) -> tuple[dict, dict]:
+def _units_stand_in(layout: ParamLayout, ones: Any) -> tuple[dict, UnitLeaves]:
     """The trainer's units as a stand-in (a dict by unit name, each ``(k,)`` or
-    ``(1, k)`` when stacked, ``k`` the unit's leaves) and the extra arguments of
-    its update (``zeropp_units``, each leaf one element of its unit, the
-    model's stand-in ``ones`` the tree a mask reads)."""
+    ``(1, k)`` when stacked, ``k`` the unit's leaves) and its view
+    (:class:`~zeropp_jax.step.leaf_masks.UnitLeaves`: each leaf one element of
+    its unit, the model's stand-in ``ones`` the tree a mask reads)."""
     units = {u.name: jnp.ones((len(u.leaves),) if u.stack is None else (1, len(u.leaves)),
                               jnp.float32) for u in layout.units}
     one_each = dataclasses.replace(layout, units=tuple(dataclasses.replace(
         u, leaves=tuple(dataclasses.replace(s, offset=i, size=1) for i, s in enumerate(u.leaves)),
         padded=len(u.leaves), stack=None if u.stack is None else 1) for u in layout.units))
-    return units, units_extra_args(optimizer, UnitLeaves(ones, one_each))
+    return units, UnitLeaves(ones, one_each)
 
 
 def _moves_on_units(optimizer: optax.GradientTransformation, layout: ParamLayout, ones: Any,
-                    wanted: dict) -> bool:
+                    wanted: dict) -> bool | None:
     """Whether the units' stand-in step moves each element as the model's
-    moved its leaf (``wanted``: unit name -> the moves of its leaves); a
-    failure or a difference is left to :func:`_check_on_units` to report."""
-    units, extra = _units_stand_in(optimizer, layout, ones)
+    moved its leaf (``wanted``: unit name -> the moves of its leaves);
+    ``None`` where it failed (:func:`_check_on_units` reports why)."""
+    units, view = _units_stand_in(layout, ones)
     try:
-        moves = _stand_in_moves(optimizer, units, extra)
+        moves = _stand_in_moves(optimizer, units, view)
     except Exception:  # noqa: BLE001 - reported with its cause by _check_on_units
-        return False
+        return None
     order = jax.tree.leaves({name: name for name in units})  # the units' leaf order
     return moves is not None and np.allclose(
         moves, np.concatenate([wanted[n] for n in order]), rtol=_SAME_MOVE_RTOL, atol=0)
@@ -221,17 +224,14 @@ def _check_on_units(optimizer: optax.GradientTransformation, layout: ParamLayout
     unit's leaves) otherwise than the model's leaves: ``expected`` maps each
     unit to ``(leaf, move)``, a leaf of it and how far the model's stand-in
     step moved it (``None``: no leaf moved in the stand-in's steps)."""
-    units, extra = _units_stand_in(optimizer, layout, ones)
+    units, view = _units_stand_in(layout, ones)
     try:
-        moves = _stand_in_moves(optimizer, units, extra)
+        moves = _stand_in_moves(optimizer, units, view)
     except Exception as e:  # re-raised with what was being checked
         raise ValueError(
             "the optimizer fails on the trainer's units: the trainer runs it on a dict of "
             f"flat float32 units ({sorted(units)}), not on the model's tree, and a stand-in "
             f"step there raised {type(e).__name__}: {e}. "
-            + (f"A transform that is a GradientTransformationExtraArgs must take **extra_args "
-               f"in its update (optax's protocol; the trainer passes {UNITS_ARG}=): add them, "
-               "or make it a plain optax.GradientTransformation. " if UNITS_ARG in str(e) else "")
             + "A mask or labels given as a pytree "
             "of the parameters cannot apply to the units: use zeropp_jax.masked, "
             "zeropp_jax.multi_transform or zeropp_jax.adamw (they choose per leaf inside the "
@@ -261,7 +261,7 @@ def _check_on_units(optimizer: optax.GradientTransformation, layout: ParamLayout
 
 
 def _stand_in_moves(optimizer: optax.GradientTransformation, ones: Any,
-                    extra: dict | None = None) -> np.ndarray | None:
+                    view: UnitLeaves | None = None) -> np.ndarray | None:
     """How far the first stand-in step that moves anything moves each leaf.
 
     ``ones``: the stand-in parameters (float32 ones: one element per leaf of
@@ -270,7 +270,8 @@ def _stand_in_moves(optimizer: optax.GradientTransformation, ones: Any,
     ``_PROBE_STEPS`` moved any.
     """
     def probe(state):  # every element's move in one array: one transfer a step
-        updates, state = optimizer.update(ones, state, ones, **(extra or {}))
+        with contextlib.nullcontext() if view is None else units_in_view(view):
+            updates, state = optimizer.update(ones, state, ones)
         leaves = jax.tree.leaves(updates)
         return jnp.concatenate([u.reshape(-1).astype(jnp.float32) for u in leaves]), state
 
