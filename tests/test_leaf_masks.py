@@ -157,3 +157,53 @@ def test_the_masks_hold_under_wrappers_that_pass_no_extra_arguments():
 
         assert_trees_close(_trained(_trainer(build(zp.adamw))), _plain(build(optax.adamw))[0],
                            rtol=1e-4, atol=1e-5)
+
+
+def test_a_trace_made_in_one_trainers_view_is_not_reused_in_anothers():
+    """A wrapper that jits the inner update once (its cache keyed on shapes)
+    shared by two trainers whose units have the same shapes and other leaves:
+    each trainer's masks are its own (the view is part of JAX's cache keys)."""
+    def loss(params, batch):
+        vec = jnp.concatenate([v for _, v in sorted(params.items()) if v.ndim == 1])
+        return jnp.mean((batch["x"] @ params["kernel"] + vec[None] - batch["y"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(16, 8)).astype(np.float32),
+             "y": rng.normal(size=(16, 8)).astype(np.float32)}
+    model_a = {"bias": rng.normal(size=(8,)).astype(np.float32),
+               "kernel": rng.normal(size=(8, 8)).astype(np.float32)}
+    model_b = {"a": model_a["bias"][:4], "b": model_a["bias"][4:], "kernel": model_a["kernel"]}
+    inner = zp.adamw(LR, weight_decay=0.5, mask=no_decay_for_biases_and_norms)
+    shared = optax.GradientTransformation(inner.init, jax.jit(inner.update))
+
+    def trained(params):
+        trainer = zp.make_trainer(loss, shared, params, mesh=zp.make_mesh(*MESH))
+        state = trainer.init(params)
+        for _ in range(3):
+            state, _ = trainer.step(state, batch)
+        return trainer.gather_params(state)
+
+    def plain(params):
+        state = inner.init(params)
+        for _ in range(3):
+            updates, state = inner.update(jax.grad(loss)(params, batch), state, params)
+            params = optax.apply_updates(params, updates)
+        return params
+
+    trained(model_a)  # traced in a's view: "bias" not decayed
+    assert_trees_close(trained(model_b), plain(model_b), rtol=1e-4, atol=1e-5)  # "a", "b" decayed
+
+
+def test_a_drop_in_inside_optax_labels_by_unit():
+    """optax.multi_transform labelling whole units (the embedding frozen), a
+    drop-in for the rest: optax hands it the units' dict with MaskedNode gaps."""
+    def optimizer(adamw):
+        return optax.multi_transform(
+            {"train": adamw(LR, weight_decay=0.5, mask=no_decay_for_biases_and_norms),
+             "frozen": optax.set_to_zero()},
+            lambda p: {k: "frozen" if k == "embed" else "train" for k in p})
+
+    got = _trained(_trainer(optimizer(zp.adamw)))
+    assert_trees_close(got, _plain(optimizer(optax.adamw))[0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got["embed"]["tokens"]),
+                                  np.asarray(PARAMS["embed"]["tokens"]))

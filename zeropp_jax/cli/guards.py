@@ -123,7 +123,8 @@ def resume_changes(
 def start_warnings(trainer, steps: int) -> list[str]:
     """What ``zeropp-train`` warns of before a ``steps``-step run of
     ``trainer``: qgZ configured where no step of the run will compress, and
-    hpZ where its secondary partition is the whole model on every device."""
+    hpZ where its secondary partition is the whole model on every device or,
+    on one node, a second copy of the master shards."""
     qgz, schedule = trainer.config.qgz, trainer.schedule
     out = []
     if trainer.config.hpz and trainer.local == 1 and trainer.nodes > 1:

@@ -37,8 +37,34 @@ import optax
 from zeropp_jax.layout import ParamLayout
 from zeropp_jax.tree_paths import join_units, split_units
 
-# The units' view while the trainer traces its optimizer's update (None elsewhere).
-_UNITS: contextvars.ContextVar = contextvars.ContextVar("zeropp_units", default=None)
+
+
+class _Scoped:
+    """``jax.make_user_context``'s interface over a ``ContextVar``, for a JAX
+    without it (where a jitted function traced in one view may be reused in
+    another: a wrapper that jits an inner update of its own)."""
+
+    def __init__(self, default: Any) -> None:
+        self._var = contextvars.ContextVar("zeropp_units", default=default)
+
+    @property
+    def value(self) -> Any:
+        return self._var.get()
+
+    @contextlib.contextmanager
+    def __call__(self, value: Any) -> Iterator[None]:
+        token = self._var.set(value)
+        try:
+            yield
+        finally:
+            self._var.reset(token)
+
+
+# The units' view while the trainer traces its optimizer's update (None elsewhere),
+# part of the keys of JAX's trace and compile caches: a trace made in one view is
+# not reused in another (equal views, equal layouts, share them).
+_UNITS = (jax.make_user_context(None) if hasattr(jax, "make_user_context")
+          else _Scoped(None))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -55,6 +81,12 @@ class UnitLeaves:
 
     tree: Any
     layout: ParamLayout
+
+    def __eq__(self, other: Any) -> bool:  # a key of JAX's caches: the tree follows the layout
+        return isinstance(other, UnitLeaves) and other.layout == self.layout
+
+    def __hash__(self) -> int:
+        return hash(self.layout)
 
     @classmethod
     def of(cls, layout: ParamLayout) -> "UnitLeaves":
@@ -86,11 +118,8 @@ def units_in_view(units: UnitLeaves) -> Iterator[None]:
     """While the trainer traces its optimizer's ``update`` on ``units``' flat
     dict: :func:`masked`, :func:`multi_transform` and :func:`adamw` apply
     their per-leaf choices to each unit's elements."""
-    token = _UNITS.set(units)
-    try:
+    with _UNITS(units):
         yield
-    finally:
-        _UNITS.reset(token)
 
 
 def masked(inner: optax.GradientTransformation, mask: Any) -> optax.GradientTransformationExtraArgs:
@@ -179,7 +208,7 @@ def _update_chosen(inner: optax.GradientTransformationExtraArgs, flags_of: Calla
                    updates: Any, inner_state: Any, params: Any, extra_args: dict):
     """``inner``'s update on the chosen leaves (elements, in the trainer), the
     incoming ``updates`` elsewhere; ``inner`` sees zeros where not chosen."""
-    units = _UNITS.get()
+    units = _UNITS.value
     if units is None:  # the model's own tree: a static choice per leaf
         flags = flags_of(_shapes(updates))
         keep = lambda f, x: x if f else jnp.zeros_like(x)  # noqa: E731
@@ -191,8 +220,9 @@ def _update_chosen(inner: optax.GradientTransformationExtraArgs, flags_of: Calla
                 f"a per-leaf mask in the trainer expects the units' dict ({sorted(per_unit)}) "
                 f"as updates, got {jax.tree.structure(updates)}: a transform in front of it "
                 "changed the updates' structure")
-        keep = lambda m, x: jnp.where(m, x, jnp.zeros((), x.dtype))  # noqa: E731
-        pick = lambda m, new, old: jnp.where(m, new, old)  # noqa: E731
+        hole = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731 (an optax mask's gap)
+        keep = lambda m, x: x if hole(x) else jnp.where(m, x, jnp.zeros((), x.dtype))  # noqa: E731
+        pick = lambda m, new, old: old if hole(old) else jnp.where(m, new, old)  # noqa: E731
     chosen = jax.tree.map(keep, flags, updates)
     chosen_params = None if params is None else jax.tree.map(keep, flags, params)
     new, inner_state = inner.update(chosen, inner_state, chosen_params, **extra_args)
