@@ -163,12 +163,15 @@ def check_leaf_uniform(
                 if moves[i] != moves[m[0]]), None)
     expected = {name: (jax.tree_util.keystr(paths[m[0]]), float(moves[m[0]])) if m
                 else (first, None) for name, m in groups.items()}
+    matched = None  # without a layout: the leaves alone
     if layout is not None:
         matched = _moves_on_units(optimizer, layout, ones, {n: moves[m] for n, m in groups.items()})
         if matched is True:
             return  # the same per-leaf moves on the units: alike, or masks that hold there
-        if matched is not False:  # it failed on the units: said with its cause
+        if matched is not False and not odd:  # it failed on the units: said with its cause
             _check_on_units(optimizer, layout, ones, expected)
+    failed = (f" (on the units' stand-in it raised {type(matched).__name__}: "
+              f"{str(matched).splitlines()[0]})" if isinstance(matched, Exception) else "")
     if odd:
         name, i, j = odd
         a, b = (jax.tree_util.keystr(paths[k]) for k in (i, j))
@@ -177,7 +180,7 @@ def check_leaf_uniform(
             "the optimizer treats parameter leaves differently (a per-leaf mask or "
             "label, or a rule by a leaf's rank, like optax.contrib.muon's for matrices): "
             f"on a stand-in step it moves {a} by {moves[i]:.6g} and {b} by "
-            f"{moves[j]:.6g}{within}. The trainer runs the optimizer on flat units, "
+            f"{moves[j]:.6g}{within}{failed}. The trainer runs the optimizer on flat units, "
             "where optax's masks and labels would silently hold for a whole unit: use "
             "zeropp_jax.masked, zeropp_jax.multi_transform or zeropp_jax.adamw (optax's "
             "arguments; they choose per leaf inside the trainer), or one setting for every "
@@ -203,15 +206,15 @@ def _units_stand_in(layout: ParamLayout, ones: Any) -> tuple[dict, UnitLeaves]:
 
 
 def _moves_on_units(optimizer: optax.GradientTransformation, layout: ParamLayout, ones: Any,
-                    wanted: dict) -> bool | None:
+                    wanted: dict) -> bool | Exception:
     """Whether the units' stand-in step moves each element as the model's
-    moved its leaf (``wanted``: unit name -> the moves of its leaves);
-    ``None`` where it failed (:func:`_check_on_units` reports why)."""
+    moved its leaf (``wanted``: unit name -> the moves of its leaves), or
+    the exception it raised (the caller reports it)."""
     units, view = _units_stand_in(layout, ones)
     try:
         moves = _stand_in_moves(optimizer, units, view)
-    except Exception:  # noqa: BLE001 - reported with its cause by _check_on_units
-        return None
+    except Exception as e:  # noqa: BLE001 - reported with what was being checked
+        return e
     order = jax.tree.leaves({name: name for name in units})  # the units' leaf order
     return moves is not None and np.allclose(
         moves, np.concatenate([wanted[n] for n in order]), rtol=_SAME_MOVE_RTOL, atol=0)
