@@ -100,6 +100,13 @@ def split_units(params: Any, layout: Any) -> dict[str, Any]:
     return {u.name: params[u.name] for u in layout.units}
 
 
+def leaf_indices(tree: Any, layout: Any) -> dict[str, list[int]]:
+    """Each unit's leaves (by :func:`split_units`), as their indices among
+    ``tree``'s leaves, in the unit's leaf order."""
+    numbered = jax.tree.unflatten(jax.tree.structure(tree), range(len(jax.tree.leaves(tree))))
+    return {name: jax.tree.leaves(sub) for name, sub in split_units(numbered, layout).items()}
+
+
 def join_units(trees: Mapping[str, Any], layout: Any) -> Any:
     """Inverse of :func:`split_units`; without a remainder unit the wrapped
     units are pasted into the layout's leafless ``empty_rest``, and top-level

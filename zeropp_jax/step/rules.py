@@ -21,7 +21,8 @@ import numpy as np
 import optax
 
 from zeropp_jax.config import ZeroConfig
-from zeropp_jax.layout import ParamLayout, split_units
+from zeropp_jax.layout import ParamLayout
+from zeropp_jax.tree_paths import leaf_indices
 from zeropp_jax.step.geometry import StepGeometry
 from zeropp_jax.step.gradient_rule import GradientRule
 from zeropp_jax.step.leaf_masks import UnitLeaves, units_in_view
@@ -144,7 +145,8 @@ def check_leaf_uniform(
     first = jax.tree_util.keystr(paths[0])
     if moves is None:
         if layout is not None:  # the units may move where the leaves do not
-            _check_on_units(optimizer, layout, ones, {u.name: (first, None) for u in layout.units})
+            _check_on_units(*_units_outcome(optimizer, layout, ones),
+                            {u.name: (first, None) for u in layout.units})
         warnings.warn(
             "make_trainer could not check that the optimizer treats every parameter leaf "
             f"alike: it moved no leaf in {_PROBE_STEPS} stand-in steps (gradients 1.0): a "
@@ -155,23 +157,23 @@ def check_leaf_uniform(
         )
         return
     # Leaf indices of each unit (one group of all leaves without a layout).
-    treedef = jax.tree.structure(ones)
-    groups = ({"": list(range(len(paths)))} if layout is None else {
-        name: jax.tree.leaves(sub) for name, sub in split_units(
-            jax.tree.unflatten(treedef, list(range(len(paths)))), layout).items()})
+    groups = {"": list(range(len(paths)))} if layout is None else leaf_indices(ones, layout)
     odd = next(((name, m[0], i) for name, m in groups.items() for i in m
                 if moves[i] != moves[m[0]]), None)
     expected = {name: (jax.tree_util.keystr(paths[m[0]]), float(moves[m[0]])) if m
                 else (first, None) for name, m in groups.items()}
-    matched = None  # without a layout: the leaves alone
-    if layout is not None:
-        matched = _moves_on_units(optimizer, layout, ones, {n: moves[m] for n, m in groups.items()})
-        if matched is True:
+    outcome = None  # without a layout: the leaves alone
+    if layout is not None:  # the units' stand-in, run once: its moves, or what it raised
+        units, outcome = _units_outcome(optimizer, layout, ones)
+        order = jax.tree.leaves({name: name for name in units})  # the units' leaf order
+        if outcome is not None and not isinstance(outcome, Exception) and np.allclose(
+                outcome, np.concatenate([moves[groups[n]] for n in order]),
+                rtol=_SAME_MOVE_RTOL, atol=0):
             return  # the same per-leaf moves on the units: alike, or masks that hold there
-        if matched is not False and not odd:  # it failed on the units: said with its cause
-            _check_on_units(optimizer, layout, ones, expected)
-    failed = (f" (on the units' stand-in it raised {type(matched).__name__}: "
-              f"{str(matched).splitlines()[0]})" if isinstance(matched, Exception) else "")
+        if isinstance(outcome, Exception) and not odd:  # said with its cause
+            _check_on_units(units, outcome, expected)
+    failed = (f" (on the units' stand-in it raised {type(outcome).__name__}: "
+              f"{str(outcome).splitlines()[0]})" if isinstance(outcome, Exception) else "")
     if odd:
         name, i, j = odd
         a, b = (jax.tree_util.keystr(paths[k]) for k in (i, j))
@@ -189,7 +191,7 @@ def check_leaf_uniform(
             "leaf (optax.add_noise) differs there too: pass check_optimizer=False for it"
         )
     if layout is not None:
-        _check_on_units(optimizer, layout, ones, expected)
+        _check_on_units(units, outcome, expected)
 
 
 def _units_stand_in(layout: ParamLayout, ones: Any) -> tuple[dict, UnitLeaves]:
@@ -205,32 +207,27 @@ def _units_stand_in(layout: ParamLayout, ones: Any) -> tuple[dict, UnitLeaves]:
     return units, UnitLeaves(ones, one_each)
 
 
-def _moves_on_units(optimizer: optax.GradientTransformation, layout: ParamLayout, ones: Any,
-                    wanted: dict) -> bool | Exception:
-    """Whether the units' stand-in step moves each element as the model's
-    moved its leaf (``wanted``: unit name -> the moves of its leaves), or
-    the exception it raised (the caller reports it)."""
+def _units_outcome(optimizer: optax.GradientTransformation, layout: ParamLayout,
+                   ones: Any) -> tuple[dict, np.ndarray | None | Exception]:
+    """The units' stand-in (:func:`_units_stand_in`) and how its first step
+    that moves anything moves each element (``None``: none did), or the
+    exception the optimizer raised there (reported by :func:`_check_on_units`)."""
     units, view = _units_stand_in(layout, ones)
     try:
-        moves = _stand_in_moves(optimizer, units, view)
+        return units, _stand_in_moves(optimizer, units, view)
     except Exception as e:  # noqa: BLE001 - reported with what was being checked
-        return e
-    order = jax.tree.leaves({name: name for name in units})  # the units' leaf order
-    return moves is not None and np.allclose(
-        moves, np.concatenate([wanted[n] for n in order]), rtol=_SAME_MOVE_RTOL, atol=0)
+        return units, e
 
 
-def _check_on_units(optimizer: optax.GradientTransformation, layout: ParamLayout,
-                    ones: Any, expected: dict) -> None:
-    """Refuses an optimizer that moves the trainer's units (a stand-in: a
-    dict by unit name, each ``(k,)`` or ``(1, k)`` when stacked, ``k`` the
-    unit's leaves) otherwise than the model's leaves: ``expected`` maps each
-    unit to ``(leaf, move)``, a leaf of it and how far the model's stand-in
-    step moved it (``None``: no leaf moved in the stand-in's steps)."""
-    units, view = _units_stand_in(layout, ones)
-    try:
-        moves = _stand_in_moves(optimizer, units, view)
-    except Exception as e:  # re-raised with what was being checked
+def _check_on_units(units: dict, moves: np.ndarray | None | Exception,
+                    expected: dict) -> None:
+    """Refuses an optimizer that moved the trainer's units (``units``, the
+    stand-in of :func:`_units_outcome`, and ``moves``, its outcome) otherwise
+    than the model's leaves: ``expected`` maps each unit to ``(leaf, move)``,
+    a leaf of it and how far the model's stand-in step moved it (``None``: no
+    leaf moved in the stand-in's steps)."""
+    if isinstance(moves, Exception):
+        e = moves
         raise ValueError(
             "the optimizer fails on the trainer's units: the trainer runs it on a dict of "
             f"flat float32 units ({sorted(units)}), not on the model's tree, and a stand-in "

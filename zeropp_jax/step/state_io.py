@@ -35,7 +35,7 @@ from zeropp_jax.mesh import LOCAL, NODE, SHARD_AXES, replicated_on
 from zeropp_jax.step.geometry import StepGeometry, padding_mask
 from zeropp_jax.step.state import compiled_here
 from zeropp_jax.step.traced import traced_once
-from zeropp_jax.tree_paths import check_unit_trees
+from zeropp_jax.tree_paths import check_unit_trees, leaf_indices
 
 
 def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple, *,
@@ -96,13 +96,12 @@ def shard_init(geometry: StepGeometry, init_fn: Callable[..., Any], args: tuple,
     with jax.set_mesh(auto):  # whatever mesh the caller has set (an explicit one would
         replay, shapes = traced_once(init_fn, args)  # make the constraints asserts)
     check_unit_trees(shapes, geometry.layout)
-    leaf_ids = split_units(jax.tree.unflatten(  # each unit's leaves' places in the output
-        jax.tree.structure(shapes), range(len(jax.tree.leaves(shapes)))), geometry.layout)
+    leaf_ids = leaf_indices(shapes, geometry.layout)  # each unit's leaves' places in the output
     flat = {}
     with tqdm(total=len(geometry.layout.units), desc="init_from", unit="unit",
               disable=not progress or len(geometry.layout.units) < 2) as bar:
         for group in init_groups(geometry.layout):
-            keep = frozenset(i for u in group for i in jax.tree.leaves(leaf_ids[u.name]))
+            keep = frozenset(i for u in group for i in leaf_ids[u.name])
             with jax.set_mesh(auto):  # the trace cut to the group's leaves' work
                 compiled = init_program(geometry, functools.partial(replay, keep=keep),
                                         group).lower(*args).compile()
