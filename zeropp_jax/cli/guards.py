@@ -24,6 +24,7 @@ from typing import Sequence
 
 from zeropp_jax.cli.data_flags import data_change
 from zeropp_jax.files import is_stream, write_file
+from zeropp_jax.step.geometry import idle_features
 
 # GPTConfig field -> the flag that sets it.
 _MODEL_FLAGS = {
@@ -126,18 +127,19 @@ def start_warnings(trainer, steps: int) -> list[str]:
     hpZ where its secondary partition is the whole model on every device or,
     on one node, a second copy of the master shards."""
     qgz, schedule = trainer.config.qgz, trainer.schedule
-    out = []
-    if trainer.config.hpz and trainer.local == 1 and trainer.nodes > 1:
-        out.append("one device per node: hpZ's secondary partition (split over the devices "
-                   "of a node) is the whole model on every device (--no-hpz saves that "
-                   "memory; a mesh with LOCAL >= 2 splits it)")
-    if trainer.config.hpz and trainer.nodes == 1:
-        out.append("one node: hpZ's per-layer gathers stay inside a node anyway, so its "
-                   "secondary partition only adds a copy of the master shards (--no-hpz saves it)")
-    if qgz != "off" and trainer.nodes == 1:
-        out.append(f"one node: qgZ ({qgz}) compresses only what crosses nodes, so no step of "
-                   "this run is compressed (--mesh NODESxLOCAL with NODES >= 2 for it)")
-    elif schedule.active and schedule.warmup_steps >= steps:
+    said = {  # idle_features' names, in the flags' words
+        "hpz_one_device_per_node": "one device per node: hpZ's secondary partition (split over "
+                                   "the devices of a node) is the whole model on every device "
+                                   "(--no-hpz saves that memory; a mesh with LOCAL >= 2 splits it)",
+        "hpz_one_node": "one node: hpZ's per-layer gathers stay inside a node anyway, so its "
+                        "secondary partition only adds a copy of the master shards (--no-hpz "
+                        "saves it)",
+        "qgz_one_node": f"one node: qgZ ({qgz}) compresses only what crosses nodes, so no step "
+                        "of this run is compressed (--mesh NODESxLOCAL with NODES >= 2 for it)",
+    }
+    idle = idle_features(trainer.config, trainer.nodes, trainer.local)
+    out = [said[name] for name in idle]
+    if "qgz_one_node" not in idle and schedule.active and schedule.warmup_steps >= steps:
         out.append(f"qgZ's full-precision warm-up ({schedule.warmup_steps} steps) is not "
                    f"shorter than --steps {steps}: no step will be compressed (--qgz-warmup "
                    "sets it)")

@@ -376,23 +376,40 @@ def layer_by_layer(geo: StepGeometry, unit: UnitLayout) -> bool:
     return geo.config.grad_accum == 1 and (unit.stack or 0) >= 2
 
 
+def idle_features(config: ZeroConfig, nodes: int, local: int) -> list[str]:
+    """The features ``config`` switches on that a ``nodes x local`` mesh gives
+    nothing to do, by name: ``"hpz_one_device_per_node"`` (its secondary
+    partition is the whole model on every device), ``"hpz_one_node"`` (a
+    second copy of the master shards), ``"qgz_one_node"`` (nothing crosses
+    nodes). :func:`idle_on_mesh` and the command line word them."""
+    out = []
+    if config.hpz and local == 1 and nodes > 1:
+        out.append("hpz_one_device_per_node")
+    if config.hpz and nodes == 1:
+        out.append("hpz_one_node")
+    if config.qgz != "off" and nodes == 1:
+        out.append("qgz_one_node")
+    return out
+
+
 def idle_on_mesh(geo: StepGeometry) -> list[str]:
     """What ``geo``'s config switches on that its mesh gives nothing to do
-    (``make_trainer`` warns of each, as an :class:`IdleOnMeshWarning`)."""
-    out = []
-    if geo.config.qgz != "off" and geo.nodes == 1:
-        out.append(f"qgZ ({geo.config.qgz}) compresses only what crosses nodes, and this "
-                   "mesh has one node: no step is compressed (a mesh of 2 or more nodes "
-                   "uses it; qgz='off' says so)")
-    if geo.config.hpz and geo.nodes == 1:
-        out.append("hpZ keeps the per-layer gathers inside a node, and this mesh has one "
-                   "node, where they are anyway: its secondary partition only adds a copy of "
-                   "the master shards (hpz=False saves it)")
-    if geo.config.hpz and geo.local == 1 and geo.nodes > 1:
-        out.append("hpZ's secondary partition is split over the devices of a node, and "
-                   "this mesh has one device per node: it is the whole model on every "
-                   "device (hpz=False saves that memory; a mesh with local >= 2 splits it)")
-    return out
+    (:func:`idle_features`; ``make_trainer`` warns of each, as an
+    :class:`IdleOnMeshWarning`)."""
+    said = {
+        "qgz_one_node": f"qgZ ({geo.config.qgz}) compresses only what crosses nodes, and this "
+                        "mesh has one node: no step is compressed (a mesh of 2 or more nodes "
+                        "uses it; qgz='off' says so)",
+        "hpz_one_node": "hpZ keeps the per-layer gathers inside a node, and this mesh has one "
+                        "node, where they are anyway: its secondary partition only adds a copy "
+                        "of the master shards (hpz=False saves it)",
+        "hpz_one_device_per_node": "hpZ's secondary partition is split over the devices of a "
+                                   "node, and this mesh has one device per node: it is the whole "
+                                   "model on every device (hpz=False saves that memory; a mesh "
+                                   "with local >= 2 splits it)",
+    }
+    idle = idle_features(geo.config, geo.nodes, geo.local)
+    return [message for name, message in said.items() if name in idle]
 
 
 def check_kernel_blocks(geo: StepGeometry) -> None:
