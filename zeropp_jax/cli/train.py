@@ -146,6 +146,10 @@ def run(args: argparse.Namespace) -> int:
         total=args.steps, initial=first_step, disable=args.no_progress or not is_main,
         unit="step", dynamic_ncols=True, file=sys.stderr,
     )
+    # Every variant the schedule will take compiles in the background from
+    # here, the first step's first (the first step waits for it): no stop for
+    # a compile where the warm-up ends or a refresh or the gate switches.
+    trainer.precompile(state, _local_rows(batches, first_step), background=True)
     history: list[float] = []
     bounded: list[float] = []  # 1-bit Adam: coordinates held at Adam's bound, per step
     pending = None  # metrics of the previous step, read one step late

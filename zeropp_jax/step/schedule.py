@@ -77,6 +77,20 @@ class QgzSchedule:
             )
         return bool(compress)
 
+    def variants_from(self, step: int) -> tuple[bool, ...]:
+        """The variants (``compress`` values) steps ``step, step + 1, ...`` can take.
+
+        The variant of step ``step`` comes first (the compressed one where only
+        the gradient-RMS gate decides: it lets a first step through), then the
+        other where a later step may take it: during the warm-up, with a
+        refresh, or with the gate.
+        """
+        if self.is_static:
+            return (self.active,)
+        first = self.compress_at(step, float("inf"))
+        switches = step < self.warmup_steps or self.refresh_every or self.min_grad_rms > 0
+        return (first, not first) if switches else (first,)
+
     def compress_at(self, step: Any, grad_rms: Any) -> bool:
         """Whether step ``step`` (0-based) reduces compressed.
 

@@ -41,6 +41,7 @@ from zeropp_jax.config_checks import is_int
 from zeropp_jax.layout import build_layout, params_shapes
 from zeropp_jax.mesh import mesh_shape
 from zeropp_jax.step.accumulate import check_loss_arguments
+from zeropp_jax.step.compiling import CompileAhead, StepCompiling
 # global_batch_size_check: re-exported (the CLI imports it from here).
 from zeropp_jax.step.batch import global_batch_size_check, place_batch  # noqa: F401
 from zeropp_jax.step.evaluate import evaluate
@@ -58,7 +59,7 @@ __all__ = ["Trainer", "TrainState", "ZeroOptState", "make_trainer"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Trainer:
+class Trainer(StepCompiling):
     """A ZeRO-3 / ZeRO++ train step. Build it with :func:`make_trainer`.
 
     Attributes:
@@ -79,6 +80,8 @@ class Trainer:
     key: Any = None
     _host_steps: HostSteps = dataclasses.field(
         default_factory=HostSteps, init=False, repr=False, compare=False)
+    _ahead: CompileAhead = dataclasses.field(  # precompile(background=True)'s compiles
+        default_factory=CompileAhead, init=False, repr=False, compare=False)
 
     # ------------------------------------------------------- what it is
     mesh = property(lambda self: self.geometry.mesh)
@@ -178,6 +181,7 @@ class Trainer:
         batch = self.shard_batch(batch)  # no copy for a batch already placed
         if self.geometry.one_step_in_flight:
             jax.block_until_ready(state)
+        self._ahead.wait(compress)
         with jax.set_mesh(self.mesh):
             state, metrics = self._step_variants[compress](state, batch)
         if step is not None:
@@ -236,33 +240,6 @@ class Trainer:
             batch, self.batch_sharding, per_step=self.n_devices * self.config.grad_accum,
             n_devices=self.n_devices, grad_accum=self.config.grad_accum,
         )
-
-    # ------------------------------------------------------ compiling only
-    def lower(self, state: Any, batch: Any, *, compress: bool | None = None):
-        """Lowers the step (for the communication report), without running it.
-
-        ``state`` may be abstract (``jax.ShapeDtypeStruct`` with shardings,
-        from :meth:`abstract_state`), the batch too (global shapes): it is
-        checked and placed as :meth:`shard_batch` does. ``compress=None`` is
-        the compressed variant where qgZ is active; ``compress=True`` raises
-        ``ValueError`` where it is not, as in :meth:`step`.
-        """
-        compress = self.schedule.forced(self.qgz_active if compress is None else compress)
-        with jax.set_mesh(self.mesh):
-            return self._step_variants[compress].lower(state, self.shard_batch(batch))
-
-    def compile_from_shapes(self, params_shapes: Any, batch: Any, *, compress: bool | None = None):
-        """Compiles the step from shapes alone: nothing is allocated or run.
-
-        Args:
-          params_shapes: the full parameters' shapes and dtypes (e.g.
-            ``jax.eval_shape`` of an init function).
-          batch: the global batch's shapes and dtypes (a pytree of anything
-            with ``.shape`` and ``.dtype``); placed like :meth:`shard_batch`.
-          compress: the qgZ variant, as in :meth:`lower`. Returns the compiled step.
-        """
-        return self.lower(self.abstract_state(params_shapes), state_io.unsharded(batch),
-                          compress=compress).compile()
 
     # ---------------------------------------------------------- export
     def gather_params(self, state_or_params: Any, dtype: Any = "original") -> Any:

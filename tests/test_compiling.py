@@ -1,0 +1,129 @@
+"""``Trainer.precompile``: every variant of the qgZ schedule compiled before its first use."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zeropp_jax as zp
+from zeropp_jax.step.schedule import QgzSchedule
+
+from _util import mesh_of
+
+# A program lowered, compiled, or loaded from the persistent compilation cache
+# (tests/conftest.py): none of them happens for a step found in jit's cache.
+COMPILING = ("/jax/core/compile/jaxpr_to_mlir_module_duration",
+             "/jax/core/compile/backend_compile_duration",
+             "/jax/compilation_cache/cache_retrieval_time_sec")
+
+
+def _mlp(rows=16):
+    rng = np.random.default_rng(0)
+    params = {"w1": rng.normal(size=(16, 16)).astype(np.float32) * 0.3,
+              "w2": rng.normal(size=(16, 1)).astype(np.float32) * 0.3}
+    x = rng.normal(size=(rows, 16)).astype(np.float32)
+    batch = {"x": x, "y": x.sum(axis=1, keepdims=True) * 0.1}
+
+    def loss(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+    return params, batch, loss
+
+
+def _trainer(warmup=2):
+    params, batch, loss = _mlp()
+    trainer = zp.make_trainer(loss, optax.adam(0.01), params, mesh=mesh_of(2, 4),
+                              config=zp.ZeroConfig(qgz="1bit", qgz_warmup_steps=warmup))
+    return trainer, trainer.init(params), batch
+
+
+@contextlib.contextmanager
+def _compiles():
+    """The names of the threads that lowered or compiled a program inside the block, one per event."""
+    threads = []
+
+    def listen(event, seconds, **kwargs):
+        if event in COMPILING:
+            threads.append(threading.current_thread().name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield threads
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def _run(trainer, state, batch, steps):
+    losses, compressed = [], []
+    for _ in range(steps):
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+        compressed.append(int(metrics["compressed"]))
+    return losses, compressed
+
+
+def test_precompiled_steps_compile_nothing():
+    """After ``precompile`` the warm-up's steps and the compressed ones after
+    it run from jit's cache (nothing lowered or compiled), with the losses of
+    a trainer that compiled each at first use; without it, both compile there."""
+    trainer, state, batch = _trainer()
+    with _compiles() as cold:
+        expected = _run(trainer, state, batch, 4)
+    assert expected[1] == [0, 0, 1, 1]
+    assert len(cold) >= 2  # the control: each variant compiled at its first step
+
+    trainer, state, batch = _trainer()
+    seconds = trainer.precompile(state, batch)
+    assert list(seconds) == [False, True] and all(s > 0 for s in seconds.values())
+    with _compiles() as warm:
+        assert _run(trainer, state, batch, 4) == expected
+    assert warm == []
+
+
+def test_background_precompile_compiles_in_a_worker_the_step_waits_for():
+    """``background=True`` returns at once; the step's variants lower and
+    compile in the worker only: a step waits for its variant there (no
+    compile twice)."""
+    trainer, state, batch = _trainer()
+    expected = _run(*_trainer(), 4)
+    with _compiles() as compiled:
+        futures = trainer.precompile(state, batch, background=True)
+        assert list(futures) == [False, True]
+        assert _run(trainer, state, batch, 4) == expected
+        seconds = {compress: future.result() for compress, future in futures.items()}
+    assert all(s > 0 for s in seconds.values())
+    assert compiled and all(name.startswith("zeropp-precompile") for name in compiled), compiled
+
+
+def test_precompile_checks_its_state_and_batch():
+    trainer, state, batch = _trainer()
+    with pytest.raises(TypeError, match="trainer.precompile takes the TrainState"):
+        trainer.precompile(state.params, batch)
+    with pytest.raises(ValueError, match="divisible by devices x grad_accum"):
+        trainer.precompile(state, jax.tree.map(lambda b: b[:12], batch))
+    with pytest.raises(ValueError, match="arrays are not on this trainer's mesh"):
+        trainer.precompile(jax.device_get(state), batch)
+    trainer.step(state, batch)  # donates state
+    with pytest.raises(ValueError, match="consumed"):
+        trainer.precompile(state, batch)
+
+
+@pytest.mark.parametrize("schedule, step, variants", [
+    (QgzSchedule(active=False), 0, (False,)),
+    (QgzSchedule(active=True), 0, (True,)),
+    (QgzSchedule(active=True, warmup_steps=3), 0, (False, True)),
+    (QgzSchedule(active=True, warmup_steps=3), 2, (False, True)),
+    (QgzSchedule(active=True, warmup_steps=3), 3, (True,)),  # the warm-up over: one variant left
+    (QgzSchedule(active=True, warmup_steps=3, refresh_every=5), 7, (False, True)),  # a refresh
+    (QgzSchedule(active=True, warmup_steps=3, refresh_every=5), 9, (True, False)),
+    (QgzSchedule(active=True, min_grad_rms=1e-3), 10, (True, False)),  # the gate
+])
+def test_schedule_variants_from(schedule, step, variants):
+    assert schedule.variants_from(step) == variants
+    assert schedule.compress_at(step, float("inf")) == variants[0]
