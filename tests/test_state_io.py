@@ -202,6 +202,30 @@ def test_evaluate_averages_the_aux_like_a_step():
     np.testing.assert_allclose(float(out["aux"]["twice"]), 2 * float(out["loss"]), rtol=1e-6)
 
 
+@pytest.mark.parametrize("rows, grad_accum", [(21, 1), (37, 2), (3, 1), (16, 2)])
+def test_evaluate_takes_any_number_of_rows(rows, grad_accum):
+    """A batch whose rows do not divide into devices x grad_accum: each row
+    weighs as one (the plain model's mean over all rows, aux too), the state
+    kept; 16 rows at grad_accum 2 divide (one program)."""
+    def loss(params, batch):
+        value = gpt_loss()(params, batch)
+        return value, {"twice": 2 * value}
+
+    trainer = zp.make_trainer(loss, optax.adam(1e-3), jax.eval_shape(_init(), KEY),
+                              mesh=zp.make_mesh(*MESH), per_layer=True, stacked=("blocks",),
+                              config=zp.ZeroConfig(grad_accum=grad_accum))
+    state = trainer.init_from(_init(), KEY)
+    batch = tiny_batches(batch_size=40).batch_at(0)
+    batch = jax.tree.map(lambda x: x[:rows], batch)
+    out = trainer.evaluate(state, batch)
+    plain = jax.jit(gpt_loss(TINY, per_layer=False))(jax.jit(_init())(KEY), batch)
+    np.testing.assert_allclose(float(out["loss"]), float(plain), rtol=2e-6)
+    np.testing.assert_allclose(float(out["aux"]["twice"]), 2 * float(plain), rtol=2e-6)
+    as_list = trainer.evaluate(state, jax.tree.map(lambda x: np.asarray(x).tolist(), batch))
+    np.testing.assert_allclose(float(as_list["loss"]), float(out["loss"]), rtol=1e-7)
+    trainer.step(state, jax.tree.map(lambda x: x[:16], tiny_batches(batch_size=40).batch_at(0)))
+
+
 def test_a_trainer_refuses_states_it_cannot_take():
     trainer = _trainer()
     other = zp.make_trainer(gpt_loss(), optax.sgd(1e-3), jax.eval_shape(_init(), KEY),

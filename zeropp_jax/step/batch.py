@@ -116,6 +116,37 @@ def place_batch(batch: Any, sharding: NamedSharding, *, per_step: int, n_devices
     return jax.tree_util.tree_unflatten(treedef, [put(arr) for _, arr in arrays])
 
 
+def split_rows(batch: Any, per_step: int) -> list[tuple[Any, int, bool]]:
+    """``batch`` cut where its rows stop dividing into ``per_step``, for an evaluation.
+
+    Returns ``[(part, rows, one_row_per_slot)]``: the whole batch
+    (``one_row_per_slot`` False) where its row count divides into ``per_step``;
+    otherwise the largest such head, if any, and the remaining ``r < per_step``
+    rows padded to ``per_step`` with copies of their last row (True: each
+    device's micro-batch holds one row, and only the first ``r`` count). A
+    multi-process batch, or one :func:`place_batch` would refuse (leaves of
+    different row counts, a scalar, no rows), is returned whole, for
+    :func:`place_batch` to place or refuse, naming the leaf.
+    """
+    flat, treedef = jax.tree_util.tree_flatten(batch, is_leaf=_is_list_data)
+    arrays = [x if isinstance(x, jax.Array) else np.asarray(x) for x in flat]
+    shapes = {np.shape(x)[:1] for x in arrays}
+    if jax.process_count() > 1 or len(shapes) != 1 or () in shapes:
+        return [(batch, 0, False)]
+    rows = shapes.pop()[0]
+    head, tail = rows - rows % per_step, rows % per_step
+    if not tail:
+        return [(batch, rows, False)]
+
+    def pad(x):  # the tail's rows, then its last row repeated: per_step rows, on the host
+        x = np.asarray(x[head:])
+        return np.concatenate([x, np.repeat(x[-1:], per_step - tail, axis=0)])
+
+    parts = [(jax.tree_util.tree_unflatten(treedef, [x[:head] for x in arrays]), head, False)]
+    tail_part = (jax.tree_util.tree_unflatten(treedef, [pad(x) for x in arrays]), tail, True)
+    return (parts if head else []) + [tail_part]
+
+
 def global_batch_size_check(batch_size: int, n_devices: int, grad_accum: int) -> None:
     """Raises a clear error if a batch does not split over the devices."""
     if batch_size < 1 or batch_size % (n_devices * grad_accum):

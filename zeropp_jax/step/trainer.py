@@ -43,8 +43,8 @@ from zeropp_jax.mesh import mesh_shape
 from zeropp_jax.step.accumulate import check_loss_arguments
 from zeropp_jax.step.compiling import CompileAhead, StepCompiling
 # global_batch_size_check: re-exported (the CLI imports it from here).
-from zeropp_jax.step.batch import global_batch_size_check, place_batch  # noqa: F401
-from zeropp_jax.step.evaluate import evaluate
+from zeropp_jax.step.batch import global_batch_size_check, place_batch, split_rows  # noqa: F401
+from zeropp_jax.step.evaluate import evaluate, mean_over_parts
 from zeropp_jax.step.geometry import (
     IdleOnMeshWarning, StepGeometry, check_kernel_blocks, idle_on_mesh,
 )
@@ -207,14 +207,24 @@ class Trainer(StepCompiling):
         codes included; ``grad_accum`` micro-batches; a loss taking a key
         gets the keys a step at this state would draw). ``state`` is not
         consumed. Returns ``{"loss"}`` (and ``"aux"``), averaged as a step's.
+        Any number of rows (one process): rows past the largest multiple of
+        ``devices x grad_accum`` run one to a micro-batch in a second program
+        (:func:`~zeropp_jax.step.batch.split_rows`), each row weighing as one
+        of the rest (each row's mean, for a loss that is a mean over rows;
+        with a key, the keys of a step's first rows).
         """
         check_state(state, self._state_form, "evaluate")
+        parts = split_rows(batch, self.n_devices * self.config.grad_accum)
         with jax.set_mesh(self.mesh):
-            return self._evaluate(state.params, self.shard_batch(batch), state.step)
+            return mean_over_parts([(self._evaluate[per_row](
+                state.params, self.shard_batch(part), state.step), rows, per_row)
+                for part, rows, per_row in parts])
 
     @functools.cached_property
-    def _evaluate(self) -> Callable:  # the key closed over, as the step's: it may live anywhere
-        return jax.jit(lambda *a: evaluate(self.geometry, self.loss_fn, *a, key=self.key))
+    def _evaluate(self) -> dict[bool, Callable]:  # the key closed over, as the step's
+        return {per_row: jax.jit(functools.partial(
+            evaluate, self.geometry, self.loss_fn, key=self.key, per_row=per_row))
+            for per_row in (False, True)}
 
     @functools.cached_property
     def _state_form(self) -> tuple:
