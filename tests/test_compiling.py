@@ -36,10 +36,10 @@ def _mlp(rows=16):
     return params, batch, loss
 
 
-def _trainer(warmup=2):
+def _trainer(warmup=2, **config):
     params, batch, loss = _mlp()
-    trainer = zp.make_trainer(loss, optax.adam(0.01), params, mesh=mesh_of(2, 4),
-                              config=zp.ZeroConfig(qgz="1bit", qgz_warmup_steps=warmup))
+    trainer = zp.make_trainer(loss, optax.adam(0.01), params, mesh=mesh_of(2, 4), config=zp.ZeroConfig(
+        qgz="1bit", qgz_warmup_steps=warmup, **config))
     return trainer, trainer.init(params), batch
 
 
@@ -101,6 +101,41 @@ def test_background_precompile_compiles_in_a_worker_the_step_waits_for():
     assert compiled and all(name.startswith("zeropp-precompile") for name in compiled), compiled
 
 
+def test_lower_waits_for_a_variant_the_worker_compiles():
+    """``lower`` (the communication report's compile) of a variant still
+    compiling in the background waits for it: nothing compiles twice; a second
+    background precompile hands back the futures of the first."""
+    trainer, state, batch = _trainer()
+    with _compiles() as compiled:
+        futures = trainer.precompile(state, batch, background=True)
+        assert trainer.precompile(state, batch, background=True) == futures
+        trainer.lower(state, batch, compress=True).compile()
+        trainer.compile_from_shapes(jax.eval_shape(lambda: _mlp()[0]), batch, compress=False)
+    assert compiled and all(name.startswith("zeropp-precompile") for name in compiled), compiled
+
+
+def test_queued_compiles_are_cancelled_at_exit(tmp_path):
+    """A program that ends while the worker compiles waits for that compile
+    only: the queued ones are cancelled (a real interpreter exit)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import pathlib, time
+        from zeropp_jax.step.compiling import CompileAhead
+        out = pathlib.Path({str(tmp_path)!r})
+        def running():
+            time.sleep(1.0)
+            (out / "running").write_text("done")
+        def queued():
+            (out / "queued").write_text("done")
+        CompileAhead().start({{False: running, True: queued}})
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    assert (tmp_path / "running").exists() and not (tmp_path / "queued").exists()
+
+
 def test_precompile_checks_its_state_and_batch():
     trainer, state, batch = _trainer()
     with pytest.raises(TypeError, match="trainer.precompile takes the TrainState"):
@@ -127,3 +162,13 @@ def test_precompile_checks_its_state_and_batch():
 def test_schedule_variants_from(schedule, step, variants):
     assert schedule.variants_from(step) == variants
     assert schedule.compress_at(step, float("inf")) == variants[0]
+
+
+def test_the_gate_decides_the_first_variant_from_the_states_gradient():
+    gated = QgzSchedule(active=True, min_grad_rms=1e-3)
+    assert gated.variants_from(10, 1e-4) == (False, True)  # held back by the gate
+    assert gated.variants_from(10, jnp.float32(1e-2)) == (True, False)
+    trainer, state, batch = _trainer(warmup=0, qgz_min_grad_rms=1e9)  # every step gated once run
+    assert list(trainer.precompile(state, batch)) == [True, False]  # inf before the first step
+    state, _ = trainer.step(state, batch)
+    assert list(trainer.precompile(state, batch)) == [False, True]

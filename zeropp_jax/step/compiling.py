@@ -13,8 +13,10 @@ a second time.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import threading
+import warnings
 import time
 from typing import Any, Callable
 
@@ -42,10 +44,15 @@ class CompileAhead:
     """The step variants compiling in the background, one trainer's.
 
     :meth:`start` hands the compiles to one worker thread, in order;
-    :meth:`wait` (called by each step before it runs its variant) blocks until
-    that variant's compile is done, so the step finds it in ``jax.jit``'s
-    cache. A compile that failed is not raised here: the step compiles the
-    variant itself and raises its error where it happens.
+    :meth:`wait` (called by each step, and by ``lower``, before it uses a
+    variant) blocks until that variant's compile is done, so it is found in
+    ``jax.jit``'s cache. A compile that failed is not raised here: the caller
+    compiles the variant itself and raises its error where it happens.
+
+    The worker is not a daemon (a compile cut off at exit can crash the
+    interpreter): a program that ends while it compiles waits for the compile
+    running then, and the queued ones are cancelled (``threading``'s exit
+    hooks, which run before non-daemon threads are joined).
     """
 
     def __init__(self):
@@ -55,18 +62,22 @@ class CompileAhead:
     def start(self, compiles: dict[bool, Callable[[], Any]]) -> dict[bool, concurrent.futures.Future]:
         """Compiles each variant in a worker thread, in ``compiles``' order.
 
-        Returns ``{compress: Future}``, each resolving to the compile's seconds.
-        The worker is not a daemon: a program that ends while it compiles waits
-        for it (a compile cut off at exit can crash the interpreter).
+        Returns ``{compress: Future}``, each resolving to the compile's seconds
+        (or cancelled at exit). A variant still compiling from an earlier call
+        keeps its future and is not compiled twice.
         """
-        worker = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="zeropp-precompile")
-        futures = {compress: worker.submit(_seconds, compile_one)
-                   for compress, compile_one in compiles.items()}
-        worker.shutdown(wait=False)
         with self._lock:
-            self._pending.update(futures)
-        return futures
+            futures = {c: f for c, f in self._pending.items() if c in compiles and not f.done()}
+            queue = [(c, concurrent.futures.Future(), job) for c, job in compiles.items()
+                     if c not in futures]
+            self._pending.update({c: future for c, future, _ in queue})
+        futures.update({c: future for c, future, _ in queue})
+        if queue:
+            stop = threading.Event()
+            _at_exit(stop.set)
+            threading.Thread(target=_compile_all, args=(queue, stop),
+                             name="zeropp-precompile").start()
+        return {c: futures[c] for c in compiles}
 
     def wait(self, compress: bool) -> None:
         """Returns once the background compile of this variant (if any) has ended."""
@@ -78,6 +89,29 @@ class CompileAhead:
         with self._lock:
             if self._pending.get(compress) is future:
                 del self._pending[compress]
+
+
+def _compile_all(queue: list, stop: threading.Event) -> None:
+    """The worker: each ``(compress, future, compile)`` in turn, until ``stop`` is set."""
+    for _, future, compile_one in queue:
+        if stop.is_set() or not future.set_running_or_notify_cancel():
+            future.cancel()
+            continue
+        try:
+            future.set_result(_seconds(compile_one))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
+            future.set_exception(e)
+
+
+def _at_exit(hook: Callable[[], None]) -> None:
+    """Runs ``hook`` at interpreter exit before non-daemon threads are joined
+    (``threading._register_atexit``, the standard library's since Python 3.9;
+    ``atexit``, which runs after the join, where a Python has none)."""
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        (register or atexit.register)(hook)
+    except RuntimeError:  # registered while the interpreter is shutting down: nothing to stop
+        pass
 
 
 class StepCompiling:
@@ -93,6 +127,10 @@ class StepCompiling:
         ``ValueError`` where it is not, as in :meth:`step`.
         """
         compress = self.schedule.forced(self.qgz_active if compress is None else compress)
+        self._ahead.wait(compress)  # not a second compile of one the worker is at
+        return self._lowered(state, batch, compress)
+
+    def _lowered(self, state: Any, batch: Any, compress: bool):
         with jax.set_mesh(self.mesh):
             return self._step_variants[compress].lower(state, self.shard_batch(batch))
 
@@ -112,22 +150,28 @@ class StepCompiling:
     def precompile(self, state: Any, batch: Any, *, background: bool = False) -> dict:
         """Compiles every step variant ``state``'s schedule can still take, before its first use.
 
-        The variant of ``state``'s own step comes first, then the other where
-        the qgZ schedule switches later (warm-up, refresh, gradient-RMS gate:
-        :meth:`QgzSchedule.variants_from
+        The variant of ``state``'s own step comes first (read from the state as
+        :meth:`step` reads it), then the other where the qgZ schedule switches
+        later (warm-up, refresh, gradient-RMS gate: :meth:`QgzSchedule.variants_from
         <zeropp_jax.step.schedule.QgzSchedule.variants_from>`). :meth:`step`
-        then runs them from ``jax.jit``'s cache, as if each had run once.
+        (and :meth:`lower`) then find them in ``jax.jit``'s cache (each one's
+        first run still pays XLA's one-time set-up of the executable). That reuse is JAX's own dispatch caching (an ahead-of-time
+        compile and a call share the lowered program), checked for the JAX
+        installed by ``tests/test_compiling.py``; with PGLE on
+        (``jax_enable_pgle``) a call compiles its own, so nothing is compiled
+        here, with a warning.
 
         Args:
           state: a :class:`~zeropp_jax.step.state.TrainState` of this trainer
             (not consumed; only its shapes and shardings are used).
           batch: a global batch of the shapes the steps will take (as
-            :meth:`shard_batch`'s; only its shapes are used).
+            :meth:`shard_batch`'s; placed once, its values unused).
           background: compile in a worker thread and return at once. A step
             whose variant is still compiling waits for that compile. The worker
             traces under JAX's global configuration: a step run under a
             thread-local context (``jax.default_matmul_precision``, ...)
-            compiles its own variant.
+            compiles its own variant. At exit the program waits for the
+            compile running then; those queued are cancelled.
 
         Returns:
           ``{compress: seconds}`` (each compile's wall time), or with
@@ -136,10 +180,15 @@ class StepCompiling:
         """
         check_state(state, self._state_form, "precompile")
         step = self._host_steps.get(state.step)
-        variants = self.schedule.variants_from(int(state.step) if step is None else step)
+        step = int(state.step) if step is None else step
+        variants = self.schedule.variants_from(step, state.opt_state.qgz.grad_rms)
         shapes, batch_shapes = _abstract(state), _abstract(self.shard_batch(batch))
+        if jax.config.jax_enable_pgle:
+            warnings.warn("trainer.precompile compiles nothing with PGLE on (jax_enable_pgle): "
+                          "a profiled step compiles its own program", stacklevel=2)
+            return {}
         self._step_variants  # made here, not in the worker: one jit per variant, one cache
-        compiles = {compress: lambda c=compress: self.lower(shapes, batch_shapes, compress=c).compile()
+        compiles = {compress: lambda c=compress: self._lowered(shapes, batch_shapes, c).compile()
                     for compress in variants}
         if background:
             return self._ahead.start(compiles)

@@ -77,17 +77,17 @@ class QgzSchedule:
             )
         return bool(compress)
 
-    def variants_from(self, step: int) -> tuple[bool, ...]:
+    def variants_from(self, step: int, grad_rms: Any = float("inf")) -> tuple[bool, ...]:
         """The variants (``compress`` values) steps ``step, step + 1, ...`` can take.
 
-        The variant of step ``step`` comes first (the compressed one where only
-        the gradient-RMS gate decides: it lets a first step through), then the
-        other where a later step may take it: during the warm-up, with a
-        refresh, or with the gate.
+        The variant of step ``step`` comes first (:meth:`compress_at` with
+        ``grad_rms``, the state's ``opt_state.qgz.grad_rms``: read only where
+        the gate decides), then the other where a later step may take it:
+        during the warm-up, with a refresh, or with the gate.
         """
         if self.is_static:
             return (self.active,)
-        first = self.compress_at(step, float("inf"))
+        first = self.compress_at(step, grad_rms)
         switches = step < self.warmup_steps or self.refresh_every or self.min_grad_rms > 0
         return (first, not first) if switches else (first,)
 

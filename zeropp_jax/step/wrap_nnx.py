@@ -21,28 +21,29 @@ swapped for a dispatcher while the loss is traced (and restored after).
    a block holding a ``Unit`` splits the block (``nnx.split``), merges it
    again inside ``layer`` with ``gather(unit)`` (one gather per layer,
    forward and backward), and writes its random-stream counters (and an
-   ``nnx.Rngs`` argument's) back with ``nnx.update``; ``nnx.scan`` stacks them. (Applied by ``nnx.vmap``
-   instead, the stack's per-layer gathers are batched into one gather of
-   the whole stack.) Refused: a block holding a stacked ``Unit`` called
-   whole, not by a scan; a block creating state (``nnx.sow``), which could
-   not leave ``layer`` (other state given new values is warned about); and
-   a read of a wrapped block's parameters outside its ``__call__``
-   (``Embed.attend``; a read of the whole tree, ``nnx.state(model,
-   nnx.Param)`` in the criterion, is not caught and sees placeholders).
+   ``nnx.Rngs`` argument's) back with ``nnx.update``; ``nnx.scan`` stacks
+   them. (Applied by ``nnx.vmap``, the stack's per-layer gathers are batched
+   into one gather of the whole stack.) Refused: a block holding a stacked
+   ``Unit`` called whole, not by a scan; a block creating state
+   (``nnx.sow``), which could not leave ``layer`` (other state given new
+   values is warned about); and a read of a wrapped block's parameters
+   outside its ``__call__`` (``Embed.attend``; a read of the whole tree,
+   ``nnx.state(model, nnx.Param)`` in the criterion, is not caught and sees
+   placeholders).
 
 A subclass of a listed class with its own ``__call__`` is dispatched too.
 Two stacks whose parameters have the same names, shapes and dtypes cannot be
-told apart by :func:`discover` and are refused.
-
-PRNG keys in the block's state (its random streams) cross ``layer`` as raw
-key data (``jax.random.key_data``), which ``layer``'s ordering arithmetic
-accepts, and are wrapped again inside.
+told apart by :func:`discover` and are refused. PRNG keys in the block's
+state (its random streams) cross ``layer`` as raw key data
+(``jax.random.key_data``) and are wrapped again inside.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
+import threading
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -111,29 +112,32 @@ def _public_methods(cls: type) -> list[str]:
     })
 
 
+_PATCHING = threading.RLock()  # held while classes are patched: another thread's trace waits
+
+
 @contextlib.contextmanager
 def _patched(classes: Sequence[type], name: str, handler: Callable):
     """While active, calling the method ``name`` of an instance of ``classes``
     runs ``handler(method, module, args, kwargs)``, ``method`` being the
-    class's own; outside, the classes are as they were."""
-    saved = [(c, c.__dict__.get(name)) for c in classes]
-
+    class's own; outside, the classes are as they were. One thread at a time."""
     def dispatcher(method):
         def patched(self, *args, **kwargs):
             return handler(method, self, args, kwargs)
 
         return patched
 
-    try:
-        for c in classes:
-            setattr(c, name, dispatcher(getattr(c, name)))
-        yield
-    finally:
-        for c, own in saved:
-            if own is None:
-                delattr(c, name)  # it was inherited
-            else:
-                setattr(c, name, own)
+    with _PATCHING:
+        saved = [(c, c.__dict__.get(name)) for c in classes]
+        try:
+            for c in classes:
+                setattr(c, name, dispatcher(getattr(c, name)))
+            yield
+        finally:
+            for c, own in saved:
+                if own is None:
+                    delattr(c, name)  # it was inherited
+                else:
+                    setattr(c, name, own)
 
 
 def _nnx_calls(classes: Sequence[type], handler: Callable):
@@ -147,12 +151,8 @@ def _nnx_calls(classes: Sequence[type], handler: Callable):
 def _keys(path: tuple) -> tuple:
     """A JAX key path as plain keys, up to the first non-dict entry (a
     ``Variable``'s ``value``)."""
-    keys = []
-    for entry in path:
-        if not isinstance(entry, jax.tree_util.DictKey):
-            break
-        keys.append(entry.key)
-    return tuple(keys)
+    dicts = itertools.takewhile(lambda entry: isinstance(entry, jax.tree_util.DictKey), path)
+    return tuple(entry.key for entry in dicts)
 
 
 def _params_of(module: Any) -> list[tuple[tuple, Any]]:
@@ -368,8 +368,8 @@ def wrap_loss(loss_fn: Callable, classes: Sequence[type], paths: Sequence[tuple]
       (outside a ZeRO step) it is ``loss_fn``; with a ``Unit`` at each path,
       each block is gathered when called and again in the backward (a
       stacked unit under ``nnx.scan``: one layer per iteration). The listed
-      classes' ``__call__`` is swapped while it is traced, so trace it on
-      one thread at a time.
+      classes' ``__call__`` is swapped while it is traced, one thread at a
+      time (a trace on another thread waits).
 
     Raises:
       ValueError: (when traced) if a block holding a stacked unit is called
