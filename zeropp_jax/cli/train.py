@@ -20,7 +20,7 @@ import sys
 import time
 
 from zeropp_jax import provenance
-from zeropp_jax.cli import common, data_flags, guards
+from zeropp_jax.cli import common, data_flags, guards, held_out, resume
 from zeropp_jax.files import output_problem
 
 DEFAULT_PRESET = "zeropp"
@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from the newest readable checkpoint in --checkpoint-dir "
         "(any mesh); start from step 0 if there is none",
     )
+    held_out.add_flags(parser)
     common.add_common_args(parser)
     # The main job shows the point of the library: ZeRO++ (ZeroConfig's own
     # default, and zeropp-comm's, stays plain ZeRO-3).
@@ -90,6 +91,7 @@ def _check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Names
         problem = output_problem("--metrics-out", args.metrics_out, {"--data": args.data})
         if problem:
             parser.error(problem)
+    held_out.check_flags(parser, args)
     if args.lr_warmup is not None and args.lr_warmup >= args.steps:
         parser.error(f"--lr-warmup {args.lr_warmup} is not shorter than --steps {args.steps}: "
                      "the learning rate would never reach --lr; shorten the warm-up")
@@ -105,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         batches, vocab, data_print = data_flags.load_batches(args)
+        evaluation = held_out.load(args, vocab, jax.process_count())
         mesh = common.build_mesh(args)
         model_cfg = common.build_model(args, vocab)
         params_shapes = jax.eval_shape(
@@ -123,9 +126,12 @@ def run(args: argparse.Namespace) -> int:
             f"dtype={info['compute_dtype']} tokens={data_print.tokens:,} vocab={vocab}",
             flush=True,
         )
-    common.warn(PROG, guards.start_warnings(trainer, args.steps))
+    common.warn(PROG, guards.start_warnings(trainer, args.steps) + ([
+        f"--eval-data: {evaluation.cut} held-out rows left out, so that the rest divide into "
+        f"--batch-size {args.batch_size} on {jax.process_count()} processes"]
+        if evaluation is not None and evaluation.cut else []))
     record_of_run = guards.run_record(args, dataclasses.asdict(model_cfg), data_print)
-    ckpt, state, restored_meta = _open_checkpoints(args, trainer, is_main, record_of_run)
+    ckpt, state, restored_meta = resume.open_checkpoints(args, trainer, is_main, record_of_run)
     if state is None:
         # Each unit drawn already split: no device holds the whole model.
         state = trainer.init_from(lambda key: gpt.init_params(model_cfg, key),
@@ -151,14 +157,17 @@ def run(args: argparse.Namespace) -> int:
     # a compile where the warm-up ends or a refresh or the gate switches.
     trainer.precompile(state, _local_rows(batches, first_step), background=True)
     history: list[float] = []
+    eval_losses: dict[int, float] = {}  # steps done -> held-out loss
+    eval_seconds = 0.0
     bounded: list[float] = []  # 1-bit Adam: coordinates held at Adam's bound, per step
     pending = None  # metrics of the previous step, read one step late
     start = last_time = time.perf_counter()
 
-    def record(step: int, metrics) -> None:
+    def record(step: int, metrics, eval_loss: float | None) -> None:
         nonlocal last_time
         values = {k: int(v) if k in ("compressed", "bounded") else float(v)
                   for k, v in jax.device_get(metrics).items()}
+        values.update({} if eval_loss is None else {"eval_loss": eval_loss})
         if not math.isfinite(values["loss"]):
             bar.close()
             common.fail(
@@ -172,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
         bounded.extend([values["bounded"]] if "bounded" in values else [])
         tok_s = tokens_per_step / max(now - last_time, 1e-9)
         last_time = now
-        bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{tok_s:,.0f}")
+        bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{tok_s:,.0f}", **(
+            {"eval": f"{list(eval_losses.values())[-1]:.4f}"} if eval_losses else {}))
         bar.update(1)
         if metrics_file is not None:
             line = {"step": step, **values, "time": now - start}
@@ -199,8 +209,13 @@ def run(args: argparse.Namespace) -> int:
                 state, metrics = trainer.step(state, batch, compress=compress)
                 if pending is not None:
                     record(*pending)
-                pending = (step, metrics)
                 done = step + 1
+                if evaluation is not None and evaluation.due(done, args.steps):
+                    eval_start = time.perf_counter()
+                    eval_losses[done] = held_out.loss(trainer, state, evaluation)
+                    eval_seconds += time.perf_counter() - eval_start  # not training time
+                    last_time += time.perf_counter() - eval_start
+                pending = (step, metrics, eval_losses.get(done))
                 periodic = args.save_every and done % args.save_every == 0
                 if ckpt is not None and (periodic or done == args.steps):
                     # Every step up to the save is checked and logged before it.
@@ -220,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
         # step is saved if there is a --checkpoint-dir): stop before the report.
         stopped_at = args.steps
     bar.close()
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - start - eval_seconds
     if metrics_file is not None:
         metrics_file.close()
     if stopped_at is not None:
@@ -259,6 +274,10 @@ def run(args: argparse.Namespace) -> int:
             "seconds": round(elapsed, 2),
             "tokens_per_second": round(n * tokens_per_step / elapsed, 1),
         }
+        if eval_losses:  # the held-out loss after the last step (and at each --eval-every)
+            summary.update(eval_loss=eval_losses[args.steps], eval_rows=len(evaluation.rows),
+                           eval_losses={str(k): v for k, v in eval_losses.items()},
+                           eval_seconds=round(eval_seconds, 2))
         if bounded:  # compressed steps that held some, and how many coordinates in all
             summary["bounded"] = {"steps": sum(map(bool, bounded)), "coordinates": int(sum(bounded))}
         summary.update(figures)
@@ -296,110 +315,6 @@ def _kept(ckpt) -> str:
     ckpt.wait()
     steps = ckpt.all_steps()
     return f"; the newest checkpoint, step {steps[-1]}, stays" if steps else ""
-
-
-def _open_checkpoints(args, trainer, is_main: bool, record_of_run: dict):
-    """``(checkpointer or None, restored state or None, its metadata or None)``.
-
-    The command is compared with the run recorded in the checkpoint it
-    resumes from (:func:`~zeropp_jax.cli.guards.resume_changes`).
-    """
-    if args.checkpoint_dir is None:
-        return None, None, None
-    from zeropp_jax.checkpoint import CheckpointError, Checkpointer, CheckpointMismatchError
-    from zeropp_jax.checkpoint.errors import QgzTargetMismatchError
-
-    existed = os.path.isdir(args.checkpoint_dir)
-    try:
-        ckpt = Checkpointer(args.checkpoint_dir, max_to_keep=args.keep)
-    except (ValueError, OSError) as e:
-        common.fail(PROG, f"--checkpoint-dir {args.checkpoint_dir}: {e}")
-    if not ckpt.all_steps():
-        if args.resume:  # a mistyped directory would start over: said on stderr
-            common.warn(PROG, [f"--resume: no checkpoint in {args.checkpoint_dir} ("
-                               f"{'empty' if existed else 'a new directory'}); starting at step 0"])
-        return ckpt, None, None
-    if not args.resume:
-        steps = ckpt.all_steps()
-        ckpt.close()
-        common.fail(
-            PROG,
-            f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints (steps "
-            f"{steps}); pass --resume to continue from the newest, or use another directory"
-        )
-
-    changed: list[str] = []  # the command's changes from the restored step's run
-
-    def refuse(meta: dict) -> None:
-        changed[:] = _refuse_changes(ckpt, meta, args, trainer, record_of_run)
-
-    try:
-        try:
-            # The newest readable checkpoint: an unreadable newer one is skipped
-            # (and set aside). The command is compared with its ``meta`` before
-            # the state is built, so a refusal comes before any conversion notice.
-            state, meta = ckpt.restore_with_metadata(trainer, check=refuse)
-        except CheckpointMismatchError as e:
-            # The command's own difference (model, schedule) says more.
-            recorded = _newest_readable_meta(ckpt)
-            if recorded is not None:
-                refuse(recorded)
-            if isinstance(e, QgzTargetMismatchError):
-                raise CheckpointMismatchError(
-                    f"{e}; with {PROG}: {_same_optimizer_flags(e.stored_config)}") from e
-            raise
-    except (CheckpointError, FileNotFoundError) as e:
-        ckpt.close()
-        common.fail(PROG, str(e))
-    if is_main:
-        print(
-            f"zeropp-train: resumed from {ckpt.step_path(meta['step'])} (saved on mesh "
-            f"{meta['mesh']['node']}x{meta['mesh']['local']}, preset "
-            f"{meta['config']['preset']})", flush=True,
-        )
-        if changed:
-            print(f"zeropp-train: warning: the run differs from the checkpoint's: "
-                  f"{', '.join(changed)}", file=sys.stderr, flush=True)
-    return ckpt, state, meta
-
-
-def _newest_readable_meta(ckpt) -> dict | None:
-    """The metadata of the newest checkpoint whose metadata reads, else ``None``."""
-    from zeropp_jax.checkpoint import CheckpointError
-
-    for step in reversed(ckpt.all_steps()):
-        try:
-            return ckpt.metadata(step)
-        except CheckpointError:
-            continue
-    return None
-
-
-def _refuse_changes(ckpt, meta: dict, args, trainer, record_of_run: dict) -> list[str]:
-    """The command's changes from the run of checkpoint ``meta`` (warnings);
-    raises ``CheckpointMismatchError`` for those the state cannot follow."""
-    from zeropp_jax.checkpoint import CheckpointMismatchError
-
-    errors, changed = guards.resume_changes(
-        meta.get("extra", {}), args, record_of_run["model"],
-        trainer.config.describe(), meta["config"],
-        record_of_run.get("data_fingerprint"),
-    )
-    if errors:
-        raise CheckpointMismatchError(
-            f"cannot resume from {ckpt.step_path(meta['step'])}: " + "; ".join(errors)
-        )
-    return changed
-
-
-def _same_optimizer_flags(stored: dict) -> str:
-    """The flags that give a trainer the optimizer of a checkpoint's ``config``."""
-    if stored.get("qgz_target", "gradient") == "momentum":  # 1-bit Adam: qgZ on, a warm-up
-        flags = (f"--qgz {stored.get('qgz')} --qgz-target momentum "
-                 f"--qgz-warmup {stored.get('qgz_warmup_steps')} "
-                 f"--qgz-refresh-every {stored.get('qgz_refresh_every')}")
-        return f"pass --preset {stored.get('preset')}, or {flags}"
-    return "pass --qgz-target gradient"
 
 
 def _open_metrics(path: str | None, first_step: int):
