@@ -42,6 +42,17 @@ def test_held_out_rows_are_the_files_first_windows(tmp_path):
     assert held_out.load(_args(), 256) is None
 
 
+def test_start_warnings_say_what_is_not_held_out(tmp_path):
+    data = _text(tmp_path / "val.txt", 17 * 10)
+    assert held_out.start_warnings(_args(), None, 1) == []
+    args = _args("--eval-data", data, "--data", data)
+    said = held_out.start_warnings(args, held_out.load(args, 256, process_count=2), 2)
+    assert len(said) == 2 and "2 held-out rows left out" in said[0]
+    assert "is the --data file" in said[1]
+    with pytest.raises(SystemExit):  # nor may the metrics overwrite it
+        train.main([*TINY, "--eval-data", data, "--metrics-out", data])
+
+
 def test_held_out_files_it_cannot_use_are_refused(tmp_path):
     short = _text(tmp_path / "short.txt", 16)
     with pytest.raises(ValueError, match="fewer than one window of --seq-len \\+ 1 = 17"):
@@ -67,8 +78,9 @@ def test_eval_flags_need_eval_data(flags, capsys):
 @pytest.mark.slow
 def test_a_runs_held_out_loss_is_the_saved_states(tmp_path):
     """``--eval-every 3`` over 6 steps: the loss after steps 3 and 6 in the
-    metrics file and the summary; the one after step 6 equals the held-out loss
-    of the saved state, measured here (21 rows: a partial last chunk)."""
+    metrics file and the summary; the one after step 6 equals the loss of the
+    21 held-out rows (a partial last chunk) at the saved state, in one
+    ``evaluate`` of them all."""
     from zeropp_jax.checkpoint import Checkpointer
     from zeropp_jax.models import gpt
 
@@ -90,5 +102,5 @@ def test_a_runs_held_out_loss_is_the_saved_states(tmp_path):
     shapes = jax.eval_shape(lambda k: gpt.init_params(model_cfg, k), jax.random.key(args.seed))
     trainer = common.build_trainer(args, common.build_mesh(args), model_cfg, shapes)
     state = Checkpointer(tmp_path / "ckpt").restore(trainer)
-    expected = held_out.loss(trainer, state, held_out.load(args, 256))
-    np.testing.assert_allclose(summary["eval_loss"], expected, rtol=1e-6)
+    expected = trainer.evaluate(state, held_out.load(args, 256).rows)["loss"]
+    np.testing.assert_allclose(summary["eval_loss"], float(expected), rtol=1e-6)

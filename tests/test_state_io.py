@@ -202,7 +202,7 @@ def test_evaluate_averages_the_aux_like_a_step():
     np.testing.assert_allclose(float(out["aux"]["twice"]), 2 * float(out["loss"]), rtol=1e-6)
 
 
-@pytest.mark.parametrize("rows, grad_accum", [(21, 1), (37, 2), (3, 1), (16, 2)])
+@pytest.mark.parametrize("rows, grad_accum", [(21, 1), (37, 2), (3, 1), (16, 2), (24, 2)])
 def test_evaluate_takes_any_number_of_rows(rows, grad_accum):
     """A batch whose rows do not divide into devices x grad_accum: each row
     weighs as one (the plain model's mean over all rows, aux too), the state
@@ -223,7 +223,31 @@ def test_evaluate_takes_any_number_of_rows(rows, grad_accum):
     np.testing.assert_allclose(float(out["aux"]["twice"]), 2 * float(plain), rtol=2e-6)
     as_list = trainer.evaluate(state, jax.tree.map(lambda x: np.asarray(x).tolist(), batch))
     np.testing.assert_allclose(float(as_list["loss"]), float(out["loss"]), rtol=1e-7)
+    if rows == 3:
+        with pytest.raises(ValueError, match="not a rectangular array"):
+            trainer.evaluate(state, [[1, 2], [3]])
+    if rows % 8 == 0:  # already placed over the devices (24 rows: 3 a device, a tail of 8)
+        placed = trainer.evaluate(state, jax.device_put(batch, trainer.batch_sharding))
+        np.testing.assert_allclose(float(placed["loss"]), float(out["loss"]), rtol=1e-7)
     trainer.step(state, jax.tree.map(lambda x: x[:16], tiny_batches(batch_size=40).batch_at(0)))
+
+
+def test_evaluates_tail_rows_draw_their_own_keys():
+    """With ``rng=``, each row of a partial tail draws the key of its own row,
+    as the head's rows do (not the keys of the head's first rows)."""
+    from zeropp_jax.step.accumulate import micro_batch_key
+
+    def loss(params, batch, key):  # a row's "loss": its key's draw (params unused but read)
+        return jax.random.uniform(key) + 0 * jnp.sum(params["w"])
+
+    params = {"w": np.ones((8, 8), np.float32)}
+    trainer = zp.make_trainer(loss, optax.sgd(0.1), params, mesh=zp.make_mesh(*MESH), rng=3)
+    state = trainer.init(params)
+    rows = np.arange(11, dtype=np.float32)[:, None]  # 8 rows a device each, then 3 alone
+    draws = [jax.random.uniform(micro_batch_key(trainer.key, state.step, jnp.int32(r)))
+             for r in range(11)]
+    np.testing.assert_allclose(float(trainer.evaluate(state, rows)["loss"]),
+                               float(np.mean(draws)), rtol=1e-6)
 
 
 def test_a_trainer_refuses_states_it_cannot_take():

@@ -14,6 +14,7 @@ the same. On several processes the rows are cut to a multiple of
 from __future__ import annotations
 
 import argparse
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -44,6 +45,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors: ``--eval-every`` or ``--eval-rows`` without ``--eval-data``."""
     if args.eval_data is None:
         for flag, given in (("--eval-every", args.eval_every is not None),
                             ("--eval-rows", args.eval_rows != DEFAULT_ROWS)):
@@ -96,6 +98,18 @@ def load(args: argparse.Namespace, vocab: int, process_count: int = 1) -> HeldOu
             "rows are evaluated a whole batch at a time")
     rows = np.asarray(tokens[: kept * width], np.int32).reshape(kept, width)
     return HeldOut(rows, args.eval_every, args.batch_size, n - kept)
+
+
+def start_warnings(args: argparse.Namespace, held_out: HeldOut | None, processes: int) -> list[str]:
+    """What a run's start says of its held-out rows: rows cut, or none held out."""
+    if held_out is None:
+        return []
+    said = [f"--eval-data: {held_out.cut} held-out rows left out, so that the rest divide into "
+            f"--batch-size {args.batch_size} on {processes} processes"] if held_out.cut else []
+    if args.data is not None and os.path.realpath(args.eval_data) == os.path.realpath(args.data):
+        said.append(f"--eval-data {args.eval_data} is the --data file: its windows are "
+                    "trained on, so their loss is not a held-out one")
+    return said
 
 
 def loss(trainer, state, held_out: HeldOut) -> float:

@@ -88,7 +88,8 @@ def _check_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Names
     elif os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         parser.error(f"--checkpoint-dir {args.checkpoint_dir} is a file")
     if args.metrics_out is not None:
-        problem = output_problem("--metrics-out", args.metrics_out, {"--data": args.data})
+        problem = output_problem("--metrics-out", args.metrics_out,
+                                 {"--data": args.data, "--eval-data": args.eval_data})
         if problem:
             parser.error(problem)
     held_out.check_flags(parser, args)
@@ -126,10 +127,8 @@ def run(args: argparse.Namespace) -> int:
             f"dtype={info['compute_dtype']} tokens={data_print.tokens:,} vocab={vocab}",
             flush=True,
         )
-    common.warn(PROG, guards.start_warnings(trainer, args.steps) + ([
-        f"--eval-data: {evaluation.cut} held-out rows left out, so that the rest divide into "
-        f"--batch-size {args.batch_size} on {jax.process_count()} processes"]
-        if evaluation is not None and evaluation.cut else []))
+    common.warn(PROG, guards.start_warnings(trainer, args.steps)
+                + held_out.start_warnings(args, evaluation, jax.process_count()))
     record_of_run = guards.run_record(args, dataclasses.asdict(model_cfg), data_print)
     ckpt, state, restored_meta = resume.open_checkpoints(args, trainer, is_main, record_of_run)
     if state is None:
@@ -182,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         tok_s = tokens_per_step / max(now - last_time, 1e-9)
         last_time = now
         bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{tok_s:,.0f}", **(
-            {"eval": f"{list(eval_losses.values())[-1]:.4f}"} if eval_losses else {}))
+            {} if eval_loss is None else {"eval": f"{eval_loss:.4f}"}))
         bar.update(1)
         if metrics_file is not None:
             line = {"step": step, **values, "time": now - start}
@@ -211,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
                     record(*pending)
                 done = step + 1
                 if evaluation is not None and evaluation.due(done, args.steps):
+                    jax.block_until_ready(state)  # the step's time is not the evaluation's
                     eval_start = time.perf_counter()
                     eval_losses[done] = held_out.loss(trainer, state, evaluation)
                     eval_seconds += time.perf_counter() - eval_start  # not training time

@@ -10,7 +10,7 @@ anything else is copied there.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -116,35 +116,58 @@ def place_batch(batch: Any, sharding: NamedSharding, *, per_step: int, n_devices
     return jax.tree_util.tree_unflatten(treedef, [put(arr) for _, arr in arrays])
 
 
-def split_rows(batch: Any, per_step: int) -> list[tuple[Any, int, bool]]:
+class RowPart(NamedTuple):
+    """A part of an evaluation's batch (:func:`split_rows`).
+
+    Attributes:
+      batch: the part's rows (a multiple of ``devices x grad_accum``).
+      rows: how many of them count.
+      first_row: the part's first row in the whole batch.
+      padded: a tail of fewer rows padded to ``devices x grad_accum`` (one
+        row a micro-batch: each row's loss is read alone).
+    """
+
+    batch: Any
+    rows: int
+    first_row: int
+    padded: bool
+
+
+def split_rows(batch: Any, per_step: int) -> list[RowPart]:
     """``batch`` cut where its rows stop dividing into ``per_step``, for an evaluation.
 
-    Returns ``[(part, rows, one_row_per_slot)]``: the whole batch
-    (``one_row_per_slot`` False) where its row count divides into ``per_step``;
+    Returns the whole batch where its row count divides into ``per_step``;
     otherwise the largest such head, if any, and the remaining ``r < per_step``
-    rows padded to ``per_step`` with copies of their last row (True: each
-    device's micro-batch holds one row, and only the first ``r`` count). A
-    multi-process batch, or one :func:`place_batch` would refuse (leaves of
-    different row counts, a scalar, no rows), is returned whole, for
-    :func:`place_batch` to place or refuse, naming the leaf.
+    rows padded to ``per_step`` with copies of their last row (each device's
+    micro-batch then holds one row, and only the first ``r`` count), both on
+    the host. A multi-process batch, or one :func:`place_batch` would
+    refuse (leaves of different row counts, a scalar, no rows, ragged lists),
+    is returned whole, for :func:`place_batch` to place or refuse, naming the leaf.
     """
     flat, treedef = jax.tree_util.tree_flatten(batch, is_leaf=_is_list_data)
-    arrays = [x if isinstance(x, jax.Array) else np.asarray(x) for x in flat]
-    shapes = {np.shape(x)[:1] for x in arrays}
-    if jax.process_count() > 1 or len(shapes) != 1 or () in shapes:
-        return [(batch, 0, False)]
+    shapes = {np.shape(x)[:1] if isinstance(x, jax.Array) else _rows_of(x) for x in flat}
+    if jax.process_count() > 1 or len(shapes) != 1 or () in shapes or None in shapes:
+        return [RowPart(batch, 0, 0, False)]
     rows = shapes.pop()[0]
     head, tail = rows - rows % per_step, rows % per_step
     if not tail:
-        return [(batch, rows, False)]
+        return [RowPart(batch, rows, 0, False)]
+    arrays = [np.asarray(x) for x in flat]  # on the host: a placed array slices no other way
 
-    def pad(x):  # the tail's rows, then its last row repeated: per_step rows, on the host
-        x = np.asarray(x[head:])
-        return np.concatenate([x, np.repeat(x[-1:], per_step - tail, axis=0)])
+    def pad(x):  # the tail's rows, then its last row repeated: per_step rows
+        return np.concatenate([x[head:], np.repeat(x[-1:], per_step - tail, axis=0)])
 
-    parts = [(jax.tree_util.tree_unflatten(treedef, [x[:head] for x in arrays]), head, False)]
-    tail_part = (jax.tree_util.tree_unflatten(treedef, [pad(x) for x in arrays]), tail, True)
+    parts = [RowPart(jax.tree_util.tree_unflatten(treedef, [x[:head] for x in arrays]), head, 0, False)]
+    tail_part = RowPart(jax.tree_util.tree_unflatten(treedef, [pad(x) for x in arrays]), tail, head, True)
     return (parts if head else []) + [tail_part]
+
+
+def _rows_of(x: Any) -> tuple | None:
+    """``x``'s leading axis as ``(rows,)`` (``()`` for a scalar), ``None`` for a ragged list."""
+    try:
+        return np.shape(x)[:1]
+    except ValueError:
+        return None
 
 
 def global_batch_size_check(batch_size: int, n_devices: int, grad_accum: int) -> None:

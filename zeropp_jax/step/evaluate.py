@@ -25,7 +25,8 @@ from zeropp_jax.step.geometry import DATA_AXES, StepGeometry
 
 
 def evaluate(geo: StepGeometry, loss_fn: Callable[..., jax.Array], params: dict, batch: Any,
-             step: jax.Array, *, key: jax.Array | None, per_row: bool = False) -> dict:
+             step: jax.Array, first_row: Any = 0, *, key: jax.Array | None,
+             per_row: bool = False) -> dict:
     """The mean loss of a global batch (global, under ``jit``; one ``shard_map``).
 
     Args:
@@ -34,6 +35,8 @@ def evaluate(geo: StepGeometry, loss_fn: Callable[..., jax.Array], params: dict,
       params: the state's master parameters (``TrainState.params``).
       batch: the global batch, placed like a step's (``P(("node", "local"))``).
       step: int32 ``()``, the state's step (the loss's keys, with ``key``).
+      first_row: int32 ``()``, the batch's first row in the rows evaluated
+        (a tail's keys are those of its rows, not of the head's).
       key: ``None``, or the trainer's key: the loss gets the keys a step at
         this state would draw (:func:`~zeropp_jax.step.accumulate.micro_batch_key`).
       per_row: return each micro-batch's loss unaveraged (for a batch of
@@ -47,7 +50,7 @@ def evaluate(geo: StepGeometry, loss_fn: Callable[..., jax.Array], params: dict,
       the gathers' (``local``, and ``node`` without hpZ), then a ``pmean``
       over both (none with ``per_row``).
     """
-    def local(params, batch, step, key):
+    def local(params, batch, step, first_row, key):
         if geo.config.node_replicated:  # this node's copy: (1, [L,] U / local)
             params = {name: p[0] for name, p in params.items()}
         accum = geo.config.grad_accum
@@ -55,7 +58,8 @@ def evaluate(geo: StepGeometry, loss_fn: Callable[..., jax.Array], params: dict,
 
         def one(inputs):
             micro_batch, index = inputs
-            micro_key = None if key is None else micro_batch_key_at(key, step, batch, accum, index)
+            micro_key = None if key is None else micro_batch_key_at(
+                key, step, batch, accum, index, first_row)
             return LossOutputs(*loss_of_sinks(sinks, micro_batch, micro_key))
 
         outputs = jax.lax.map(one, (split_micro_batches(batch, accum), jnp.arange(accum)))
@@ -65,9 +69,9 @@ def evaluate(geo: StepGeometry, loss_fn: Callable[..., jax.Array], params: dict,
 
     return jax.shard_map(
         local, mesh=geo.mesh,
-        in_specs=(geo.param_specs(), geo.batch_specs(batch), P(), P()),
+        in_specs=(geo.param_specs(), geo.batch_specs(batch), P(), P(), P()),
         out_specs=P(DATA_AXES) if per_row else P(), check_vma=geo.check_vma,
-    )(params, batch, step, key)
+    )(params, batch, step, jnp.asarray(first_row, jnp.int32), key)
 
 
 def mean_over_parts(parts: list[tuple[dict, int, bool]]) -> dict:

@@ -211,14 +211,14 @@ class Trainer(StepCompiling):
         ``devices x grad_accum`` run one to a micro-batch in a second program
         (:func:`~zeropp_jax.step.batch.split_rows`), each row weighing as one
         of the rest (each row's mean, for a loss that is a mean over rows;
-        with a key, the keys of a step's first rows).
+        with a key, each row its own row's key).
         """
         check_state(state, self._state_form, "evaluate")
         parts = split_rows(batch, self.n_devices * self.config.grad_accum)
         with jax.set_mesh(self.mesh):
-            return mean_over_parts([(self._evaluate[per_row](
-                state.params, self.shard_batch(part), state.step), rows, per_row)
-                for part, rows, per_row in parts])
+            return mean_over_parts([(self._evaluate[p.padded](
+                state.params, self.shard_batch(p.batch), state.step, p.first_row), p.rows, p.padded)
+                for p in parts])
 
     @functools.cached_property
     def _evaluate(self) -> dict[bool, Callable]:  # the key closed over, as the step's
