@@ -37,6 +37,8 @@ object on the last line.
   python benchmarks/compile_stall.py                       # 12 layers, warm-up 5, ~3 min
   python benchmarks/compile_stall.py --layers 48           # the README's depth
   python benchmarks/compile_stall.py --modes background --layers 24 --warmup 10
+  python benchmarks/compile_stall.py --replot out48.txt out12.txt \
+      --figure benchmarks/figures/compile_stall.png  # the steps' timelines, a panel a run
 
 On 2 CPU cores the background worker compiles on the cores the warm-up steps
 run on: the steps it overlaps get slower, and the compressed compile takes
@@ -196,6 +198,46 @@ def _child(mode: str, args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def figure(path: str, results: list[dict]) -> None:
+    """A timeline per mode (one panel per result: this script's JSON): each step
+    a bar from its start to its end (full precision blue, compressed orange),
+    ``precompile``'s call grey before step 0, the background worker's compiles
+    green under its steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"step": ("tab:blue", "tab:orange"), "precompile": "0.6", "worker": "tab:green"}
+    fig, axes = plt.subplots(len(results), 1, figsize=(9, 0.6 + 2.0 * len(results)),
+                             squeeze=False)
+    for ax, result in zip(axes[:, 0], results):
+        modes = list(result["modes"])
+        for y, mode in enumerate(modes):
+            r = result["modes"][mode]
+            ax.broken_barh(list(zip(r["step_start_at_s"], r["step_s"])), (y - 0.3, 0.45),
+                           facecolors=[colors["step"][c] for c in r["compressed"]],
+                           edgecolor="white", linewidth=0.3)
+            if r["precompile_call_s"] > 0.5:
+                ax.broken_barh([(0, r["precompile_call_s"])], (y - 0.3, 0.45),
+                               facecolors=colors["precompile"])
+            done = r.get("compile_finished_at_s") or {}
+            if mode == "background" and done:
+                ax.broken_barh([(done[c] - r["compile_s"][c], r["compile_s"][c]) for c in done],
+                               (y + 0.2, 0.2), facecolors=colors["worker"], edgecolor="white")
+        cfg = result["config"]
+        ax.set(yticks=range(len(modes)), yticklabels=modes, ylim=(len(modes) - 0.4, -0.6),
+               title=f"{cfg['layers']} layers, warm-up {cfg['warmup']}: first compressed "
+                     f"step at step {cfg['warmup']} ({result['git']})")
+        ax.set_xlabel("seconds from the first step (or the precompile call)")
+    handles = [matplotlib.patches.Patch(color=c, label=label) for c, label in [
+        (colors["step"][0], "full-precision step"), (colors["step"][1], "compressed step"),
+        (colors["precompile"], "precompile call"), (colors["worker"], "worker's compiles")]]
+    fig.legend(handles=handles, fontsize=7, loc="lower center", ncol=4)
+    fig.tight_layout(rect=(0, 0.3 / (0.6 + 2.0 * len(results)), 1, 1))
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=12, help="GPT-2 blocks (n_layer)")
@@ -206,7 +248,17 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="steps per mode (default warmup + 5)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
     p.add_argument("--only-mode", choices=MODES, help=argparse.SUPPRESS)  # the child process
+    p.add_argument("--figure", metavar="PNG", help="also draw the steps' timelines (figure())")
+    p.add_argument("--replot", nargs="+", metavar="OUT", default=None,
+                   help="draw --figure from earlier runs' output (their last line, the "
+                        "JSON), a panel each, instead of running")
     args = p.parse_args(argv)
+    if args.replot:
+        if not args.figure:
+            p.error("--replot needs --figure PNG")
+        figure(args.figure, [json.loads(open(f).read().strip().splitlines()[-1])
+                             for f in args.replot])
+        return 0
     if args.steps is None:
         args.steps = args.warmup + 5
     if args.steps <= args.warmup:
@@ -246,7 +298,7 @@ def main(argv=None) -> int:
     from zeropp_jax import provenance
 
     record = provenance.record()
-    print(json.dumps({
+    result = {
         "machine": f"{platform.node()}, {os.cpu_count()} CPUs, {platform.machine()}, "
                    f"{record.get('backend')} x {record.get('devices')}",
         "jax": jax.__version__,
@@ -257,7 +309,10 @@ def main(argv=None) -> int:
                    "compute_dtype": "float32", "warmup": w, "steps": args.steps},
         "modes": {r["mode"]: r for r in rows},
         "provenance": record,
-    }))
+    }
+    if args.figure:
+        figure(args.figure, [result])
+    print(json.dumps(result))
     return 0
 
 

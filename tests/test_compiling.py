@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 
 import jax
@@ -38,14 +39,14 @@ def _mlp(rows=16):
 
 def _trainer(warmup=2, **config):
     params, batch, loss = _mlp()
-    trainer = zp.make_trainer(loss, optax.adam(0.01), params, mesh=mesh_of(2, 4), config=zp.ZeroConfig(
-        qgz="1bit", qgz_warmup_steps=warmup, **config))
+    config = zp.ZeroConfig(qgz="1bit", qgz_warmup_steps=warmup, **config)
+    trainer = zp.make_trainer(loss, optax.adam(0.01), params, mesh=mesh_of(2, 4), config=config)
     return trainer, trainer.init(params), batch
 
 
 @contextlib.contextmanager
 def _compiles():
-    """The names of the threads that lowered or compiled a program inside the block, one per event."""
+    """The names of the threads that lowered or compiled a program in the block, one an event."""
     threads = []
 
     def listen(event, seconds, **kwargs):
@@ -172,3 +173,34 @@ def test_the_gate_decides_the_first_variant_from_the_states_gradient():
     assert list(trainer.precompile(state, batch)) == [True, False]  # inf before the first step
     state, _ = trainer.step(state, batch)
     assert list(trainer.precompile(state, batch)) == [False, True]
+
+
+def test_the_stall_benchmark_draws_its_timelines(tmp_path, monkeypatch):
+    """``benchmarks/compile_stall.py``'s figure from a run's JSON (the script sets
+    XLA_FLAGS when imported: kept out of this process's environment)."""
+    import importlib.util
+    import os
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "compile_stall.py"
+    for name in ("XLA_FLAGS", "JAX_PLATFORMS"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # restored after the test
+    spec = importlib.util.spec_from_file_location("compile_stall", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def mode(name, starts, compile_s=None, finished=None):
+        return {"step_start_at_s": starts, "step_s": [1.0] * len(starts),
+                "compressed": [0, 1, 1][: len(starts)], "compile_s": compile_s,
+                "compile_finished_at_s": finished,
+                "precompile_call_s": 2.0 if name == "precompile" else 0.0}
+
+    result = {"config": {"layers": 2, "warmup": 1}, "git": "abc1234", "modes": {
+        "first-use": mode("first-use", [0.0, 1.0, 5.0]),
+        "precompile": mode("precompile", [2.0, 3.0, 4.0], {"false": 1.0, "true": 1.0}),
+        "background": mode("background", [0.0, 1.5, 2.5], {"false": 1.0, "true": 1.2},
+                           {"false": 1.0, "true": 2.2})}}
+    out = tmp_path / "stall.png"
+    (tmp_path / "run.txt").write_text("| table |\n" + json.dumps(result) + "\n")
+    assert module.main(["--replot", str(tmp_path / "run.txt"), "--figure", str(out)]) == 0
+    assert out.stat().st_size > 10_000

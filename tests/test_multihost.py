@@ -119,18 +119,27 @@ def _lines_of(stdout: str, process: int) -> list[str]:
 # schedule depends on --steps), log STEPS steps, and only then lose process 1.
 
 
-def _train_args(mesh, preset_args, metrics, steps=STEPS, constant_lr=False):
+def _train_args(mesh, preset_args, metrics, steps=STEPS, constant_lr=False, extra=()):
     return (
         *TRAIN, "--mesh", mesh, *preset_args, *TINY_ARGS, "--steps", str(steps),
         "--no-progress", "--metrics-out", str(metrics),
-        *(("--lr-schedule", "constant") if constant_lr else ()),
+        *(("--lr-schedule", "constant") if constant_lr else ()), *extra,
     )
 
 
-def _train_job(tmp, name, mesh, preset_args, processes=None, constant_lr=False):
+def _held_out(tmp):
+    """``--eval-data`` flags: 24 windows of TINY_ARGS' 17 tokens, 3 global batches
+    (so the multi-process run keeps them all), every 5 steps."""
+    path = tmp / "held_out.txt"
+    rng = np.random.default_rng(5)
+    path.write_bytes(bytes(rng.integers(32, 127, 24 * 17).astype(np.uint8)))
+    return ("--eval-data", str(path), "--eval-every", "5", "--eval-rows", "24")
+
+
+def _train_job(tmp, name, mesh, preset_args, processes=None, constant_lr=False, extra=()):
     """Trains STEPS steps, in `processes` processes or in one; returns (proc, metrics)."""
     metrics = tmp / f"{name}.jsonl"
-    args = _train_args(mesh, preset_args, metrics, constant_lr=constant_lr)
+    args = _train_args(mesh, preset_args, metrics, constant_lr=constant_lr, extra=extra)
     nodes, local = map(int, mesh.split("x"))
     if processes:
         proc = _launch(processes, *args, options=("--devices-per-process", str(local)))
@@ -195,15 +204,17 @@ def jobs(tmp_path_factory):
     """Starts every expensive run in a thread pool; maps name -> future."""
     tmp = tmp_path_factory.mktemp("multihost")
     zero3 = ("--preset", "zero3")
+    held_out = _held_out(tmp)  # written before the runs start
     work = {  # longest first
         "comm-mp": lambda: _comm_job(processes=2),
         "killed": lambda: _lost_process_job(tmp, "killed", ZEROPP_ARGS, signal.SIGKILL),
         "frozen": lambda: _lost_process_job(tmp, "frozen", zero3, signal.SIGSTOP),
-        "zero3-4x2-mp": lambda: _train_job(tmp, "z3_4x2_mp", "4x2", zero3, processes=4),
+        "zero3-4x2-mp": lambda: _train_job(tmp, "z3_4x2_mp", "4x2", zero3, processes=4,
+                                           extra=held_out),
         "comm-sp": lambda: _comm_job(),
         "zeropp-2x4-sp": lambda: _train_job(tmp, "zpp_2x4_sp", "2x4", ZEROPP_ARGS, constant_lr=True),
         "zero3-2x4-sp": lambda: _train_job(tmp, "z3_2x4_sp", "2x4", zero3, constant_lr=True),
-        "zero3-4x2-sp": lambda: _train_job(tmp, "z3_4x2_sp", "4x2", zero3),
+        "zero3-4x2-sp": lambda: _train_job(tmp, "z3_4x2_sp", "4x2", zero3, extra=held_out),
     }
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=WORKERS)
     futures = {name: pool.submit(fn) for name, fn in work.items()}
@@ -477,6 +488,11 @@ def test_multi_process_losses_match_one_process(jobs, name):
         rtol=LOSS_RTOL[name.split("-")[0]],
     )
     assert [m["compressed"] for m in multi] == [m["compressed"] for m in single]
+    if name == "zero3-4x2":  # --eval-data: each process its share of every held-out batch
+        held = [[m.get("eval_loss") for m in run] for run in (multi, single)]
+        assert [x is not None for x in held[0]] == [s in (4, 9) for s in range(STEPS)]
+        np.testing.assert_allclose(*[[x for x in run if x is not None] for run in held],
+                                   rtol=LOSS_RTOL["zero3"])
     if name.startswith("zeropp"):
         assert [m["compressed"] for m in multi] == [0] * 4 + [1] * (STEPS - 4)
 

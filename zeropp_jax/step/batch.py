@@ -157,9 +157,11 @@ def split_rows(batch: Any, per_step: int) -> list[RowPart]:
     def pad(x):  # the tail's rows, then its last row repeated: per_step rows
         return np.concatenate([x[head:], np.repeat(x[-1:], per_step - tail, axis=0)])
 
-    parts = [RowPart(jax.tree_util.tree_unflatten(treedef, [x[:head] for x in arrays]), head, 0, False)]
-    tail_part = RowPart(jax.tree_util.tree_unflatten(treedef, [pad(x) for x in arrays]), tail, head, True)
-    return (parts if head else []) + [tail_part]
+    def part(rows):
+        return jax.tree_util.tree_unflatten(treedef, rows)
+
+    tail_part = RowPart(part([pad(x) for x in arrays]), tail, head, True)
+    return ([RowPart(part([x[:head] for x in arrays]), head, 0, False)] if head else []) + [tail_part]
 
 
 def _rows_of(x: Any) -> tuple | None:

@@ -3,12 +3,12 @@
 A trainer has up to two compiled steps, the full-precision and the
 compressed variant (:mod:`~zeropp_jax.step.schedule`). Each compiles at its
 first use, so a schedule that starts compressing after a warm-up stops the
-run there for a whole compile (53 s at 48 Hugging Face GPT-2 layers on a
-2-core CPU). :meth:`StepCompiling.precompile` compiles them before they are
-needed, in the background if asked, while the first steps run: the step's
-own ``jax.jit`` then finds them in its cache, and a step whose variant is
-still compiling waits for it (:class:`CompileAhead`) instead of compiling it
-a second time.
+run there for a whole compile (a 32 s step at 48 Hugging Face GPT-2 layers
+on a 2-core CPU: ``benchmarks/compile_stall.py``).
+:meth:`StepCompiling.precompile` compiles them before they are needed, in the
+background if asked, while the first steps run: the step's own ``jax.jit``
+then finds them in its cache, and a step whose variant is still compiling
+waits for it (:class:`CompileAhead`) instead of compiling it a second time.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import threading
-import warnings
 import time
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -155,11 +155,11 @@ class StepCompiling:
         later (warm-up, refresh, gradient-RMS gate: :meth:`QgzSchedule.variants_from
         <zeropp_jax.step.schedule.QgzSchedule.variants_from>`). :meth:`step`
         (and :meth:`lower`) then find them in ``jax.jit``'s cache (each one's
-        first run still pays XLA's one-time set-up of the executable). That reuse is JAX's own dispatch caching (an ahead-of-time
-        compile and a call share the lowered program), checked for the JAX
-        installed by ``tests/test_compiling.py``; with PGLE on
-        (``jax_enable_pgle``) a call compiles its own, so nothing is compiled
-        here, with a warning.
+        first run still pays XLA's one-time set-up of the executable). That
+        reuse is JAX's own dispatch caching (an ahead-of-time compile and a
+        call share the lowered program), checked for the JAX installed by
+        ``tests/test_compiling.py``; with PGLE on (``jax_enable_pgle``) a call
+        compiles its own, so nothing is compiled here, with a warning.
 
         Args:
           state: a :class:`~zeropp_jax.step.state.TrainState` of this trainer

@@ -64,7 +64,8 @@ def evaluate(geo: StepGeometry, loss_fn: Callable[..., jax.Array], params: dict,
 
         outputs = jax.lax.map(one, (split_micro_batches(batch, accum), jnp.arange(accum)))
         if per_row:
-            return {"loss": outputs.losses, **({"aux": outputs.aux} if jax.tree.leaves(outputs.aux) else {})}
+            aux = {"aux": outputs.aux} if jax.tree.leaves(outputs.aux) else {}
+            return {"loss": outputs.losses, **aux}
         return mean_outputs(outputs)
 
     return jax.shard_map(
