@@ -56,6 +56,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import pathlib  # noqa: E402
 import platform  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -218,7 +219,7 @@ def figure(path: str, results: list[dict]) -> None:
             ax.broken_barh(list(zip(r["step_start_at_s"], r["step_s"])), (y - 0.3, 0.45),
                            facecolors=[colors["step"][c] for c in r["compressed"]],
                            edgecolor="white", linewidth=0.3)
-            if r["precompile_call_s"] > 0.5:
+            if r["precompile_call_s"] > 0:
                 ax.broken_barh([(0, r["precompile_call_s"])], (y - 0.3, 0.45),
                                facecolors=colors["precompile"])
             done = r.get("compile_finished_at_s") or {}
@@ -256,7 +257,7 @@ def main(argv=None) -> int:
     if args.replot:
         if not args.figure:
             p.error("--replot needs --figure PNG")
-        figure(args.figure, [json.loads(open(f).read().strip().splitlines()[-1])
+        figure(args.figure, [json.loads(pathlib.Path(f).read_text().strip().splitlines()[-1])
                              for f in args.replot])
         return 0
     if args.steps is None:

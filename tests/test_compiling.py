@@ -137,6 +137,16 @@ def test_queued_compiles_are_cancelled_at_exit(tmp_path):
     assert (tmp_path / "running").exists() and not (tmp_path / "queued").exists()
 
 
+def test_with_pgle_nothing_is_compiled_and_a_warning_says_so():
+    trainer, state, batch = _trainer()
+    jax.config.update("jax_enable_pgle", True)
+    try:
+        with pytest.warns(UserWarning, match="compiles nothing with PGLE on"):
+            assert trainer.precompile(state, batch) == {}
+    finally:
+        jax.config.update("jax_enable_pgle", False)
+
+
 def test_precompile_checks_its_state_and_batch():
     trainer, state, batch = _trainer()
     with pytest.raises(TypeError, match="trainer.precompile takes the TrainState"):

@@ -53,6 +53,25 @@ def test_start_warnings_say_what_is_not_held_out(tmp_path):
         train.main([*TINY, "--eval-data", data, "--metrics-out", data])
 
 
+def test_an_evaluation_that_fails_or_is_not_finite_is_a_problem_said(tmp_path):
+    loaded = held_out.load(_args("--eval-data", _text(tmp_path / "val.txt", 17 * 10)), 256)
+
+    class Evaluates:  # a trainer's evaluate, giving ``value`` or raising it
+        def __init__(self, value):
+            self.value = value
+
+        def evaluate(self, state, rows):
+            if isinstance(self.value, Exception):
+                raise self.value
+            return {"loss": self.value}
+
+    assert held_out.loss_or_problem(Evaluates(2.0), None, loaded) == (2.0, None)
+    _, problem = held_out.loss_or_problem(Evaluates(float("nan")), None, loaded)
+    assert "the held-out loss is nan" in problem
+    _, problem = held_out.loss_or_problem(Evaluates(RuntimeError("RESOURCE_EXHAUSTED")), None, loaded)
+    assert "failed: RuntimeError: RESOURCE_EXHAUSTED" in problem
+
+
 def test_held_out_files_it_cannot_use_are_refused(tmp_path):
     short = _text(tmp_path / "short.txt", 16)
     with pytest.raises(ValueError, match="fewer than one window of --seq-len \\+ 1 = 17"):
@@ -68,7 +87,7 @@ def test_held_out_files_it_cannot_use_are_refused(tmp_path):
         held_out.load(_args("--eval-data", str(tmp_path / "missing.txt")), 256)
 
 
-@pytest.mark.parametrize("flags", [("--eval-every", "5"), ("--eval-rows", "8")])
+@pytest.mark.parametrize("flags", [("--eval-every", "5"), ("--eval-rows", "64")])
 def test_eval_flags_need_eval_data(flags, capsys):
     with pytest.raises(SystemExit):
         train.main([*TINY, *flags])

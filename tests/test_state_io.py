@@ -243,7 +243,7 @@ def test_evaluates_tail_rows_draw_their_own_keys():
     params = {"w": np.ones((8, 8), np.float32)}
     trainer = zp.make_trainer(loss, optax.sgd(0.1), params, mesh=zp.make_mesh(*MESH), rng=3)
     state = trainer.init(params)
-    rows = np.arange(11, dtype=np.float32)[:, None]  # 8 rows a device each, then 3 alone
+    rows = np.arange(11, dtype=np.float32)[:, None]  # 8 rows, one a device, then 3 alone
     draws = [jax.random.uniform(micro_batch_key(trainer.key, state.step, jnp.int32(r)))
              for r in range(11)]
     np.testing.assert_allclose(float(trainer.evaluate(state, rows)["loss"]),

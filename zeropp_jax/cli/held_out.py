@@ -14,8 +14,9 @@ the same. On several processes the rows are cut to a multiple of
 from __future__ import annotations
 
 import argparse
+import math
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -38,18 +39,18 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         help="also measure the held-out loss every N steps (default: only after the last)",
     )
     g.add_argument(
-        "--eval-rows", type=common.positive_int, default=DEFAULT_ROWS, metavar="N",
-        help="held-out windows of seq_len + 1 tokens, from the file's start "
-        "(default: %(default)s, fewer if the file is shorter)",
+        "--eval-rows", type=common.positive_int, default=None, metavar="N",
+        help=f"held-out windows of --seq-len + 1 tokens, from the file's start "
+        f"(default: {DEFAULT_ROWS}, fewer if the file is shorter; on several processes "
+        "a multiple of --batch-size)",
     )
 
 
 def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Usage errors: ``--eval-every`` or ``--eval-rows`` without ``--eval-data``."""
     if args.eval_data is None:
-        for flag, given in (("--eval-every", args.eval_every is not None),
-                            ("--eval-rows", args.eval_rows != DEFAULT_ROWS)):
-            if given:
+        for flag, value in (("--eval-every", args.eval_every), ("--eval-rows", args.eval_rows)):
+            if value is not None:
                 parser.error(f"{flag} needs --eval-data (add --eval-data FILE, or leave {flag} out)")
 
 
@@ -86,7 +87,7 @@ def load(args: argparse.Namespace, vocab: int, process_count: int = 1) -> HeldOu
         return None
     tokens, _ = data.load_tokens(args.eval_data, vocab_size=vocab)
     width = args.seq_len + 1
-    n = min(args.eval_rows, len(tokens) // width)
+    n = min(args.eval_rows or DEFAULT_ROWS, len(tokens) // width)
     if n == 0:
         raise ValueError(f"--eval-data {args.eval_data} holds {len(tokens)} tokens, fewer than "
                          f"one window of --seq-len + 1 = {width}")
@@ -112,8 +113,28 @@ def start_warnings(args: argparse.Namespace, held_out: HeldOut | None, processes
     return said
 
 
-def loss(trainer, state, held_out: HeldOut) -> float:
-    """The mean loss of the held-out rows at ``state`` (every process calls it)."""
+def loss_or_problem(trainer: Any, state: Any, held_out: HeldOut) -> tuple[float | None, str | None]:
+    """``(loss(...), None)``, or ``(None, what went wrong)``: the evaluation
+    raised (out of memory, a compile error) or its loss is not finite."""
+    try:
+        value = loss(trainer, state, held_out)
+    except Exception as e:  # noqa: BLE001 - said, after the run's steps are saved
+        return None, f"the held-out evaluation failed: {type(e).__name__}: {e}"
+    if not math.isfinite(value):
+        return None, (f"the held-out loss is {value}: the model gives non-finite "
+                      "values on the held-out rows")
+    return value, None
+
+
+def loss(trainer: Any, state: Any, held_out: HeldOut) -> float:
+    """The mean loss of the held-out rows at ``state`` (a Python float: each of
+    the ``len(held_out.rows)`` rows weighing the same; every process calls it).
+
+    Args:
+      trainer: the run's :class:`~zeropp_jax.step.trainer.Trainer`.
+      state: its :class:`~zeropp_jax.step.state.TrainState` (not consumed).
+      held_out: from :func:`load`.
+    """
     import jax
 
     total, n = 0.0, len(held_out.rows)

@@ -212,7 +212,13 @@ def run(args: argparse.Namespace) -> int:
                 if evaluation is not None and evaluation.due(done, args.steps):
                     jax.block_until_ready(state)  # the step's time is not the evaluation's
                     eval_start = time.perf_counter()
-                    eval_losses[done] = held_out.loss(trainer, state, evaluation)
+                    eval_losses[done], problem = held_out.loss_or_problem(trainer, state, evaluation)
+                    if problem:  # the trained steps are logged and saved first
+                        record(step, metrics, None)
+                        if ckpt is not None and last_saved != done:
+                            _save(ckpt, done, state, trainer, record_of_run, args.lr)
+                        common.fail(PROG, f"--eval-data {args.eval_data}: after step {done}, "
+                                          f"{problem}{_kept(ckpt)}")
                     eval_seconds += time.perf_counter() - eval_start  # not training time
                     last_time += time.perf_counter() - eval_start
                 pending = (step, metrics, eval_losses.get(done))

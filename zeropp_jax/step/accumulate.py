@@ -219,7 +219,7 @@ def micro_batch_key_at(key: jax.Array, step: jax.Array, batch: Any, accum: int,
                        index: jax.Array, row_offset: Any = 0) -> jax.Array:
     """:func:`micro_batch_key` of micro-batch ``index`` of this device's
     ``batch`` (``(B / D, ...)`` leaves; inside shard_map: reads the device's
-    index), its rows counted from ``row_offset`` (an evaluation's tail)."""
+    index), its rows counted from ``row_offset`` (int32 ``()``: an evaluation's tail)."""
     rows = jax.tree.leaves(batch)[0].shape[0]
     first_row = row_offset + collectives.axes_index(DATA_AXES) * rows + index * (rows // accum)
     return micro_batch_key(key, step, first_row)

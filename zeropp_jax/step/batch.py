@@ -120,8 +120,10 @@ class RowPart(NamedTuple):
     """A part of an evaluation's batch (:func:`split_rows`).
 
     Attributes:
-      batch: the part's rows (a multiple of ``devices x grad_accum``).
-      rows: how many of them count.
+      batch: the part's rows (a multiple of ``devices x grad_accum``, or
+        the batch as given, for :func:`place_batch` to place or refuse).
+      rows: how many of them count (0 for a batch as given: one part, its
+        own mean).
       first_row: the part's first row in the whole batch.
       padded: a tail of fewer rows padded to ``devices x grad_accum`` (one
         row a micro-batch: each row's loss is read alone).

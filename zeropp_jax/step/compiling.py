@@ -3,8 +3,8 @@
 A trainer has up to two compiled steps, the full-precision and the
 compressed variant (:mod:`~zeropp_jax.step.schedule`). Each compiles at its
 first use, so a schedule that starts compressing after a warm-up stops the
-run there for a whole compile (a 32 s step at 48 Hugging Face GPT-2 layers
-on a 2-core CPU: ``benchmarks/compile_stall.py``).
+run there for a whole compile (``benchmarks/compile_stall.py``; measured in
+``benchmarks/RESULTS.md``, stop 57).
 :meth:`StepCompiling.precompile` compiles them before they are needed, in the
 background if asked, while the first steps run: the step's own ``jax.jit``
 then finds them in its cache, and a step whose variant is still compiling
@@ -13,7 +13,6 @@ waits for it (:class:`CompileAhead`) instead of compiling it a second time.
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import threading
 import time
@@ -58,6 +57,7 @@ class CompileAhead:
     def __init__(self):
         self._lock = threading.Lock()
         self._pending: dict[bool, concurrent.futures.Future] = {}
+        self._stop: threading.Event | None = None  # set at exit: queued compiles are cancelled
 
     def start(self, compiles: dict[bool, Callable[[], Any]]) -> dict[bool, concurrent.futures.Future]:
         """Compiles each variant in a worker thread, in ``compiles``' order.
@@ -73,9 +73,11 @@ class CompileAhead:
             self._pending.update({c: future for c, future, _ in queue})
         futures.update({c: future for c, future, _ in queue})
         if queue:
-            stop = threading.Event()
-            _at_exit(stop.set)
-            threading.Thread(target=_compile_all, args=(queue, stop),
+            with self._lock:
+                if self._stop is None:  # one exit hook a trainer, at its first background compile
+                    self._stop = threading.Event()
+                    _at_exit(self._stop.set)
+            threading.Thread(target=_compile_all, args=(queue, self._stop),
                              name="zeropp-precompile").start()
         return {c: futures[c] for c in compiles}
 
@@ -104,12 +106,12 @@ def _compile_all(queue: list, stop: threading.Event) -> None:
 
 
 def _at_exit(hook: Callable[[], None]) -> None:
-    """Runs ``hook`` at interpreter exit before non-daemon threads are joined
-    (``threading._register_atexit``, the standard library's since Python 3.9;
-    ``atexit``, which runs after the join, where a Python has none)."""
-    register = getattr(threading, "_register_atexit", None)
+    """Runs ``hook`` at interpreter exit before non-daemon threads are joined:
+    ``threading._register_atexit``, private to the standard library but there
+    since Python 3.9 (``concurrent.futures`` relies on it; ``atexit`` would run
+    after the join, too late to cancel anything)."""
     try:
-        (register or atexit.register)(hook)
+        threading._register_atexit(hook)
     except RuntimeError:  # registered while the interpreter is shutting down: nothing to stop
         pass
 

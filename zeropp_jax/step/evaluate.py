@@ -23,7 +23,6 @@ from zeropp_jax.step.accumulate import (
 from zeropp_jax.step.geometry import DATA_AXES, StepGeometry
 
 
-
 def evaluate(geo: StepGeometry, loss_fn: Callable[..., jax.Array], params: dict, batch: Any,
              step: jax.Array, first_row: Any = 0, *, key: jax.Array | None,
              per_row: bool = False) -> dict:
@@ -83,6 +82,10 @@ def mean_over_parts(parts: list[tuple[dict, int, bool]]) -> dict:
         (:func:`evaluate`'s), or with ``per_row`` its rows' own values, of which
         the first ``rows`` count (a tail padded by
         :func:`~zeropp_jax.step.batch.split_rows`).
+
+    Returns:
+      The outputs' structure (``{"loss"}``, ``"aux"``), each leaf float32 ``()``:
+      a single part as it is, several weighed by their rows.
     """
     if len(parts) == 1 and not parts[0][2]:
         return parts[0][0]

@@ -72,6 +72,11 @@ class Trainer(StepCompiling):
       key: ``None``, or the PRNG key the loss's keys derive from: then
         ``loss_fn(params, batch, key)`` gets a key of its own per step,
         micro-batch and device (:func:`~zeropp_jax.step.accumulate.micro_batch_key`).
+
+    Besides its compiled programs (``jax.jit``'s caches), a trainer keeps the
+    step number of the last state it returned (``HostSteps``) and the compiles
+    :meth:`precompile` started in the background (``CompileAhead``), which
+    :meth:`step` and :meth:`lower` wait for.
     """
 
     loss_fn: Callable[..., jax.Array]
@@ -211,7 +216,7 @@ class Trainer(StepCompiling):
         ``devices x grad_accum`` run one to a micro-batch in a second program
         (:func:`~zeropp_jax.step.batch.split_rows`), each row weighing as one
         of the rest (each row's mean, for a loss that is a mean over rows;
-        with a key, each row its own row's key).
+        with a key, each tail row the key of a micro-batch starting at it).
         """
         check_state(state, self._state_form, "evaluate")
         parts = split_rows(batch, self.n_devices * self.config.grad_accum)
