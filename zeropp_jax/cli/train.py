@@ -215,12 +215,13 @@ def run(args: argparse.Namespace) -> int:
                     eval_losses[done], problem = held_out.loss_or_problem(trainer, state, evaluation)
                     if problem:  # the trained steps are logged and saved first
                         record(step, metrics, None)
-                        if ckpt is not None and last_saved != done:
+                        if ckpt is not None:
                             _save(ckpt, done, state, trainer, record_of_run, args.lr)
                         common.fail(PROG, f"--eval-data {args.eval_data}: after step {done}, "
                                           f"{problem}{_kept(ckpt)}")
-                    eval_seconds += time.perf_counter() - eval_start  # not training time
-                    last_time += time.perf_counter() - eval_start
+                    spent = time.perf_counter() - eval_start  # not training time
+                    eval_seconds += spent
+                    last_time += spent
                 pending = (step, metrics, eval_losses.get(done))
                 periodic = args.save_every and done % args.save_every == 0
                 if ckpt is not None and (periodic or done == args.steps):

@@ -38,7 +38,6 @@ from zeropp_jax.layout import ParamLayout
 from zeropp_jax.tree_paths import join_units, split_units
 
 
-
 class _Scoped:
     """``jax.make_user_context``'s interface over a ``ContextVar``, for a JAX
     without it (where a jitted function traced in one view may be reused in

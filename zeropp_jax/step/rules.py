@@ -231,8 +231,7 @@ def _check_on_units(units: dict, moves: np.ndarray | None | Exception,
         raise ValueError(
             "the optimizer fails on the trainer's units: the trainer runs it on a dict of "
             f"flat float32 units ({sorted(units)}), not on the model's tree, and a stand-in "
-            f"step there raised {type(e).__name__}: {e}. "
-            + "A mask or labels given as a pytree "
+            f"step there raised {type(e).__name__}: {e}. A mask or labels given as a pytree "
             "of the parameters cannot apply to the units: use zeropp_jax.masked, "
             "zeropp_jax.multi_transform or zeropp_jax.adamw (they choose per leaf inside the "
             "trainer), or one setting for every leaf, or train without the trainer") from e
