@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import optax
 import pytest
 
 import zeropp_jax as zp
+from zeropp_jax.step.compiling import CompileAhead
 from zeropp_jax.step.schedule import QgzSchedule
 
 from _util import mesh_of
@@ -113,6 +115,57 @@ def test_lower_waits_for_a_variant_the_worker_compiles():
         trainer.lower(state, batch, compress=True).compile()
         trainer.compile_from_shapes(jax.eval_shape(lambda: _mlp()[0]), batch, compress=False)
     assert compiled and all(name.startswith("zeropp-precompile") for name in compiled), compiled
+
+
+@contextlib.contextmanager
+def _compile_spans():
+    """``(thread name, start, end)`` of each XLA compile, or load from the
+    persistent cache, in the block (``perf_counter`` seconds)."""
+    spans = []
+
+    def listen(event, seconds, **kwargs):
+        if event in COMPILING[1:]:
+            end = time.perf_counter()
+            spans.append((threading.current_thread().name, end - seconds, end))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield spans
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_the_trainers_compiles_beside_a_background_precompile_wait_their_turn():
+    """XLA compiles one program at a time: ``evaluate``, ``gather_params``,
+    ``init`` and a step whose variant the worker does not compile wait until
+    it is idle (a load from the persistent cache beside the worker's compile
+    once crashed XLA:CPU); steps of the worker's variants run meanwhile."""
+    trainer, state, batch = _trainer()
+    params = _mlp()[0]
+    with _compile_spans() as spans:
+        futures = trainer.precompile(state, batch, background=True)
+        trainer.evaluate(state, batch)
+        assert all(f.done() for f in futures.values())  # evaluate waited for the worker
+        trainer.gather_params(state)
+        trainer.init(params)
+        _run(trainer, state, batch, 3)
+    worker = [s for s in spans if s[0].startswith("zeropp-precompile")]
+    caller = [s for s in spans if not s[0].startswith("zeropp-precompile")]
+    assert worker and caller
+    overlaps = [(w, c) for w in worker for c in caller if c[1] < w[2] and w[1] < c[2]]
+    assert not overlaps, overlaps
+
+    ahead = CompileAhead()  # a variant the worker did not compile waits for the worker too
+    released = threading.Event()
+    futures = ahead.start({True: lambda: released.wait(5.0)})
+    waiter = threading.Thread(target=ahead.wait, args=(False,))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and not futures[True].done()
+    released.set()
+    waiter.join(5.0)
+    assert not waiter.is_alive() and futures[True].done()
+    ahead.wait(True)  # the worker's own variant: at once, done
 
 
 def test_queued_compiles_are_cancelled_at_exit(tmp_path):

@@ -221,16 +221,16 @@ def test_discovery_finds_outermost_blocks_and_restores_the_classes():
     assert float(wrapped(params, BATCH, key)) == float(loss_fn(params, BATCH, key))
 
 
-def test_a_background_precompile_beside_an_evaluate_restores_the_classes():
-    """Two traces of NNX-wrapped blocks on two threads at once (the worker's
-    precompile and the caller's evaluate) take turns, so the classes come back
-    as they were, and both results stand."""
+def test_an_evaluate_beside_a_background_precompile_waits_and_restores_the_classes():
+    """An evaluate called while the worker traces and compiles the NNX-wrapped
+    steps waits for it (one compile at a time: ``CompileAhead.wait``); the
+    classes come back as they were, and both results stand."""
     block_call = Block.__call__
     trainer, params, _ = nnx_trainer(wrap=(Block,), example_batch=BATCH)
     state = trainer.init(params)
     futures = trainer.precompile(state, BATCH, background=True)
-    evaluated = trainer.evaluate(state, BATCH)  # traced while the worker traces
-    assert all(f.result() > 0 for f in futures.values())
+    evaluated = trainer.evaluate(state, BATCH)
+    assert all(f.done() and f.result() > 0 for f in futures.values())
     assert Block.__call__ is block_call and "__call__" in Block.__dict__
     _, metrics = trainer.step(state, BATCH)
     assert float(metrics["loss"]) == pytest.approx(float(evaluated["loss"]), rel=1e-6)

@@ -8,7 +8,8 @@ run there for a whole compile (``benchmarks/compile_stall.py``; measured in
 :meth:`StepCompiling.precompile` compiles them before they are needed, in the
 background if asked, while the first steps run: the step's own ``jax.jit``
 then finds them in its cache, and a step whose variant is still compiling
-waits for it (:class:`CompileAhead`) instead of compiling it a second time.
+waits for it (:class:`CompileAhead`) instead of compiling it a second time;
+whatever else the trainer compiles waits until the worker is idle.
 """
 
 from __future__ import annotations
@@ -43,10 +44,16 @@ class CompileAhead:
     """The step variants compiling in the background, one trainer's.
 
     :meth:`start` hands the compiles to one worker thread, in order;
-    :meth:`wait` (called by each step, and by ``lower``, before it uses a
-    variant) blocks until that variant's compile is done, so it is found in
-    ``jax.jit``'s cache. A compile that failed is not raised here: the caller
-    compiles the variant itself and raises its error where it happens.
+    :meth:`wait` (called by each step, and by every trainer method that may
+    compile on the caller's thread) keeps XLA to one compile at a time: a
+    step whose variant the worker compiled runs at once from ``jax.jit``'s
+    cache (waiting for it if it is still compiling), and anything else waits
+    until the worker is idle. Two threads compiling at once crashed the test
+    suite once (a segmentation fault in XLA:CPU's ``deserialize_executable``,
+    the caller loading a program from the persistent compilation cache while
+    the worker compiled; jax 0.10.2, ``benchmarks/RESULTS.md``, stop 58).
+    A compile that failed is not raised here: the caller compiles the
+    variant itself and raises its error where it happens.
 
     The worker is not a daemon (a compile cut off at exit can crash the
     interpreter): a program that ends while it compiles waits for the compile
@@ -56,6 +63,7 @@ class CompileAhead:
 
     def __init__(self):
         self._lock = threading.Lock()
+        self._one_worker = threading.Lock()  # held by the worker running: one at a time
         self._pending: dict[bool, concurrent.futures.Future] = {}
         self._stop: threading.Event | None = None  # set at exit: queued compiles are cancelled
 
@@ -67,7 +75,8 @@ class CompileAhead:
         keeps its future and is not compiled twice.
         """
         with self._lock:
-            futures = {c: f for c, f in self._pending.items() if c in compiles and not f.done()}
+            futures = {c: f for c, f in self._pending.items()
+                       if c in compiles and (not f.done() or _succeeded(f))}
             queue = [(c, concurrent.futures.Future(), job) for c, job in compiles.items()
                      if c not in futures]
             self._pending.update({c: future for c, future, _ in queue})
@@ -77,32 +86,52 @@ class CompileAhead:
                 if self._stop is None:  # one exit hook a trainer, at its first background compile
                     self._stop = threading.Event()
                     _at_exit(self._stop.set)
-            threading.Thread(target=_compile_all, args=(queue, self._stop),
+            threading.Thread(target=_compile_all, args=(queue, self._stop, self._one_worker),
                              name="zeropp-precompile").start()
         return {c: futures[c] for c in compiles}
 
-    def wait(self, compress: bool) -> None:
-        """Returns once the background compile of this variant (if any) has ended."""
+    def wait(self, compress: bool | None = None) -> None:
+        """Returns once the caller may go on without compiling beside the worker.
+
+        ``compress``: the step variant about to run. One the worker compiled
+        (or is compiling: waited for) runs from jit's cache, so the worker
+        may go on compiling the others. ``None`` (the caller compiles
+        something else), or a variant the worker did not compile: waits until
+        the worker is idle. At once on the worker's own thread.
+        """
+        if getattr(_WORKER, "active", False):
+            return
         with self._lock:
             future = self._pending.get(compress)
-        if future is None:
-            return
-        concurrent.futures.wait([future])
+        if future is not None:
+            concurrent.futures.wait([future])
+            if _succeeded(future):
+                return
         with self._lock:
-            if self._pending.get(compress) is future:
-                del self._pending[compress]
+            running = [f for f in self._pending.values() if not f.done()]
+        concurrent.futures.wait(running)
 
 
-def _compile_all(queue: list, stop: threading.Event) -> None:
-    """The worker: each ``(compress, future, compile)`` in turn, until ``stop`` is set."""
-    for _, future, compile_one in queue:
-        if stop.is_set() or not future.set_running_or_notify_cancel():
-            future.cancel()
-            continue
-        try:
-            future.set_result(_seconds(compile_one))
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
-            future.set_exception(e)
+_WORKER = threading.local()  # .active: True on a worker thread
+
+
+def _succeeded(future: concurrent.futures.Future) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
+
+
+def _compile_all(queue: list, stop: threading.Event, one_worker: threading.Lock) -> None:
+    """The worker: each ``(compress, future, compile)`` in turn, until ``stop`` is set
+    (after any earlier worker of the same trainer: ``one_worker``)."""
+    _WORKER.active = True
+    with one_worker:
+        for _, future, compile_one in queue:
+            if stop.is_set() or not future.set_running_or_notify_cancel():
+                future.cancel()
+                continue
+            try:
+                future.set_result(_seconds(compile_one))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on it
+                future.set_exception(e)
 
 
 def _at_exit(hook: Callable[[], None]) -> None:
@@ -169,7 +198,9 @@ class StepCompiling:
           batch: a global batch of the shapes the steps will take (as
             :meth:`shard_batch`'s; placed once, its values unused).
           background: compile in a worker thread and return at once. A step
-            whose variant is still compiling waits for that compile. The worker
+            whose variant is still compiling waits for that compile; the
+            trainer's methods that compile something else wait until the
+            worker is idle (:meth:`CompileAhead.wait`). The worker
             traces under JAX's global configuration: a step run under a
             thread-local context (``jax.default_matmul_precision``, ...)
             compiles its own variant. At exit the program waits for the

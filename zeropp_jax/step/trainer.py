@@ -75,8 +75,8 @@ class Trainer(StepCompiling):
 
     Besides its compiled programs (``jax.jit``'s caches), a trainer keeps the
     step number of the last state it returned (``HostSteps``) and the compiles
-    :meth:`precompile` started in the background (``CompileAhead``), which
-    :meth:`step` and :meth:`lower` wait for.
+    :meth:`precompile` started in the background (``CompileAhead``): a
+    method that may compile waits for them first (one compile at a time).
     """
 
     loss_fn: Callable[..., jax.Array]
@@ -117,6 +117,7 @@ class Trainer(StepCompiling):
         an ``optax.adam`` one), cut into shards (``rule.carried_over``;
         ``ValueError`` for another form), and ``step``, the steps taken."""
         step = steps_taken(step)
+        self._ahead.wait()
         state = self._start(state_io.scatter_tree(self.geometry, params), step)
         return state._replace(opt_state=self.rule.carried_over(
             self.geometry, opt_state, params, state.opt_state, step))
@@ -134,6 +135,7 @@ class Trainer(StepCompiling):
         for, e.g. ``lambda key: model.init(key, x)["params"]``; ``progress``
         shows a bar over the units (a compile a stacked unit or small group).
         """
+        self._ahead.wait()
         return self._start(state_io.shard_init(self.geometry, init_fn, args, progress=progress))
 
     def _start(self, flat: dict, step: int = 0) -> TrainState:
@@ -219,6 +221,7 @@ class Trainer(StepCompiling):
         with a key, each tail row the key of a micro-batch starting at it).
         """
         check_state(state, self._state_form, "evaluate")
+        self._ahead.wait()
         parts = split_rows(batch, self.n_devices * self.config.grad_accum)
         with jax.set_mesh(self.mesh):
             return mean_over_parts([(self._evaluate[p.padded](
@@ -272,6 +275,7 @@ class Trainer(StepCompiling):
         if isinstance(state_or_params, TrainState):
             check_state(state_or_params, self._state_form, "gather_params", placed=False)
             state_or_params = state_or_params.params
+        self._ahead.wait()
         return state_io.gather_tree(self.geometry, state_or_params, dtype)
 
     def memory_per_device(self) -> dict:
