@@ -136,18 +136,16 @@ def _compile_spans():
 
 
 def test_the_trainers_compiles_beside_a_background_precompile_wait_their_turn():
-    """XLA compiles one program at a time: ``evaluate``, ``gather_params``,
-    ``init`` and a step whose variant the worker does not compile wait until
-    it is idle (a load from the persistent cache beside the worker's compile
-    once crashed XLA:CPU); steps of the worker's variants run meanwhile."""
+    """The trainer keeps its own compiles to one at a time beside its worker
+    (a load from the persistent cache beside the worker's compile once
+    crashed XLA:CPU): an ``evaluate`` right after a background precompile
+    compiles only once the worker is idle; steps of the worker's variants run
+    meanwhile."""
     trainer, state, batch = _trainer()
-    params = _mlp()[0]
     with _compile_spans() as spans:
         futures = trainer.precompile(state, batch, background=True)
         trainer.evaluate(state, batch)
         assert all(f.done() for f in futures.values())  # evaluate waited for the worker
-        trainer.gather_params(state)
-        trainer.init(params)
         _run(trainer, state, batch, 3)
     worker = [s for s in spans if s[0].startswith("zeropp-precompile")]
     caller = [s for s in spans if not s[0].startswith("zeropp-precompile")]
@@ -155,15 +153,38 @@ def test_the_trainers_compiles_beside_a_background_precompile_wait_their_turn():
     overlaps = [(w, c) for w in worker for c in caller if c[1] < w[2] and w[1] < c[2]]
     assert not overlaps, overlaps
 
-    ahead = CompileAhead()  # a variant the worker did not compile waits for the worker too
+
+@pytest.mark.parametrize("call", [
+    lambda trainer, state, batch, params: trainer.gather_params(state),
+    lambda trainer, state, batch, params: trainer.init(params),
+    lambda trainer, state, batch, params: trainer.init_from(lambda: params),
+    lambda trainer, state, batch, params: trainer.precompile(state, batch),
+    lambda trainer, state, batch, params: trainer.step(state, batch, compress=False),
+    lambda trainer, state, batch, params: trainer.wait_for_precompile(),
+], ids=["gather_params", "init", "init_from", "precompile", "step_of_another_variant", "wait"])
+def test_each_trainer_call_that_compiles_waits_for_the_worker(call):
+    """Each returns only after the background compiles (here of the
+    compressed step alone: no warm-up) have ended."""
+    params, batch, loss = _mlp()
+    trainer = zp.make_trainer(loss, optax.adam(0.02), params, mesh=mesh_of(2, 4),
+                              config=zp.ZeroConfig(qgz="1bit"))
+    state = trainer.init(params)
+    futures = trainer.precompile(state, batch, background=True)
+    assert list(futures) == [True]
+    call(trainer, state, batch, params)
+    assert all(f.done() for f in futures.values())
+
+
+def test_a_variant_the_worker_does_not_compile_waits_until_it_is_idle():
+    ahead = CompileAhead()
     released = threading.Event()
-    futures = ahead.start({True: lambda: released.wait(5.0)})
+    futures = ahead.start({True: lambda: released.wait(60.0)})
     waiter = threading.Thread(target=ahead.wait, args=(False,))
     waiter.start()
     waiter.join(0.3)
     assert waiter.is_alive() and not futures[True].done()
     released.set()
-    waiter.join(5.0)
+    waiter.join(60.0)
     assert not waiter.is_alive() and futures[True].done()
     ahead.wait(True)  # the worker's own variant: at once, done
 

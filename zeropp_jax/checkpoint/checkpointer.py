@@ -231,6 +231,7 @@ class Checkpointer:
             )
         meta = describe_checkpoint(trainer, step, extra_metadata, state.opt_state.inner)
         stored = keys.to_data(state)  # a typed PRNG key (optax.add_noise) as its uint32 data
+        trainer.wait_for_precompile()  # the checksums compile: not beside the worker
         with jax.set_mesh(trainer.mesh):  # whatever mesh the caller has set
             meta["checksums"] = checksum.checksums_of_finite(
                 {storage.PARAMS: stored.params, storage.OPT: stored.opt_state}, f"step {step}")

@@ -45,10 +45,13 @@ class CompileAhead:
 
     :meth:`start` hands the compiles to one worker thread, in order;
     :meth:`wait` (called by each step, and by every trainer method that may
-    compile on the caller's thread) keeps XLA to one compile at a time: a
-    step whose variant the worker compiled runs at once from ``jax.jit``'s
-    cache (waiting for it if it is still compiling), and anything else waits
-    until the worker is idle. Two threads compiling at once crashed the test
+    compile on the caller's thread) keeps the trainer's own compiles to one
+    at a time beside its worker: a step whose variant the worker compiled
+    runs at once from ``jax.jit``'s cache (waiting for it if it is still
+    compiling), and anything else waits until the worker is idle. Only the
+    trainer's calls wait: another trainer's, or a program's own ``jax.jit``,
+    do not (``Trainer.wait_for_precompile`` before them). Two threads
+    compiling at once crashed the test
     suite once (a segmentation fault in XLA:CPU's ``deserialize_executable``,
     the caller loading a program from the persistent compilation cache while
     the worker compiled; jax 0.10.2, ``benchmarks/RESULTS.md``, stop 58).
@@ -75,8 +78,7 @@ class CompileAhead:
         keeps its future and is not compiled twice.
         """
         with self._lock:
-            futures = {c: f for c, f in self._pending.items()
-                       if c in compiles and (not f.done() or _succeeded(f))}
+            futures = {c: f for c, f in self._pending.items() if c in compiles and not f.done()}
             queue = [(c, concurrent.futures.Future(), job) for c, job in compiles.items()
                      if c not in futures]
             self._pending.update({c: future for c, future, _ in queue})
@@ -86,8 +88,13 @@ class CompileAhead:
                 if self._stop is None:  # one exit hook a trainer, at its first background compile
                     self._stop = threading.Event()
                     _at_exit(self._stop.set)
-            threading.Thread(target=_compile_all, args=(queue, self._stop, self._one_worker),
-                             name="zeropp-precompile").start()
+            try:
+                threading.Thread(target=_compile_all, args=(queue, self._stop, self._one_worker),
+                                 name="zeropp-precompile").start()
+            except BaseException:  # no thread to be had: nothing may wait on these forever
+                for _, future, _ in queue:
+                    future.cancel()
+                raise
         return {c: futures[c] for c in compiles}
 
     def wait(self, compress: bool | None = None) -> None:
@@ -95,7 +102,8 @@ class CompileAhead:
 
         ``compress``: the step variant about to run. One the worker compiled
         (or is compiling: waited for) runs from jit's cache, so the worker
-        may go on compiling the others. ``None`` (the caller compiles
+        may go on compiling the others (a step of other shapes than the
+        precompiled one compiles its own here, beside the worker). ``None`` (the caller compiles
         something else), or a variant the worker did not compile: waits until
         the worker is idle. At once on the worker's own thread.
         """
@@ -178,6 +186,12 @@ class StepCompiling:
         return self.lower(self.abstract_state(params_shapes), state_io.unsharded(batch),
                           compress=compress).compile()
 
+    def wait_for_precompile(self) -> None:
+        """Returns once :meth:`precompile`'s background compiles have ended:
+        call it before compiling something else beside them (the trainer's
+        own methods do; :class:`CompileAhead`)."""
+        self._ahead.wait()
+
     def precompile(self, state: Any, batch: Any, *, background: bool = False) -> dict:
         """Compiles every step variant ``state``'s schedule can still take, before its first use.
 
@@ -225,4 +239,5 @@ class StepCompiling:
                     for compress in variants}
         if background:
             return self._ahead.start(compiles)
+        self._ahead.wait()
         return {compress: _seconds(compile_one) for compress, compile_one in compiles.items()}
