@@ -51,10 +51,10 @@ class CompileAhead:
     compiling), and anything else waits until the worker is idle. Only the
     trainer's calls wait: another trainer's, or a program's own ``jax.jit``,
     do not (``Trainer.wait_for_precompile`` before them). Two threads
-    compiling at once crashed the test
-    suite once (a segmentation fault in XLA:CPU's ``deserialize_executable``,
-    the caller loading a program from the persistent compilation cache while
-    the worker compiled; jax 0.10.2, ``benchmarks/RESULTS.md``, stop 58).
+    compiling at once crashed the test suite once (a segmentation fault in
+    XLA:CPU's ``deserialize_executable``, the caller loading a program from
+    the persistent compilation cache while the worker compiled; jax 0.10.2,
+    ``benchmarks/RESULTS.md``, stop 58).
     A compile that failed is not raised here: the caller compiles the
     variant itself and raises its error where it happens.
 
@@ -103,9 +103,10 @@ class CompileAhead:
         ``compress``: the step variant about to run. One the worker compiled
         (or is compiling: waited for) runs from jit's cache, so the worker
         may go on compiling the others (a step of other shapes than the
-        precompiled one compiles its own here, beside the worker). ``None`` (the caller compiles
-        something else), or a variant the worker did not compile: waits until
-        the worker is idle. At once on the worker's own thread.
+        precompiled ones compiles its own, beside the worker). ``None`` (the
+        caller compiles something else), or a variant the worker did not
+        compile: waits until the worker is idle. At once on the worker's own
+        thread.
         """
         if getattr(_WORKER, "active", False):
             return
