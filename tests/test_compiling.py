@@ -47,17 +47,19 @@ def _trainer(warmup=2, **config):
 
 
 @contextlib.contextmanager
-def _compiles():
-    """The names of the threads that lowered or compiled a program in the block, one an event."""
-    threads = []
+def _compiles(events=COMPILING):
+    """``(thread name, start, end)`` of each of ``events`` in the block (a
+    program lowered, compiled or loaded; ``perf_counter`` seconds)."""
+    spans = []
 
     def listen(event, seconds, **kwargs):
-        if event in COMPILING:
-            threads.append(threading.current_thread().name)
+        if event in events:
+            end = time.perf_counter()
+            spans.append((threading.current_thread().name, end - seconds, end))
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
-        yield threads
+        yield spans
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
 
@@ -101,7 +103,7 @@ def test_background_precompile_compiles_in_a_worker_the_step_waits_for():
         assert _run(trainer, state, batch, 4) == expected
         seconds = {compress: future.result() for compress, future in futures.items()}
     assert all(s > 0 for s in seconds.values())
-    assert compiled and all(name.startswith("zeropp-precompile") for name in compiled), compiled
+    assert compiled and all(name.startswith("zeropp-precompile") for name, *_ in compiled), compiled
 
 
 def test_lower_waits_for_a_variant_the_worker_compiles():
@@ -114,25 +116,7 @@ def test_lower_waits_for_a_variant_the_worker_compiles():
         assert trainer.precompile(state, batch, background=True) == futures
         trainer.lower(state, batch, compress=True).compile()
         trainer.compile_from_shapes(jax.eval_shape(lambda: _mlp()[0]), batch, compress=False)
-    assert compiled and all(name.startswith("zeropp-precompile") for name in compiled), compiled
-
-
-@contextlib.contextmanager
-def _compile_spans():
-    """``(thread name, start, end)`` of each XLA compile, or load from the
-    persistent cache, in the block (``perf_counter`` seconds)."""
-    spans = []
-
-    def listen(event, seconds, **kwargs):
-        if event in COMPILING[1:]:
-            end = time.perf_counter()
-            spans.append((threading.current_thread().name, end - seconds, end))
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield spans
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiled and all(name.startswith("zeropp-precompile") for name, *_ in compiled), compiled
 
 
 def test_the_trainers_compiles_beside_a_background_precompile_wait_their_turn():
@@ -142,7 +126,7 @@ def test_the_trainers_compiles_beside_a_background_precompile_wait_their_turn():
     compiles only once the worker is idle; steps of the worker's variants run
     meanwhile."""
     trainer, state, batch = _trainer()
-    with _compile_spans() as spans:
+    with _compiles(COMPILING[1:]) as spans:  # XLA's compiles and loads, not lowering
         futures = trainer.precompile(state, batch, background=True)
         trainer.evaluate(state, batch)
         assert all(f.done() for f in futures.values())  # evaluate waited for the worker
