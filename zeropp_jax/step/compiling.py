@@ -113,7 +113,8 @@ class CompileAhead:
         with self._lock:
             future = self._pending.get(compress)
         if future is not None:
-            concurrent.futures.wait([future])
+            if not future.done():  # a step's wait once its variant is compiled: no waiting
+                concurrent.futures.wait([future])
             if _succeeded(future):
                 return
         with self._lock:
